@@ -1,0 +1,26 @@
+"""hf_paged: a paged KV cache with an LRU block manager for Hugging Face transformers.
+
+``import hf_paged`` registers the "hf_paged" attention and mask functions, so that
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_paged")
+    model.generate(**inputs, past_key_values=hf_paged.PagedCache(page_size=16))
+
+reads keys and values from pages in place.
+"""
+
+from .attention import paged_attention_forward, register
+from .block_manager import BlockManager
+from .cache import ATTN_IMPLEMENTATION, PagedCache
+from .errors import CacheUsageError, PagePoolExhausted
+
+register()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "BlockManager",
+    "CacheUsageError",
+    "PagePoolExhausted",
+    "PagedCache",
+    "paged_attention_forward",
+]
+__version__ = "0.1.0"

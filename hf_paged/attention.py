@@ -1,0 +1,118 @@
+"""The "hf_paged" attention function and its mask function, registered with transformers.
+
+``paged_attention_forward`` reads a paged layer's pages in place when it receives `PagedKV`
+handles, and computes ordinary attention on plain tensors (no cache, `DynamicCache`), so a model
+loaded with ``attn_implementation="hf_paged"`` works with any cache.
+
+The mask is transformers' own boolean SDPA mask (padding, causal, sliding window), sized by the
+cache's ``get_mask_sizes``; it is registered too, since without it a left-padded batch would
+silently lose its padding mask. Its last column is always the newest token, which is how the
+paged path aligns it with the tokens a row still holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+from .cache import ATTN_IMPLEMENTATION
+from .paged_kv import PagedKV
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool = False,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [B, Hq, Q, D]`` over ``key/value [B, Hkv, T, D]`` (any strides).
+
+    GQA reads each K/V head once (no repeat). ``mask`` is boolean (True = attend) or additive,
+    broadcastable to ``[B, Hq, Q, T]``. Returns ``[B, Q, Hq, Dv]``.
+    """
+    if softcap is None and s_aux is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
+            enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2)
+    B, Hq, Q, D = query.shape
+    Hkv, T = key.shape[1], key.shape[2]
+    groups = Hq // Hkv
+    q = query.reshape(B, Hkv, groups * Q, D)  # heads of a KV group stacked along the query axis
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.view(B, Hkv, groups, Q, T)
+    if is_causal and mask is None:
+        mask = torch.ones(Q, T, dtype=torch.bool, device=query.device).tril(T - Q)
+    if mask is not None:
+        if mask.dim() == 4:  # [B, 1 or Hq, Q, T] -> broadcastable to [B, Hkv, groups, Q, T]
+            heads = (1, 1) if mask.shape[1] == 1 else (Hkv, groups)
+            mask = mask.reshape(mask.shape[0], *heads, *mask.shape[-2:])
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    if s_aux is not None:
+        sinks = s_aux.float().view(1, Hkv, groups, 1, 1).expand(B, -1, -1, Q, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # a fully masked query row attends to nothing
+    out = torch.matmul(probs.to(value.dtype).view(B, Hkv, groups * Q, T), value)
+    return out.view(B, Hq, Q, -1).transpose(1, 2)
+
+
+def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
+    """Read the rows of ``key.layer`` in place and attend; the mask is aligned on its last column."""
+    layer = key.layer
+    keys, values = layer.read()
+    kv_len = keys.shape[1]
+    if attention_mask is not None and attention_mask.shape[-1] != kv_len:
+        attention_mask = attention_mask[..., -kv_len:]
+    is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    return attend(query, keys.transpose(1, 2), values.transpose(1, 2), attention_mask, scaling,
+                  is_causal=is_causal, softcap=softcap, s_aux=s_aux)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: returns ``(attn_output [B, Q, H, D], None)``."""
+    if dropout and module.training:
+        raise NotImplementedError("hf_paged attention is for inference: dropout is not supported.")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if isinstance(key, PagedKV):
+        return _paged_attention(module, query, key, attention_mask, scaling, softcap, s_aux), None
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = attention_mask[..., -key.shape[-2]:]
+    is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    return attend(query, key, value, attention_mask, scaling, is_causal=is_causal, softcap=softcap,
+                  s_aux=s_aux), None
+
+
+def paged_attention_mask(*args, **kwargs):
+    """transformers' boolean SDPA mask (None when a plain causal / full pattern suffices)."""
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register ``"hf_paged"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)

@@ -1,0 +1,174 @@
+"""`PagedCache`: a transformers `Cache` whose layers keep K/V in pages under a `BlockManager`."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .block_manager import BlockManager
+from .cache_layer import PagedLayer
+from .errors import CacheUsageError
+from .page_group import PageGroup
+
+ATTN_IMPLEMENTATION = "hf_paged"
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
+        raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: its sliding window, or None for a layer that keeps every token."""
+    text_config = config.get_text_config(decoder=True)
+    num_layers = text_config.num_hidden_layers
+    layer_types = getattr(text_config, "layer_types", None)
+    window = getattr(text_config, "sliding_window", None)
+    if layer_types is None:
+        return [window] * num_layers
+    unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention",
+                                                               "chunked_attention")})
+    if unsupported:
+        raise CacheUsageError(
+            f"PagedCache supports attention layers only; this model has layer types {unsupported}. "
+            "Use transformers' DynamicCache for it."
+        )
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+class PagedCache(Cache):
+    """A paged KV cache for ``model.generate`` (``past_key_values=`` or ``cache=``).
+
+    Args:
+        page_size: tokens per page, any positive int.
+        max_pages: pages per layer group; None lets the pool grow (amortised doubling).
+        config: the model config; builds sliding-window layers up front (their pages are freed
+            as they leave the window) and checks the attention implementation.
+
+    ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
+    """
+
+    def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None):
+        _check_positive_int("page_size", page_size)
+        _check_positive_int("max_pages", max_pages, allow_none=True)
+        super().__init__(layers=[])
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.groups: dict[int | None, PageGroup] = {}
+        self.config = None
+        if config is not None:
+            self.bind_config(config)
+
+    # ------------------------------------------------------------- structure
+    def bind_config(self, config) -> None:
+        """Create one layer per decoder layer, grouped by sliding window."""
+        if self.layers and self.get_seq_length() > 0:
+            raise CacheUsageError("bind_config() needs an empty cache: call reset() first.")
+        self.config = config
+        self.layers = [PagedLayer(self._group(w), i) for i, w in enumerate(layer_windows(config))]
+        attn = getattr(config, "_attn_implementation", None)
+        if attn not in (None, ATTN_IMPLEMENTATION):
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "PagedCache is used with attn_implementation=%r: every step gathers the pages for it "
+                "(correct but slower). Load the model with attn_implementation='hf_paged'.", attn)
+
+    def _group(self, sliding_window: int | None) -> PageGroup:
+        group = self.groups.get(sliding_window)
+        if group is None:
+            manager = BlockManager(self.page_size, self.max_pages)
+            group = self.groups[sliding_window] = PageGroup(manager, sliding_window)
+        return group
+
+    def _layer(self, layer_idx: int) -> PagedLayer:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(PagedLayer(self._group(None), len(self.layers)))
+        return self.layers[layer_idx]
+
+    # ----------------------------------------------------------------- steps
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self._layer(layer_idx)
+        group = layer.group
+        started = layer.seen == group.num_tokens
+        try:
+            return layer.update(key_states, value_states, *args, **kwargs)
+        except Exception:
+            if not started:  # a later layer failed mid-step: undo the whole step for the group
+                group.abort_step()
+            raise
+
+    def _commit(self) -> None:
+        for group in self.groups.values():
+            group._finish_or_rollback()
+
+    # ------------------------------------------------------- row operations
+    def _remap_rows(self, rows_for) -> None:
+        """Replace every group's rows by ``rows_for(old_rows)``, sharing pages (no K/V copy)."""
+        self._commit()
+        for group in self.groups.values():
+            old = group.rows
+            new = [list(r) for r in rows_for(old)]
+            for r in new:
+                for p in r:
+                    group.manager.share(p)
+            for r in old:
+                group.manager.release_row(r)
+            group.rows = new
+            group.step = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row b becomes old row ``beam_idx[b]``; pages are shared, copied on write."""
+        order = beam_idx.tolist()
+        self._remap_rows(lambda rows: [rows[i] for i in order])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._remap_rows(lambda rows: [r for r in rows for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        order = torch.as_tensor(indices).reshape(-1).tolist()
+        self._remap_rows(lambda rows: [rows[i] for i in order])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative int)."""
+        if tokens_to_remove > 0:
+            raise CacheUsageError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache.")
+        self._commit()
+        for group in self.groups.values():
+            group.crop(-tokens_to_remove)
+        for layer in self.layers:
+            layer.seen = layer.group.num_tokens
+
+    def reset(self) -> None:
+        """Release every row's pages (hashed pages stay cached for prefix reuse)."""
+        self._commit()
+        for group in self.groups.values():
+            group.clear()
+        for layer in self.layers:
+            layer.reset()
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """Page and memory accounting; ``kv_bytes`` counts used + cached pages of every layer."""
+        self._commit()
+        out = dict(page_size=self.page_size, pages_total=0, pages_used=0, pages_free=0, pages_cached=0,
+                   tokens_stored=0, kv_bytes=0, pool_bytes=0, evictions=0, prefix_hits=0)
+        for group in self.groups.values():
+            m = group.manager
+            out["pages_total"] += m.num_pages
+            out["pages_used"] += m.num_used
+            out["pages_free"] += len(m.free)
+            out["pages_cached"] += len(m.cached)
+            out["tokens_stored"] += group.tokens_stored()
+            out["evictions"] += group.evictions
+            out["prefix_hits"] += group.prefix_hits
+            for layer in group.layers:
+                if layer.is_initialized:
+                    page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
+                    out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
+                    out["pool_bytes"] += page_bytes * layer.keys.shape[0]
+        return out

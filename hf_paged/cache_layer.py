@@ -1,0 +1,145 @@
+"""`PagedLayer`: one decoder layer's K/V page pools, a `CacheLayerMixin` for transformers.
+
+Pools are ``[num_pages, page_size, kv_heads, head_dim]`` tensors allocated lazily on the device
+and dtype of the first key seen (so ``device_map`` puts each layer's pages on its device). Page
+ids come from the layer's `PageGroup`, shared by every layer of the group; a layer only writes
+the slots its group planned and reads its rows back as a view or a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .errors import CacheUsageError
+from .page_group import PageGroup, StepPlan
+from .paged_kv import PagedKV
+
+
+class PagedLayer(CacheLayerMixin):
+    """K/V pools of one layer. ``seen`` counts the tokens this layer has written."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, group: PageGroup, layer_idx: int):
+        super().__init__()
+        self.group = group
+        self.layer_idx = layer_idx
+        self.is_sliding = group.sliding_window is not None
+        self.sliding_window = group.sliding_window
+        self.seen = 0
+        group.layers.append(self)
+
+    def __repr__(self) -> str:
+        window = f", sliding_window={self.sliding_window}" if self.is_sliding else ""
+        return f"PagedLayer({self.layer_idx}{window})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
+        self.value_dim = value_states.shape[3]
+        S = self.group.page_size
+        self.keys = key_states.new_empty((0, S, self.num_heads, self.head_dim))
+        self.values = value_states.new_empty((0, S, self.num_heads, self.value_dim))
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------ write
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens into their slots; return `PagedKV` handles (no copy of the cache)."""
+        if not self.is_initialized:
+            self._check_shapes(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
+        self._check(key_states, value_states)
+        batch, _, q_len, _ = key_states.shape
+        group = self.group
+        if self.seen == group.num_tokens:
+            group.begin_step(batch, q_len)
+        elif group.step is None or self.seen + q_len != group.num_tokens or batch != group.step.batch_size:
+            raise CacheUsageError(
+                f"layer {self.layer_idx} received {q_len} token(s) for a batch of {batch}, but its group "
+                f"planned a step of {group.step.q_len if group.step else 0} token(s) for "
+                f"{group.batch_size} row(s): every layer must see the same tokens in the same step."
+            )
+        plan = group.step.on(self.device)
+        self._ensure_capacity(group.manager.num_pages)
+        if plan.copy_src is not None:
+            self.keys[plan.copy_dst] = self.keys[plan.copy_src]
+            self.values[plan.copy_dst] = self.values[plan.copy_src]
+        self.keys.view(-1, self.num_heads, self.head_dim).index_copy_(
+            0, plan.slots, key_states.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim))
+        self.values.view(-1, self.num_heads, self.value_dim).index_copy_(
+            0, plan.slots, value_states.transpose(1, 2).reshape(-1, self.num_heads, self.value_dim))
+        self.seen = group.num_tokens
+        shape = (batch, self.num_heads, plan.kv_len)
+        return (PagedKV(self, "k", (*shape, self.head_dim), self.dtype, self.device),
+                PagedKV(self, "v", (*shape, self.value_dim), self.dtype, self.device))
+
+    def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: keys and values must be [batch, kv_heads, tokens, head_dim] with "
+                f"matching leading sizes, got {tuple(key_states.shape)} and {tuple(value_states.shape)}."
+            )
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_shapes(key_states, value_states)
+        got = (key_states.shape[1], key_states.shape[3], value_states.shape[3], key_states.dtype,
+               value_states.dtype, key_states.device, value_states.device)
+        want = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device, self.device)
+        if got != want:
+            names = ("kv heads", "key head dim", "value head dim", "key dtype", "value dtype", "key device",
+                     "value device")
+            diffs = ", ".join(f"{n} {g} (pool has {w})" for n, g, w in zip(names, got, want) if g != w)
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: new keys/values do not match this layer's page pool: {diffs}. "
+                "A PagedCache serves one model in one dtype and device placement; call cache.reset() or "
+                "use a new cache for another model, or cast the model instead of the cache."
+            )
+
+    def _ensure_capacity(self, num_pages: int) -> None:
+        """Grow the pools to ``num_pages`` (the manager grows geometrically, so this is amortised)."""
+        have = self.keys.shape[0]
+        if have >= num_pages:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty((num_pages, *old.shape[1:]))
+            new[:have] = old
+            setattr(self, name, new)
+
+    # ------------------------------------------------------------------- read
+    def read(self, plan: StepPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tokens ``[first_pos, num_tokens)`` as ``[B, T, H, D]``: a view on a slab, else a gather."""
+        plan = (plan or self.group.step).on(self.device)
+        return self._read(self.keys, plan), self._read(self.values, plan)
+
+    @staticmethod
+    def _read(pool: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        P, S, H, D = pool.shape
+        B, T = plan.batch_size, plan.kv_len
+        if plan.slab is not None:
+            base, stride = plan.slab
+            return pool.as_strided((B, T, H, D), (stride * S * H * D, H * D, D, 1),
+                                   pool.storage_offset() + base * S * H * D)
+        return pool[plan.table].reshape(B, -1, H, D)[:, :T]
+
+    # ------------------------------------------------------------ transformers
+    def get_seq_length(self) -> int:
+        return self.group.num_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.group.mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Forget this layer's tokens; the pools are kept for reuse."""
+        self.seen = 0
+
+    def offload(self):
+        raise NotImplementedError("PagedCache does not offload layers; bound it with max_pages instead.")
+
+    prefetch = offload

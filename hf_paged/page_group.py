@@ -1,0 +1,245 @@
+"""The page tables of one group of layers (layers that keep the same tokens) and its step plan.
+
+A forward step is planned once per group, by the first layer of the group that sees it, and
+reused by every other layer: which pages the new tokens go to (slot indices), which shared
+pages must be copied before writing (copy-on-write), and how each row's pages can be read
+(a strided view when the batch's pages form a regular slab, else a gather index).
+
+Invariants between steps:
+- ``len(rows) == batch size``; every row holds the pages of the logical pages
+  ``first_page .. first_page + len(row) - 1``, i.e. the tokens ``[first_page * S, num_tokens)``;
+- a row holds one reference on each of its pages;
+- ``num_tokens`` counts every token processed, whatever was freed (positions never shift).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .errors import CacheUsageError
+
+
+@dataclass
+class StepPlan:
+    """What every layer of a group needs for one forward step; computed once, on the CPU."""
+
+    batch_size: int
+    q_len: int
+    past: int  # tokens cached before this step
+    num_tokens: int  # tokens cached after this step
+    first_pos: int  # logical position of the first token still held (same for every row)
+    table: torch.Tensor  # long [B, N]: the rows' pages, logical order
+    slots: torch.Tensor  # long [B * q_len]: flat slot (page * S + offset) of each new token
+    copy_src: torch.Tensor | None  # long [C]: pages to copy before writing (copy-on-write)
+    copy_dst: torch.Tensor | None
+    slab: tuple[int, int] | None  # (first page, row stride in pages) when rows form a regular slab
+    _on_device: dict = field(default_factory=dict)
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_tokens - self.first_pos
+
+    def on(self, device: torch.device) -> "StepPlan":
+        """This plan's index tensors on ``device``, moved once per step per device."""
+        if device.type == "cpu":
+            return self
+        moved = self._on_device.get(device)
+        if moved is None:
+            move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+            moved = StepPlan(
+                self.batch_size, self.q_len, self.past, self.num_tokens, self.first_pos,
+                move(self.table), move(self.slots), move(self.copy_src), move(self.copy_dst), self.slab,
+            )
+            self._on_device[device] = moved
+        return moved
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class PageGroup:
+    """Rows' page tables for one group of layers, all rows advancing in lockstep."""
+
+    def __init__(self, manager: BlockManager, sliding_window: int | None = None):
+        self.manager = manager
+        self.page_size = manager.page_size
+        self.sliding_window = sliding_window
+        self.rows: list[list[int]] = []
+        self.first_page = 0
+        self.num_tokens = 0
+        self.record_past = False  # set by assisted decoding: keep pages until `crop`
+        self.step: StepPlan | None = None
+        self._undo: tuple | None = None  # (rows, first_page, num_tokens) before an uncommitted step
+        self._pending_release: list[int] = []
+        self.layers: list = []  # PagedLayer objects reading this group, to roll back a failed step
+        self.evictions = 0  # live pages dropped by a lossy eviction policy
+        self.prefix_hits = 0  # pages reused from the prefix cache instead of recomputed
+
+    # ----------------------------------------------------------------- views
+    def first_kept_page(self, past: int) -> int:
+        """First logical page a step starting after ``past`` tokens still needs."""
+        if self.sliding_window is None or self.record_past:
+            return self.first_page
+        first_needed_pos = max(0, past - self.sliding_window + 1)
+        return max(self.first_page, first_needed_pos // self.page_size)
+
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) that the next step's attention reads, as transformers expects."""
+        kv_offset = self.first_kept_page(self.num_tokens) * self.page_size
+        return self.num_tokens + q_len - kv_offset, kv_offset
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def tokens_stored(self) -> int:
+        return sum(min(self.num_tokens, (self.first_page + len(r)) * self.page_size) - self.first_page * self.page_size
+                   for r in self.rows)
+
+    # ------------------------------------------------------------- row edits
+    def clear(self) -> None:
+        """Release every row (tail first); the group is empty afterwards."""
+        self.commit()
+        for r in self.rows:
+            self.manager.release_row(r)
+        self.rows, self.first_page, self.num_tokens, self.step = [], 0, 0, None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages."""
+        self.commit()
+        new_len = self.num_tokens - tokens_to_remove
+        if tokens_to_remove <= 0:
+            return
+        if new_len < self.first_page * self.page_size:
+            raise CacheUsageError(
+                f"cannot crop {tokens_to_remove} tokens: only the tokens from position "
+                f"{self.first_page * self.page_size} on are still held (sliding window). Call "
+                "cache.activate_past_recording() before generating to keep them until crop().")
+        keep = math.ceil(new_len / self.page_size) - self.first_page
+        for r in self.rows:
+            self.manager.release_row(r[keep:])
+            del r[keep:]
+            if r and new_len % self.page_size:
+                self.manager.forget(r[-1])  # the page is partial again: its content hash is stale
+        self.num_tokens, self.step = new_len, None
+
+    # ------------------------------------------------------------------ step
+    def begin_step(self, batch_size: int, q_len: int) -> StepPlan:
+        """Allocate pages for ``q_len`` new tokens per row and plan the writes.
+
+        Raises (changing nothing) when the batch size differs from the cached rows or a
+        bounded pool cannot provide the pages.
+        """
+        self._finish_or_rollback()
+        if self.num_tokens > 0 and batch_size != len(self.rows):
+            raise CacheUsageError(
+                f"batch size changed from {len(self.rows)} to {batch_size} on a non-empty PagedCache. "
+                "Call cache.reset() (or use a new cache) before a new batch; beam search and "
+                "num_return_sequences reorder rows through reorder_cache/batch_repeat_interleave."
+            )
+        S, past, end = self.page_size, self.num_tokens, self.num_tokens + q_len
+        rows = self.rows if self.rows else [[] for _ in range(batch_size)]
+        new_first = self.first_kept_page(past)
+        trim = new_first - self.first_page
+        end_page = math.ceil(end / S)
+        new_per_row = end_page - (self.first_page + len(rows[0]))
+        partial = past % S != 0 and past > 0
+        cow_rows = [b for b, r in enumerate(rows) if partial and self.manager.ref[r[-1]] > 1]
+        self.manager.require(batch_size * new_per_row + len(cow_rows))
+
+        # From here on nothing raises (the pool was checked above). Pages leaving the rows are
+        # released only when the step commits, so that `abort_step` can restore them.
+        self._undo = ([list(r) for r in self.rows], self.first_page, self.num_tokens)
+        self._pending_release = [p for r in rows for p in r[:trim]]
+        for r in rows:
+            del r[:trim]
+        self.first_page = new_first
+        src, dst = [], []
+        for b in cow_rows:  # copy-on-write: the row gets its own copy of the shared partial page
+            src.append(rows[b][-1]), dst.append(self.manager.allocate())
+            self._pending_release.append(src[-1])
+            rows[b][-1] = dst[-1]
+        self._allocate(rows, new_per_row)
+        self.rows = rows
+
+        table = torch.tensor(rows, dtype=torch.long)
+        pos = torch.arange(past, end)
+        local_page = pos // S - self.first_page
+        slots = (table[:, local_page] * S + pos % S).reshape(-1)
+        self.num_tokens = end
+        self.step = StepPlan(
+            batch_size, q_len, past, end, self.first_page * S, table, slots,
+            torch.tensor(src, dtype=torch.long) if src else None,
+            torch.tensor(dst, dtype=torch.long) if dst else None,
+            self._slab(table),
+        )
+        return self.step
+
+    def _allocate(self, rows: list[list[int]], count: int) -> None:
+        """Give each row ``count`` more pages, keeping a row's pages consecutive when possible.
+
+        A fresh batch is placed on a slab (row b starts at ``base + b * stride``, stride twice
+        what the rows need), so that decode can keep growing each row into its own region.
+        """
+        if count <= 0:
+            return
+        if all(not r for r in rows):
+            stride = _next_pow2(2 * count)
+            base = self.manager.free_run(len(rows) * stride)
+            if base is not None:
+                for b, r in enumerate(rows):
+                    r.extend(self.manager.allocate(base + b * stride + i) for i in range(count))
+                return
+        for r in rows:
+            for _ in range(count):
+                r.append(self.manager.allocate(r[-1] + 1 if r else None))
+
+    @staticmethod
+    def _slab(table: torch.Tensor) -> tuple[int, int] | None:
+        """(base, stride) if ``table[b, i] == base + b * stride + i`` for all rows, else None."""
+        B, n = table.shape
+        if n == 0:
+            return None
+        if n > 1 and not bool((table[:, 1:] - table[:, :-1] == 1).all()):
+            return None
+        base = int(table[0, 0])
+        if B == 1:
+            return base, n
+        stride = int(table[1, 0]) - base
+        if stride < n or not bool((table[:, 0] == base + stride * torch.arange(B)).all()):
+            return None
+        return base, stride
+
+    def _finish_or_rollback(self) -> None:
+        """Commit the previous step, or roll it back if some layer of the group never wrote it."""
+        if self._undo is None:
+            return
+        if any(layer.seen != self.num_tokens for layer in self.layers):
+            self.abort_step()
+        else:
+            self.commit()
+
+    def commit(self) -> None:
+        """Make the current step final: release the pages it replaced or trimmed."""
+        if self._undo is None:
+            return
+        self.manager.release_row(self._pending_release)
+        self._undo, self._pending_release = None, []
+
+    def abort_step(self) -> None:
+        """Undo the current step: pages it allocated are released, tables restored."""
+        if self._undo is None:
+            return
+        old_rows, old_first, old_tokens = self._undo
+        kept = {p for r in old_rows for p in r}
+        for r in self.rows:
+            self.manager.release_row([p for p in r if p not in kept])
+        self.rows, self.first_page, self.num_tokens = old_rows, old_first, old_tokens
+        for layer in self.layers:
+            layer.seen = min(layer.seen, old_tokens)
+        self.step, self._undo, self._pending_release = None, None, []
