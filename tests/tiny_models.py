@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 
@@ -53,10 +55,11 @@ def make_pair(name: str, seed: int = 0):
     cfg = make_config(name)
     ref_attn = ARCHITECTURES[name][2]
     torch.manual_seed(seed)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ref_attn).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=ref_attn).eval()
     paged_attn = ref_attn if name in OWN_ATTENTION else hf_paged.ATTN_IMPLEMENTATION
-    paged = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=paged_attn)
+    paged = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=paged_attn)
     paged.load_state_dict(ref.state_dict())
+    assert ref.config._attn_implementation == ref_attn and paged.config._attn_implementation == paged_attn
     return ref, paged.eval()
 
 

@@ -1,0 +1,601 @@
+"""Triton paged attention: reads K/V straight from a page pool through a page table.
+
+Semantics are defined by :func:`hf_paged.kernels.reference.paged_attention_reference`
+(read its module docstring for the exact masking rules); this module is the fast
+implementation of the same function.  Importing it requires triton; the rest of
+the package does not.
+
+Layout
+------
+* ``query``      ``[B, Hq, Q, D]``: any strides (a transposed ``[B, Q, Hq, D]`` view is fine).
+* ``k_pool``/``v_pool`` ``[P, S, Hkv, D]``: any strides, e.g. halves of a ``[P, 2, S, Hkv, D]`` pool.
+* ``page_table`` ``[B, N]`` int32/int64: physical page id of the row's n-th kept page, ``-1`` = none.
+* ``page_pos``   ``[B, N]`` int32/int64: position of slot 0 of that page (slot ``s`` is at ``page_pos + s``).
+* ``q_pos``      ``[B, Q]`` int64: position of every query token.
+* output ``[B, Q, Hq, D]`` in ``query.dtype`` (what transformers' attention functions return).
+
+Algorithm
+---------
+The attention kernel is a FlashAttention-style online softmax over the *slots of
+the page table*: a row's page-table entries are viewed as one flat axis of
+``N * S`` token slots, slot ``t`` lives in entry ``t // S`` at offset ``t % S``.
+Each program owns
+
+* one batch row ``b`` and one KV head (GQA/MQA: the ``G = Hq // Hkv`` query heads
+  sharing that KV head are packed into the rows of the tile, so K/V are loaded
+  once per group and never repeated in memory),
+* a block of ``BLOCK_Q`` query tokens; tile rows are ``(query, head-in-group)``
+  pairs, ``row = q_local * G + g``, padded to ``BLOCK_M`` (a power of two >= 16),
+* one split: a contiguous range of tiles of ``BLOCK_N`` slots.
+
+Per tile it gathers the page ids and page positions for the slots, derives each
+slot's logical position, builds the ``[BLOCK_M, BLOCK_N]`` "may attend"
+predicate (page exists, causality, sliding window, 4D mask), loads K/V of only
+the slots somebody may attend (other slots may hold garbage, even NaN), and
+updates the running ``(max, sum, acc)`` in fp32.
+
+Split-K: when ``B * Hkv * q_blocks`` programs cannot fill the GPU (decode with a
+small batch and a long context), the slot range of a row is cut into
+``num_splits`` parts, each program writes its unnormalised partial
+``(m, l, acc)`` to fp32 scratch, and ``_combine_splits_kernel`` merges them.
+With one split the attention kernel normalises and writes the output itself.
+
+The attention sink ``s_aux`` (one logit per query head, no value) only enters the
+final normalisation: ``M = max(m, s), l = l * e^(m-M) + e^(s-M), out = acc * e^(m-M) / l``.
+Rows with nothing to attend have ``l == 0`` (no sink) or ``acc == 0`` (sink)
+and give zeros.
+
+Page mass (optional) needs the final normaliser, so it is a second, separate
+pass (``_page_mass_kernel``): one program per ``(row, query head, page entry)``
+recomputes the scores of that page's tokens against all queries and sums
+``exp(score - lse)``; it re-reads K (not V) once per query head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention_triton"]
+
+# Smallest number of token slots worth giving to one split, and the most splits.
+_MIN_SLOTS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+# --------------------------------------------------------------------------- #
+# Device helpers (inlined into the kernels).
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _tanh(x):
+    """tanh(x) from exp(-2|x|), which never overflows."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _may_attend(
+    pos,  # [BLOCK_N] int64 logical position of each slot
+    slot_ok,  # [BLOCK_N] bool: slot is inside the range and its page exists
+    q_pos,  # [BLOCK_M] int64 position of each row's query
+    row_ok,  # [BLOCK_M] bool
+    head,  # [BLOCK_M] query head of each row
+    q_idx,  # [BLOCK_M] query index of each row
+    b,
+    Mask,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    mask_offset,
+    mask_len,
+    sliding_window,
+    HAS_MASK: tl.constexpr,
+    HAS_SLIDING: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] predicate: query row may attend slot (see reference docstring)."""
+    ok = row_ok[:, None] & slot_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+    if HAS_SLIDING:
+        ok = ok & ((q_pos[:, None] - pos[None, :]) <= sliding_window)
+    if HAS_MASK:
+        mi = pos - mask_offset
+        ok = ok & ((mi >= 0) & (mi < mask_len))[None, :]
+        m_ptr = (
+            Mask
+            + b.to(tl.int64) * stride_mb
+            + head[:, None].to(tl.int64) * stride_mh
+            + q_idx[:, None].to(tl.int64) * stride_mq
+            + mi[None, :] * stride_mk
+        )
+        ok = ok & (tl.load(m_ptr, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    """fp32-accumulated a @ b; IEEE fp32 products for fp32 inputs (no TF32).
+
+    The Triton interpreter multiplies bf16 blocks as their raw uint16 bits, so
+    there the (already bf16-rounded) operands are widened to fp32 first; on a GPU
+    the dot runs on the bf16/fp16 tensor cores.
+    """
+    if INTERPRET:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 scores scale * q @ k (k is [D, N]), optionally soft-capped."""
+    s = _dot(q, k.to(q.dtype), INTERPRET) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return s
+
+
+@triton.jit
+def _finalize(m, l, acc, sink, HAS_SINK: tl.constexpr):
+    """Normalise a (max [R], sum [R], acc [R, D]) triple; returns (out, lse).
+
+    Rows without any attended token (l == 0) give out = 0 and lse = -inf
+    (or lse = sink with an attention sink).
+    """
+    if HAS_SINK:
+        m_tot = tl.maximum(m, sink)  # finite: the sink is a finite logit
+        w = tl.exp(m - m_tot)  # 0 where m == -inf
+        l = l * w + tl.exp(sink - m_tot)
+        acc = acc * w[:, None]
+        m = m_tot
+    has_mass = l > 0
+    safe_l = tl.where(has_mass, l, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(has_mass, m + tl.log(safe_l), float("-inf"))
+    return out, lse
+
+
+# --------------------------------------------------------------------------- #
+# Kernel 1: attention over (a split of) the page-table slots.
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, PageTable, PagePos, QPos, Mask, Sink,
+    Out, Lse, MidM, MidL, MidAcc,
+    scale, softcap, sliding_window, mask_offset, mask_len,
+    num_q, num_kv_heads, num_entries,
+    stride_qb, stride_qh, stride_qq, stride_qd,
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_ptb, stride_ptn,
+    stride_ppb, stride_ppn,
+    stride_qpb, stride_qpq,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_ob, stride_oq, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lq,
+    stride_xb, stride_xh, stride_xq, stride_xs, stride_xd,  # MidAcc; MidM/MidL have the first four
+    GROUP: tl.constexpr,  # query heads per KV head
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # tile rows >= BLOCK_Q * GROUP, power of two >= 16
+    BLOCK_N: tl.constexpr,  # slots per tile
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    HAS_MASK: tl.constexpr,
+    HAS_SLIDING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SPLIT: tl.constexpr,  # True: write partials to Mid*; False: write Out (and Lse)
+    STORE_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr,  # running under TRITON_INTERPRET=1
+):
+    """Grid: (B * Hkv * q_blocks, num_splits). See the module docstring."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    q_blocks = tl.cdiv(num_q, BLOCK_Q)
+    q_block = pid % q_blocks
+    kv_head = (pid // q_blocks) % num_kv_heads
+    b = pid // (q_blocks * num_kv_heads)
+
+    # Tile rows: (query token, head in group) pairs.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < num_q)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptr = (Q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
+             + q_idx[:, None] * stride_qq + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.load(QPos + b * stride_qpb + q_idx * stride_qpq, mask=row_ok, other=-1).to(tl.int64)
+
+    # This split's share of the row's slots [0, N * S), in whole tiles.
+    num_slots = num_entries * PAGE_SIZE
+    tiles_per_split = tl.cdiv(tl.cdiv(num_slots, BLOCK_N), num_splits)
+    slot_begin = split * tiles_per_split * BLOCK_N
+    slot_end = tl.minimum(slot_begin + tiles_per_split * BLOCK_N, num_slots)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(slot_begin, slot_end, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        in_range = t < slot_end
+        entry = t // PAGE_SIZE
+        offset = t % PAGE_SIZE
+        page = tl.load(PageTable + b * stride_ptb + entry * stride_ptn, mask=in_range, other=-1).to(tl.int64)
+        first = tl.load(PagePos + b * stride_ppb + entry * stride_ppn, mask=in_range, other=0).to(tl.int64)
+        pos = first + offset
+        ok = _may_attend(pos, in_range & (page >= 0), q_pos, row_ok, head, q_idx, b,
+                         Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+                         mask_offset, mask_len, sliding_window, HAS_MASK, HAS_SLIDING)
+        # Only slots that some row attends are read: the rest may be garbage.
+        col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
+
+        k_ptr = (K + page[None, :] * stride_kp + offset[None, :] * stride_ks
+                 + kv_head * stride_kh + offs_d[:, None] * stride_kd)
+        k = tl.load(k_ptr, mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
+        s = tl.where(ok, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoid (-inf) - (-inf)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_ptr = (V + page[:, None] * stride_vp + offset[:, None] * stride_vs
+                 + kv_head * stride_vh + offs_d[None, :] * stride_vd)
+        v = tl.load(v_ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRET)
+        m_i = m_new
+
+    if SPLIT:
+        x_off = (b.to(tl.int64) * stride_xb + head * stride_xh + q_idx * stride_xq + split * stride_xs)
+        tl.store(MidM + x_off, m_i, mask=row_ok)
+        tl.store(MidL + x_off, l_i, mask=row_ok)
+        tl.store(MidAcc + x_off[:, None] + offs_d[None, :] * stride_xd, acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        sink = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINK:
+            sink = tl.load(Sink + head, mask=row_ok, other=0.0).to(tl.float32)
+        out, lse = _finalize(m_i, l_i, acc, sink, HAS_SINK)
+        o_ptr = (Out + b.to(tl.int64) * stride_ob + q_idx[:, None] * stride_oq
+                 + head[:, None] * stride_oh + offs_d[None, :] * stride_od)
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            tl.store(Lse + b * stride_lb + head * stride_lh + q_idx * stride_lq, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------- #
+# Kernel 2: merge the split partials of one (row, head, query).
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _combine_splits_kernel(
+    MidM, MidL, MidAcc, Sink, Out, Lse,
+    num_heads, num_q, num_splits,
+    stride_xb, stride_xh, stride_xq, stride_xs, stride_xd,
+    stride_ob, stride_oq, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lq,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """Grid: (B * Hq * Q,). out = sum_j e^(m_j - M) acc_j / (sum_j e^(m_j - M) l_j [+ sink])."""
+    pid = tl.program_id(0)
+    q_idx = pid % num_q
+    head = (pid // num_q) % num_heads
+    b = pid // (num_q * num_heads)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    base = b.to(tl.int64) * stride_xb + head * stride_xh + q_idx * stride_xq
+    m = tl.load(MidM + base + offs_s * stride_xs, mask=s_ok, other=float("-inf"))
+    l = tl.load(MidL + base + offs_s * stride_xs, mask=s_ok, other=0.0)
+    acc = tl.load(MidAcc + base + offs_s[:, None] * stride_xs + offs_d[None, :] * stride_xd,
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keep a leading axis of length 1 so _finalize sees the same shapes as in kernel 1.
+    m_max = tl.max(m, axis=0, keep_dims=True)  # [1]
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_ref)  # [BLOCK_S], 0 for empty splits
+    l_tot = tl.sum(l * w, axis=0, keep_dims=True)  # [1]
+    acc_tot = tl.sum(acc * w[:, None], axis=0, keep_dims=True)  # [1, BLOCK_D]
+    sink = tl.zeros([1], tl.float32)
+    if HAS_SINK:
+        sink = tl.load(Sink + head + tl.zeros([1], tl.int32)).to(tl.float32)
+    out, lse = _finalize(m_max, l_tot, acc_tot, sink, HAS_SINK)
+
+    o_ptr = Out + b.to(tl.int64) * stride_ob + q_idx * stride_oq + head * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=d_ok[None, :])
+    if STORE_LSE:
+        tl.store(Lse + b * stride_lb + head * stride_lh + q_idx * stride_lq + tl.arange(0, 1), lse)
+
+
+# --------------------------------------------------------------------------- #
+# Kernel 3 (optional): attention probability mass per page-table entry.
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _page_mass_kernel(
+    Q, K, PageTable, PagePos, QPos, Mask, Lse, Mass,
+    scale, softcap, sliding_window, mask_offset, mask_len,
+    num_q, num_heads, num_entries,
+    stride_qb, stride_qh, stride_qq, stride_qd,
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_ptb, stride_ptn,
+    stride_ppb, stride_ppn,
+    stride_qpb, stride_qpq,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh, stride_lq,
+    stride_ab, stride_ah, stride_an,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # power of two >= 16
+    BLOCK_N: tl.constexpr,  # power of two >= 16
+    BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SLIDING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Grid: (B * Hq * N,). Mass[b, h, n] = mean_i sum_{s in page n} exp(score[i, s] - lse[i]).
+
+    Uses the final log-sum-exp ``Lse`` [B, Hq, Q] of kernel 1/2 (which includes
+    the sink), so the probabilities are exactly those used for the output.
+    Every element of Mass is written (0 for ``-1`` entries).
+    """
+    pid = tl.program_id(0)
+    entry = pid % num_entries
+    head = (pid // num_entries) % num_heads
+    b = pid // (num_entries * num_heads)
+    kv_head = head // GROUP
+
+    # The entry's page id and first position, broadcast over the BLOCK_N slots of a tile.
+    same = tl.zeros([BLOCK_N], tl.int32)
+    page = tl.load(PageTable + b * stride_ptb + entry * stride_ptn + same).to(tl.int64)
+    first = tl.load(PagePos + b * stride_ppb + entry * stride_ppn + same).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    heads = head + tl.zeros([BLOCK_Q], tl.int32)
+
+    total = tl.zeros([BLOCK_Q], tl.float32)
+    for s0 in range(0, PAGE_SIZE, BLOCK_N):
+        offset = s0 + tl.arange(0, BLOCK_N)
+        slot_ok = (offset < PAGE_SIZE) & (page >= 0)
+        pos = first + offset
+        for q0 in range(0, num_q, BLOCK_Q):
+            q_idx = q0 + tl.arange(0, BLOCK_Q)
+            q_ok = q_idx < num_q
+            q_pos = tl.load(QPos + b * stride_qpb + q_idx * stride_qpq, mask=q_ok, other=-1).to(tl.int64)
+            lse = tl.load(Lse + b * stride_lb + head * stride_lh + q_idx * stride_lq, mask=q_ok,
+                          other=float("-inf"))
+            row_ok = q_ok & (lse > float("-inf"))
+            ok = _may_attend(pos, slot_ok, q_pos, row_ok, heads, q_idx, b,
+                             Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+                             mask_offset, mask_len, sliding_window, HAS_MASK, HAS_SLIDING)
+            col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
+            q = tl.load(Q + b.to(tl.int64) * stride_qb + head * stride_qh + q_idx[:, None] * stride_qq
+                        + offs_d[None, :] * stride_qd, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(K + page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh
+                        + offs_d[:, None] * stride_kd, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
+            lse_ref = tl.where(row_ok, lse, 0.0)
+            p = tl.where(ok, tl.exp(s - lse_ref[:, None]), 0.0)
+            total += tl.sum(p, axis=1)
+    mass = tl.sum(total, axis=0) / num_q
+    tl.store(Mass + b * stride_ab + head * stride_ah + entry * stride_an, mass)
+
+
+# --------------------------------------------------------------------------- #
+# Python wrapper.
+# --------------------------------------------------------------------------- #
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_num_splits(num_programs: int, num_slots: int, device: torch.device) -> int:
+    """Splits per row so that ~2 programs per SM exist, without splits under 256 slots.
+
+    ``num_programs`` is the grid size without splitting (B * Hkv * q_blocks);
+    ``num_slots`` the length of a row's slot axis (N * S), a bound on the context.
+    """
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    target = 2 * sms
+    if num_programs >= target:
+        return 1
+    by_length = num_slots // _MIN_SLOTS_PER_SPLIT
+    return max(1, min(triton.cdiv(target, max(num_programs, 1)), by_length, _MAX_SPLITS))
+
+
+def _tile_sizes(num_q: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D) for the attention kernel."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows_target = 16 if num_q == 1 else (64 if block_d <= 128 else 32)
+    block_q = max(1, min(num_q, rows_target // group))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
+    return block_q, block_m, block_n, block_d
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    page_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    mask_offset: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    return_page_mass: bool = False,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention over K/V read in place from ``k_pool``/``v_pool`` via ``page_table``.
+
+    Same semantics as :func:`hf_paged.kernels.reference.paged_attention_reference`:
+
+    Args:
+        query: ``[B, Hq, Q, D]``, fp32/fp16/bf16, any strides.
+        k_pool, v_pool: ``[P, S, Hkv, D]`` with ``Hq % Hkv == 0``; any page size ``S >= 1``.
+        page_table: int ``[B, N]`` physical page ids, ``-1`` = skip the entry.
+        page_pos: int ``[B, N]`` position of the first slot of each page.
+        q_pos: int ``[B, Q]`` position of each query token (causality: ``p <= q_pos``).
+        scale: softmax scale applied to ``q.k``.
+        mask: optional bool ``[B or 1, 1 or Hq, Q, M]``; position ``p`` is visible iff
+            ``mask[..., p - mask_offset]`` (out-of-range positions are masked).
+        sliding_window: attend only if ``q_pos - p < sliding_window``.
+        softcap: ``score = softcap * tanh(score / softcap)`` before masking.
+        s_aux: optional ``[Hq]`` sink logits (extra softmax term without a value).
+        return_page_mass: also return float32 ``[B, Hq, N]`` attention mass per entry,
+            averaged over the queries.
+        out: optional ``[B, Q, Hq, D]`` output buffer of ``query.dtype`` (any strides).
+        num_splits: force the number of split-K parts per row (default: chosen
+            from the context length and the GPU size).
+
+    Returns:
+        ``out [B, Q, Hq, D]`` (``query.dtype``), and ``page_mass`` if requested.
+        Every output element is written; a query with nothing to attend gets zeros.
+    """
+    B, Hq, Q, D = query.shape
+    P, S, Hkv, Dk = k_pool.shape
+    N = page_table.shape[1]
+    device = query.device
+    if Dk != D or tuple(v_pool.shape) != tuple(k_pool.shape):
+        raise ValueError(f"k_pool/v_pool must be [P, S, Hkv, {D}], got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"unsupported query dtype {query.dtype}")
+    if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
+        raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
+    interpret = bool(triton.knobs.runtime.interpret)
+    if device.type != "cuda" and not interpret:
+        raise RuntimeError("paged_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
+    group = Hq // Hkv
+
+    if out is None:
+        out = torch.empty(B, Q, Hq, D, dtype=query.dtype, device=device)
+    elif tuple(out.shape) != (B, Q, Hq, D) or out.dtype != query.dtype or out.device != device:
+        raise ValueError(f"out must be [B, Q, Hq, D] = {(B, Q, Hq, D)} of {query.dtype} on {device}")
+    page_mass = torch.zeros(B, Hq, N, dtype=torch.float32, device=device) if return_page_mass else None
+    if out.numel() == 0:
+        return (out, page_mass) if return_page_mass else out
+
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be bool, got {mask.dtype}")
+        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, Hq) or mask.shape[2] != Q:
+            raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
+        mask_arg = mask.view(torch.uint8)
+        mask_len = mask.shape[3]
+        sm = list(mask_arg.stride())
+        if mask.shape[0] == 1:
+            sm[0] = 0
+        if mask.shape[1] == 1:
+            sm[1] = 0
+    else:
+        mask_arg, mask_len, sm = q_pos, 0, [0, 0, 0, 0]  # dummy pointer, never read
+    if s_aux is not None:
+        if s_aux.shape != (Hq,):
+            raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
+        sink_arg = s_aux.contiguous()
+    else:
+        sink_arg = q_pos  # dummy
+
+    block_q, block_m, block_n, block_d = _tile_sizes(Q, group, D)
+    q_blocks = triton.cdiv(Q, block_q)
+    num_programs = B * Hkv * q_blocks
+    if num_splits is None:
+        num_splits = _choose_num_splits(num_programs, N * S, device)
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    store_lse = return_page_mass
+    lse = torch.empty(B, Hq, Q, dtype=torch.float32, device=device) if store_lse else out  # dummy if unused
+    if split:
+        # One fp32 scratch [B, Hq, Q, splits, D + 2]: acc | m | l, so all three share strides.
+        mid = torch.empty(B, Hq, Q, num_splits, D + 2, dtype=torch.float32, device=device)
+        mid_acc, mid_m, mid_l = mid[..., :D], mid[..., D], mid[..., D + 1]
+    else:
+        mid_m = mid_l = mid_acc = out  # dummies, never touched
+    xs = mid_acc.stride() if split else (0, 0, 0, 0, 0)
+    ls = lse.stride() if store_lse else (0, 0, 0)
+
+    flags = dict(
+        INTERPRET=interpret,
+        HAS_MASK=mask is not None,
+        HAS_SLIDING=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+    )
+    scalars = (
+        float(scale),
+        float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        int(mask_offset),
+        int(mask_len),
+    )
+    num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+
+    _paged_attention_kernel[(num_programs, num_splits)](
+        query, k_pool, v_pool, page_table, page_pos, q_pos, mask_arg, sink_arg,
+        out, lse, mid_m, mid_l, mid_acc,
+        *scalars,
+        Q, Hkv, N,
+        *query.stride(), *k_pool.stride(), *v_pool.stride(),
+        *page_table.stride(), *page_pos.stride(), *q_pos.stride(), *sm,
+        *out.stride(), *ls, *xs,
+        GROUP=group, PAGE_SIZE=S, HEAD_DIM=D,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_SINK=s_aux is not None, SPLIT=split, STORE_LSE=store_lse,
+        num_warps=num_warps,
+        **flags,
+    )
+    if split:
+        _combine_splits_kernel[(B * Hq * Q,)](
+            mid_m, mid_l, mid_acc, sink_arg, out, lse,
+            Hq, Q, num_splits,
+            *xs, *out.stride(), *ls,
+            HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            HAS_SINK=s_aux is not None, STORE_LSE=store_lse,
+            num_warps=4,
+        )
+    if not return_page_mass:
+        return out
+
+    if N > 0:
+        mass_block_q = 16 if Q <= 16 else 32
+        mass_block_n = min(64, max(16, triton.next_power_of_2(S)))
+        _page_mass_kernel[(B * Hq * N,)](
+            query, k_pool, page_table, page_pos, q_pos, mask_arg, lse, page_mass,
+            *scalars,
+            Q, Hq, N,
+            *query.stride(), *k_pool.stride(),
+            *page_table.stride(), *page_pos.stride(), *q_pos.stride(), *sm,
+            *ls, *page_mass.stride(),
+            GROUP=group, PAGE_SIZE=S, HEAD_DIM=D,
+            BLOCK_Q=mass_block_q, BLOCK_N=mass_block_n, BLOCK_D=block_d,
+            num_warps=4,
+            **flags,
+        )
+    return out, page_mass
