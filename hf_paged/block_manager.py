@@ -65,7 +65,9 @@ class BlockManager:
 
     # -------------------------------------------------------------- allocation
     def allocate(self, prefer: int | None = None) -> int:
-        """Return a page with reference count 1."""
+        """Return a page with reference count 1 (``prefer`` when it is free or can be grown into)."""
+        if prefer is not None and prefer >= self.num_pages and (self.max_pages is None or prefer < self.max_pages):
+            self.grow_to(max(prefer + 1, 2 * self.num_pages))
         if prefer is not None and prefer in self.free:
             del self.free[prefer]
             page = prefer

@@ -169,7 +169,10 @@ class PageGroup:
             src.append(rows[b][-1]), dst.append(self.manager.allocate())
             self._pending_release.append(src[-1])
             rows[b][-1] = dst[-1]
+        was_slab = self.step is not None and self.step.slab is not None
         self._allocate(rows, new_per_row)
+        if was_slab and self._slab(torch.tensor(rows)) is None:
+            self._relocate(rows, src, dst)
         self.rows = rows
 
         table = torch.tensor(rows, dtype=torch.long)
@@ -203,6 +206,23 @@ class PageGroup:
         for r in rows:
             for _ in range(count):
                 r.append(self.manager.allocate(r[-1] + 1 if r else None))
+
+    def _relocate(self, rows: list[list[int]], src: list[int], dst: list[int]) -> None:
+        """Move rows that outgrew their slab region onto a new slab with twice the stride.
+
+        Like a vector's growth: each move copies the cache once and doubles the room, so the
+        cost per token is amortised, and decode keeps reading views instead of gathering.
+        Only unshared rows of an unbounded pool move (a shared page stays shared).
+        """
+        if self.manager.max_pages is not None or any(self.manager.ref[p] != 1 for r in rows for p in r):
+            return
+        stride = _next_pow2(2 * len(rows[0]))
+        base = self.manager.free_run(len(rows) * stride)
+        for b, r in enumerate(rows):
+            moved = [self.manager.allocate(base + b * stride + i) for i in range(len(r))]
+            src.extend(r), dst.extend(moved)
+            self._pending_release.extend(r)
+            r[:] = moved
 
     @staticmethod
     def _slab(table: torch.Tensor) -> tuple[int, int] | None:
@@ -242,8 +262,8 @@ class PageGroup:
             return
         old_rows, old_first, old_tokens = self._undo
         kept = {p for r in old_rows for p in r}
-        for r in self.rows:
-            self.manager.release_row([p for p in r if p not in kept])
+        for pages in (*self.rows, self._pending_release):  # pages this step allocated
+            self.manager.release_row([p for p in pages if p not in kept])
         self.rows, self.first_page, self.num_tokens = old_rows, old_first, old_tokens
         for layer in self.layers:
             layer.seen = min(layer.seen, old_tokens)

@@ -100,7 +100,7 @@ def _may_attend(
     """[BLOCK_M, BLOCK_N] predicate: query row may attend slot (see reference docstring)."""
     ok = row_ok[:, None] & slot_ok[None, :] & (pos[None, :] <= q_pos[:, None])
     if HAS_SLIDING:
-        ok = ok & ((q_pos[:, None] - pos[None, :]) <= sliding_window)
+        ok = ok & ((q_pos[:, None] - pos[None, :]) < sliding_window)
     if HAS_MASK:
         mi = pos - mask_offset
         ok = ok & ((mi >= 0) & (mi < mask_len))[None, :]
