@@ -12,6 +12,9 @@ paged path aligns it with the tokens a row still holds.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -19,6 +22,8 @@ from transformers.masking_utils import sdpa_mask
 
 from .cache import ATTN_IMPLEMENTATION
 from .paged_kv import PagedKV
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 def attend(
@@ -69,9 +74,42 @@ def attend(
     return out.view(B, Hq, Q, -1).transpose(1, 2)
 
 
-def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
+def resolve_backend(choice: str | None, device: torch.device) -> str:
+    """"torch" or "triton" for ``device``: the choice, else ``$HF_PAGED_BACKEND``, else "auto"."""
+    choice = choice or os.environ.get("HF_PAGED_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"hf_paged backend must be one of {BACKENDS}, got {choice!r} "
+                         "(argument `backend=` or environment variable HF_PAGED_BACKEND).")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("The Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton is "
+                         "imported) to run the kernel on the CPU; use backend='torch' otherwise.")
+    return choice
+
+
+def _triton_attention(query, layer, attention_mask, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+    """The Triton kernel walks the page table; the mask is aligned on its last column."""
+    from .kernels.triton_paged_attention import paged_attention_triton
+
+    plan = layer.group.step.on(layer.device)
+    page_table, page_pos, q_pos = plan.kernel_index(layer.device)
+    mask_offset = 0
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0
+        mask_offset = plan.num_tokens - attention_mask.shape[-1]
+    return paged_attention_triton(
+        query, layer.keys, layer.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
+        mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+
+
+def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, sliding_window, softcap,
+                     s_aux) -> torch.Tensor:
     """Read the rows of ``key.layer`` in place and attend; the mask is aligned on its last column."""
     layer = key.layer
+    if resolve_backend(layer.backend, query.device) == "triton":
+        return _triton_attention(query, layer, attention_mask, scaling, sliding_window, softcap, s_aux)
     keys, values = layer.read()
     kv_len = keys.shape[1]
     if attention_mask is not None and attention_mask.shape[-1] != kv_len:
@@ -89,6 +127,7 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     **kwargs,
@@ -99,7 +138,8 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, PagedKV):
-        return _paged_attention(module, query, key, attention_mask, scaling, softcap, s_aux), None
+        out = _paged_attention(module, query, key, attention_mask, scaling, sliding_window, softcap, s_aux)
+        return out, None
     if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
         attention_mask = attention_mask[..., -key.shape[-2]:]
     is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)

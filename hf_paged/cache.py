@@ -47,13 +47,18 @@ class PagedCache(Cache):
         max_pages: pages per layer group; None lets the pool grow (amortised doubling).
         config: the model config; builds sliding-window layers up front (their pages are freed
             as they leave the window) and checks the attention implementation.
+        backend: "torch" (CPU path), "triton" (the paged kernel; CUDA, or CPU with
+            TRITON_INTERPRET=1) or "auto" (Triton on CUDA); default ``$HF_PAGED_BACKEND`` or "auto".
 
     ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
     """
 
-    def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None):
+    def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None):
         _check_positive_int("page_size", page_size)
         _check_positive_int("max_pages", max_pages, allow_none=True)
+        if backend not in (None, "auto", "torch", "triton"):
+            raise CacheUsageError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
+        self.backend = backend
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages
@@ -68,7 +73,7 @@ class PagedCache(Cache):
         if self.layers and self.get_seq_length() > 0:
             raise CacheUsageError("bind_config() needs an empty cache: call reset() first.")
         self.config = config
-        self.layers = [PagedLayer(self._group(w), i) for i, w in enumerate(layer_windows(config))]
+        self.layers = [PagedLayer(self._group(w), i, self.backend) for i, w in enumerate(layer_windows(config))]
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             import logging
@@ -86,7 +91,7 @@ class PagedCache(Cache):
 
     def _layer(self, layer_idx: int) -> PagedLayer:
         while len(self.layers) <= layer_idx:
-            self.layers.append(PagedLayer(self._group(None), len(self.layers)))
+            self.layers.append(PagedLayer(self._group(None), len(self.layers), self.backend))
         return self.layers[layer_idx]
 
     # ----------------------------------------------------------------- steps

@@ -23,9 +23,10 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, group: PageGroup, layer_idx: int):
+    def __init__(self, group: PageGroup, layer_idx: int, backend: str | None = None):
         super().__init__()
         self.group = group
+        self.backend = backend  # "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window

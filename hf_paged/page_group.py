@@ -37,11 +37,22 @@ class StepPlan:
     copy_src: torch.Tensor | None  # long [C]: pages to copy before writing (copy-on-write)
     copy_dst: torch.Tensor | None
     slab: tuple[int, int] | None  # (first page, row stride in pages) when rows form a regular slab
+    page_size: int = 1
     _on_device: dict = field(default_factory=dict)
 
     @property
     def kv_len(self) -> int:
         return self.num_tokens - self.first_pos
+
+    def kernel_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page_table int32 [B, N], page_pos [B, N], q_pos [B, Q]) for the Triton kernel, once per device."""
+        key = ("kernel", device)
+        if key not in self._on_device:
+            B, N = self.table.shape
+            page_pos = (self.first_pos + torch.arange(N) * self.page_size).expand(B, N)
+            q_pos = torch.arange(self.past, self.num_tokens).expand(B, -1)
+            self._on_device[key] = tuple(t.to(device) for t in (self.table.int(), page_pos, q_pos))
+        return self._on_device[key]
 
     def on(self, device: torch.device) -> "StepPlan":
         """This plan's index tensors on ``device``, moved once per step per device."""
@@ -53,6 +64,7 @@ class StepPlan:
             moved = StepPlan(
                 self.batch_size, self.q_len, self.past, self.num_tokens, self.first_pos,
                 move(self.table), move(self.slots), move(self.copy_src), move(self.copy_dst), self.slab,
+                self.page_size,
             )
             self._on_device[device] = moved
         return moved
@@ -184,7 +196,7 @@ class PageGroup:
             batch_size, q_len, past, end, self.first_page * S, table, slots,
             torch.tensor(src, dtype=torch.long) if src else None,
             torch.tensor(dst, dtype=torch.long) if dst else None,
-            self._slab(table),
+            self._slab(table), S,
         )
         return self.step
 

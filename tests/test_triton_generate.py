@@ -1,0 +1,41 @@
+"""Whole `generate` runs through the Triton kernel (interpreter on CPU) match DynamicCache."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from tiny_models import left_padded_batch, make_pair
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+GEN = dict(max_new_tokens=5, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("name,mode", [("llama", "greedy"), ("gemma2", "greedy"), ("qwen2", "beam"),
+                                       ("gpt_oss", "greedy")])
+def test_generate_through_triton_kernel(name, mode, monkeypatch):
+    ref, paged = make_pair(name)
+    batch = left_padded_batch((5, 3, 7))
+    extra = dict(num_beams=3, do_sample=False) if mode == "beam" else dict(do_sample=False)
+    want = ref.generate(**batch, **GEN, **extra, cache=DynamicCache(config=ref.config),
+                        return_dict_in_generate=True, output_scores=True)
+    calls = []
+    from hf_paged.kernels import triton_paged_attention as kernel
+
+    original = kernel.paged_attention_triton
+    monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    got = paged.generate(**batch, **GEN, **extra, cache=hf_paged.PagedCache(page_size=3, config=paged.config,
+                                                                             backend="triton"),
+                         return_dict_in_generate=True, output_scores=True)
+    assert calls, "the Triton kernel was not used"
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(got.scores[0], want.scores[0], atol=1e-4, rtol=1e-4)
+
+
+def test_backend_env_variable_selects_kernel(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_BACKEND", "bogus")
+    _, paged = make_pair("llama")
+    with pytest.raises(ValueError, match="HF_PAGED_BACKEND"):
+        paged.generate(**left_padded_batch((3,)), **GEN, cache=hf_paged.PagedCache(page_size=4))
