@@ -110,6 +110,23 @@ class PagedCache(Cache):
         for group in self.groups.values():
             group._finish_or_rollback()
 
+    # ------------------------------------------------------------------ fork
+    def fork(self) -> "PagedCache":
+        """A cache holding the same tokens that shares every page with this one, copy-on-write.
+
+        Both caches stay usable and independent: a write into a shared, partly filled page
+        copies that page first. ``copy.deepcopy(cache)`` does the same.
+        """
+        self._commit()
+        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend)
+        twin.config = self.config
+        twin.groups = {w: g.fork() for w, g in self.groups.items()}
+        twin.layers = [layer.fork(twin.groups[layer.group.sliding_window]) for layer in self.layers]
+        return twin
+
+    def __deepcopy__(self, memo) -> "PagedCache":
+        return self.fork()
+
     # ------------------------------------------------------- row operations
     def _remap_rows(self, rows_for) -> None:
         """Replace every group's rows by ``rows_for(old_rows)``, sharing pages (no K/V copy)."""

@@ -16,22 +16,52 @@ from .page_group import PageGroup, StepPlan
 from .paged_kv import PagedKV
 
 
+def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
+    """``same_as[b]``: the first row of the run of consecutive rows identical to row b."""
+    same_prev = ((keys[1:] == keys[:-1]).flatten(1).all(1) & (values[1:] == values[:-1]).flatten(1).all(1))
+    same_as = [0]
+    for b, same in enumerate(same_prev.tolist(), start=1):
+        same_as.append(same_as[-1] if same else b)
+    return same_as
+
+
+class PagePool:
+    """The K and V page tensors of one layer, shared by every fork of a cache."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+
 class PagedLayer(CacheLayerMixin):
     """K/V pools of one layer. ``seen`` counts the tokens this layer has written."""
+
+    keys = property(lambda self: self.pool.keys, lambda self, t: setattr(self.pool, "keys", t))
+    values = property(lambda self: self.pool.values, lambda self, t: setattr(self.pool, "values", t))
 
     is_compileable = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, group: PageGroup, layer_idx: int, backend: str | None = None):
-        super().__init__()
+    def __init__(self, group: PageGroup, layer_idx: int, backend: str | None = None, pool: PagePool | None = None):
+        self.pool = pool or PagePool()  # CacheLayerMixin.__init__ would reset a shared pool: not called
+        self.is_initialized = self.pool.keys is not None
         self.group = group
         self.backend = backend  # "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
         self.seen = 0
-        group.layers.append(self)
+        group.layers.add(self)
+
+    def fork(self, group: PageGroup) -> "PagedLayer":
+        """A layer of a forked cache: same pool tensors, the fork's own page tables."""
+        twin = PagedLayer(group, self.layer_idx, self.backend, self.pool)
+        twin.seen = self.seen
+        if self.is_initialized:
+            twin.dtype, twin.device, twin.num_heads = self.dtype, self.device, self.num_heads
+            twin.head_dim, twin.value_dim = self.head_dim, self.value_dim
+        return twin
 
     def __repr__(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.is_sliding else ""
@@ -56,18 +86,20 @@ class PagedLayer(CacheLayerMixin):
         batch, _, q_len, _ = key_states.shape
         group = self.group
         if self.seen == group.num_tokens:
-            group.begin_step(batch, q_len)
+            fresh_batch = group.num_tokens == 0 and not group.rows and batch > 1
+            group.begin_step(batch, q_len, _identical_rows(key_states, value_states) if fresh_batch else None)
         elif group.step is None or self.seen + q_len != group.num_tokens or batch != group.step.batch_size:
             raise CacheUsageError(
                 f"layer {self.layer_idx} received {q_len} token(s) for a batch of {batch}, but its group "
                 f"planned a step of {group.step.q_len if group.step else 0} token(s) for "
                 f"{group.batch_size} row(s): every layer must see the same tokens in the same step."
             )
+        if group.step.same_as is not None:
+            self._check_identical_rows(key_states, value_states)
         plan = group.step.on(self.device)
         self._ensure_capacity(group.manager.num_pages)
         if plan.copy_src is not None:
-            self.keys[plan.copy_dst] = self.keys[plan.copy_src]
-            self.values[plan.copy_dst] = self.values[plan.copy_src]
+            self._copy_pages(plan.copy_src, plan.copy_dst)
         self.keys.view(-1, self.num_heads, self.head_dim).index_copy_(
             0, plan.slots, key_states.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim))
         self.values.view(-1, self.num_heads, self.value_dim).index_copy_(
@@ -76,6 +108,21 @@ class PagedLayer(CacheLayerMixin):
         shape = (batch, self.num_heads, plan.kv_len)
         return (PagedKV(self, "k", (*shape, self.head_dim), self.dtype, self.device),
                 PagedKV(self, "v", (*shape, self.value_dim), self.dtype, self.device))
+
+    def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Rows the group shares because the first layer saw identical keys must be identical here too."""
+        source = torch.tensor(self.group.step.same_as, device=key_states.device)
+        differ = ((key_states != key_states[source]).flatten(1).any(1)
+                  | (value_states != value_states[source]).flatten(1).any(1)).nonzero().flatten().tolist()
+        if differ:  # rare (identical tokens, different masks): give those rows their own pages
+            pairs = self.group.unshare(differ)
+            for layer in self.group.layers:
+                if layer is not self and layer.seen == self.group.num_tokens:
+                    layer._copy_pages(*(torch.tensor(side, device=layer.device) for side in zip(*pairs)))
+
+    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.keys[dst] = self.keys[src]
+        self.values[dst] = self.values[src]
 
     def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:

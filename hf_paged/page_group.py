@@ -15,6 +15,7 @@ Invariants between steps:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class StepPlan:
     copy_dst: torch.Tensor | None
     slab: tuple[int, int] | None  # (first page, row stride in pages) when rows form a regular slab
     page_size: int = 1
+    same_as: list[int] | None = None  # rows assumed identical to an earlier row (sharing its pages)
     _on_device: dict = field(default_factory=dict)
 
     @property
@@ -64,7 +66,7 @@ class StepPlan:
             moved = StepPlan(
                 self.batch_size, self.q_len, self.past, self.num_tokens, self.first_pos,
                 move(self.table), move(self.slots), move(self.copy_src), move(self.copy_dst), self.slab,
-                self.page_size,
+                self.page_size, self.same_as,
             )
             self._on_device[device] = moved
         return moved
@@ -88,7 +90,7 @@ class PageGroup:
         self.step: StepPlan | None = None
         self._undo: tuple | None = None  # (rows, first_page, num_tokens) before an uncommitted step
         self._pending_release: list[int] = []
-        self.layers: list = []  # PagedLayer objects reading this group, to roll back a failed step
+        self.layers = weakref.WeakSet()  # PagedLayers of this group (weak: a dropped cache frees its pages)
         self.evictions = 0  # live pages dropped by a lossy eviction policy
         self.prefix_hits = 0  # pages reused from the prefix cache instead of recomputed
 
@@ -112,6 +114,23 @@ class PageGroup:
     def tokens_stored(self) -> int:
         return sum(min(self.num_tokens, (self.first_page + len(r)) * self.page_size) - self.first_page * self.page_size
                    for r in self.rows)
+
+    def __del__(self):
+        """A dropped cache (or fork) gives its pages back: unreferenced, then cached or free."""
+        try:
+            self.clear()
+        except Exception:  # interpreter shutdown: nothing left to give back to
+            pass
+
+    def fork(self) -> "PageGroup":
+        """A group with the same rows, sharing every page (one more reference each)."""
+        self.commit()
+        twin = PageGroup(self.manager, self.sliding_window)
+        twin.rows = [list(r) for r in self.rows]
+        for p in (p for r in twin.rows for p in r):
+            self.manager.share(p)
+        twin.first_page, twin.num_tokens, twin.record_past = self.first_page, self.num_tokens, self.record_past
+        return twin
 
     # ------------------------------------------------------------- row edits
     def clear(self) -> None:
@@ -141,8 +160,11 @@ class PageGroup:
         self.num_tokens, self.step = new_len, None
 
     # ------------------------------------------------------------------ step
-    def begin_step(self, batch_size: int, q_len: int) -> StepPlan:
+    def begin_step(self, batch_size: int, q_len: int, same_as: list[int] | None = None) -> StepPlan:
         """Allocate pages for ``q_len`` new tokens per row and plan the writes.
+
+        ``same_as[b] = a`` (a <= b) says rows a and b of a fresh batch hold identical tokens (as
+        when generate repeats a prompt for beams or samples): row b then shares row a's pages.
 
         Raises (changing nothing) when the batch size differs from the cached rows or a
         bounded pool cannot provide the pages.
@@ -160,14 +182,17 @@ class PageGroup:
                 f"{batch_size}: raise max_pages to at least {batch_size} (better: enough pages for the "
                 "prompt and the new tokens of every row) or split the batch.")
         S, past, end = self.page_size, self.num_tokens, self.num_tokens + q_len
+        fresh = not self.rows
         rows = self.rows if self.rows else [[] for _ in range(batch_size)]
+        same_as = same_as if fresh and same_as and any(a != b for b, a in enumerate(same_as)) else None
+        owners = [b for b in range(batch_size) if same_as is None or same_as[b] == b]
         new_first = self.first_kept_page(past)
         trim = new_first - self.first_page
         end_page = math.ceil(end / S)
         new_per_row = end_page - (self.first_page + len(rows[0]))
         partial = past % S != 0 and past > 0
         cow_rows = [b for b, r in enumerate(rows) if partial and self.manager.ref[r[-1]] > 1]
-        self.manager.require(batch_size * new_per_row + len(cow_rows))
+        self.manager.require(len(owners) * new_per_row + len(cow_rows))
 
         # From here on nothing raises (the pool was checked above). Pages leaving the rows are
         # released only when the step commits, so that `abort_step` can restore them.
@@ -182,23 +207,48 @@ class PageGroup:
             self._pending_release.append(src[-1])
             rows[b][-1] = dst[-1]
         was_slab = self.step is not None and self.step.slab is not None
-        self._allocate(rows, new_per_row)
+        self._allocate([rows[b] for b in owners], new_per_row)
+        for b, a in enumerate(same_as or ()):
+            if a != b:
+                rows[b] = list(rows[a])
+                for p in rows[b]:
+                    self.manager.share(p)
         if was_slab and self._slab(torch.tensor(rows)) is None:
             self._relocate(rows, src, dst)
         self.rows = rows
-
-        table = torch.tensor(rows, dtype=torch.long)
-        pos = torch.arange(past, end)
-        local_page = pos // S - self.first_page
-        slots = (table[:, local_page] * S + pos % S).reshape(-1)
         self.num_tokens = end
-        self.step = StepPlan(
-            batch_size, q_len, past, end, self.first_page * S, table, slots,
+        self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
+        return self.step
+
+    def _plan(self, batch_size, q_len, past, src, dst, same_as) -> StepPlan:
+        S = self.page_size
+        table = torch.tensor(self.rows, dtype=torch.long)
+        pos = torch.arange(past, self.num_tokens)
+        slots = (table[:, pos // S - self.first_page] * S + pos % S).reshape(-1)
+        return StepPlan(
+            batch_size, q_len, past, self.num_tokens, self.first_page * S, table, slots,
             torch.tensor(src, dtype=torch.long) if src else None,
             torch.tensor(dst, dtype=torch.long) if dst else None,
-            self._slab(table), S,
+            self._slab(table), S, same_as,
         )
-        return self.step
+
+    def unshare(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Give rows that were assumed identical to another row their own pages, mid-step.
+
+        Returns the (source, copy) page pairs that layers which already wrote this step must
+        copy (their content was identical); the step's plan is rebuilt for the other layers.
+        """
+        plan = self.step
+        self.manager.require(sum(len(self.rows[b]) for b in rows))
+        pairs = []
+        for b in rows:
+            new = [self.manager.allocate() for _ in self.rows[b]]
+            pairs += zip(self.rows[b], new)
+            self.manager.release_row(self.rows[b])
+            self.rows[b] = new
+        same_as = [b if b in rows else a for b, a in enumerate(plan.same_as)]
+        self.step = self._plan(plan.batch_size, plan.q_len, plan.past, [], [], same_as)
+        return pairs
 
     def _allocate(self, rows: list[list[int]], count: int) -> None:
         """Give each row ``count`` more pages, keeping a row's pages consecutive when possible.
