@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -9,6 +11,7 @@ from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .page_group import PageGroup
+from .prefix_cache import TokenLog, install_hook, page_hashes
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
@@ -49,11 +52,15 @@ class PagedCache(Cache):
             as they leave the window) and checks the attention implementation.
         backend: "torch" (CPU path), "triton" (the paged kernel; CUDA, or CPU with
             TRITON_INTERPRET=1) or "auto" (Triton on CUDA); default ``$HF_PAGED_BACKEND`` or "auto".
+        model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
+            full pages get content hashes, and a prompt whose leading pages are cached (after
+            ``reset()``, or in a fork) computes only its new tokens.
 
     ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
     """
 
-    def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None):
+    def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
+                 model=None):
         _check_positive_int("page_size", page_size)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         if backend not in (None, "auto", "torch", "triton"):
@@ -64,6 +71,11 @@ class PagedCache(Cache):
         self.max_pages = max_pages
         self.groups: dict[int | None, PageGroup] = {}
         self.config = None
+        self.token_log: TokenLog | None = None
+        if model is not None:
+            config = config or model.config
+            self.token_log = TokenLog(page_size)
+            install_hook(model)
         if config is not None:
             self.bind_config(config)
 
@@ -106,9 +118,38 @@ class PagedCache(Cache):
                 group.abort_step()
             raise
 
-    def _commit(self) -> None:
+    def commit(self) -> None:
+        """Finish the last step (or roll back a failed one) and hash newly filled pages."""
         for group in self.groups.values():
             group._finish_or_rollback()
+            if self.token_log is not None:
+                group.register_hashes(self.token_log.hashes)
+
+    # -------------------------------------------------------- prefix caching
+    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """On an empty bound cache: share the longest cached, page-aligned prefix of every row.
+
+        Returns the number of tokens reused (the same for every row, and less than the prompt,
+        so at least one token is computed); the prefix hook trims the inputs by that much.
+        """
+        self.commit()
+        if self.get_seq_length() > 0 or not self.groups:
+            return 0
+        S, length = self.page_size, input_ids.shape[1]
+        bits = attention_mask[:, -length:] if attention_mask is not None else torch.ones_like(input_ids)
+        rows = [page_hashes(ids, mask, S, 0, b"") for ids, mask in zip(input_ids.tolist(), bits.tolist())]
+        pages = min((length - 1) // S, *(len(r) for r in rows))
+        while pages > 0 and not all(g.can_restore(rows, pages) for g in self.groups.values()):
+            pages -= 1
+        if pages == 0:
+            return 0
+        for group in self.groups.values():
+            group.restore(rows, pages)
+        for layer in self.layers:
+            layer.seen = pages * S
+        self.token_log.clear()
+        self.token_log.extend(input_ids[:, :pages * S], None if attention_mask is None else bits[:, :pages * S])
+        return pages * S
 
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":
@@ -117,9 +158,11 @@ class PagedCache(Cache):
         Both caches stay usable and independent: a write into a shared, partly filled page
         copies that page first. ``copy.deepcopy(cache)`` does the same.
         """
-        self._commit()
+        self.commit()
         twin = PagedCache(self.page_size, self.max_pages, backend=self.backend)
         twin.config = self.config
+        if self.token_log is not None:
+            twin.token_log = copy.deepcopy(self.token_log)
         twin.groups = {w: g.fork() for w, g in self.groups.items()}
         twin.layers = [layer.fork(twin.groups[layer.group.sliding_window]) for layer in self.layers]
         return twin
@@ -130,7 +173,9 @@ class PagedCache(Cache):
     # ------------------------------------------------------- row operations
     def _remap_rows(self, rows_for) -> None:
         """Replace every group's rows by ``rows_for(old_rows)``, sharing pages (no K/V copy)."""
-        self._commit()
+        self.commit()
+        if self.token_log is not None and self.token_log.tokens:
+            self.token_log.remap(rows_for(range(len(self.token_log.tokens))))
         for group in self.groups.values():
             old = group.rows
             new = [list(r) for r in rows_for(old)]
@@ -159,24 +204,28 @@ class PagedCache(Cache):
         if tokens_to_remove > 0:
             raise CacheUsageError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache.")
-        self._commit()
+        self.commit()
         for group in self.groups.values():
             group.crop(-tokens_to_remove)
+        if self.token_log is not None:
+            self.token_log.truncate(self.get_seq_length())
         for layer in self.layers:
             layer.seen = layer.group.num_tokens
 
     def reset(self) -> None:
         """Release every row's pages (hashed pages stay cached for prefix reuse)."""
-        self._commit()
+        self.commit()
         for group in self.groups.values():
             group.clear()
         for layer in self.layers:
             layer.reset()
+        if self.token_log is not None:
+            self.token_log.clear()
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Page and memory accounting; ``kv_bytes`` counts used + cached pages of every layer."""
-        self._commit()
+        self.commit()
         out = dict(page_size=self.page_size, pages_total=0, pages_used=0, pages_free=0, pages_cached=0,
                    tokens_stored=0, kv_bytes=0, pool_bytes=0, evictions=0, prefix_hits=0)
         for group in self.groups.values():

@@ -93,6 +93,7 @@ class PageGroup:
         self.layers = weakref.WeakSet()  # PagedLayers of this group (weak: a dropped cache frees its pages)
         self.evictions = 0  # live pages dropped by a lossy eviction policy
         self.prefix_hits = 0  # pages reused from the prefix cache instead of recomputed
+        self.hashed_pages = 0  # logical pages [0, hashed_pages) of every row carry content hashes
 
     # ----------------------------------------------------------------- views
     def first_kept_page(self, past: int) -> int:
@@ -130,7 +131,38 @@ class PageGroup:
         for p in (p for r in twin.rows for p in r):
             self.manager.share(p)
         twin.first_page, twin.num_tokens, twin.record_past = self.first_page, self.num_tokens, self.record_past
+        twin.hashed_pages = self.hashed_pages
         return twin
+
+    # -------------------------------------------------------- prefix caching
+    def register_hashes(self, row_hashes: list[list[bytes]]) -> None:
+        """Give the rows' full pages their content hashes (they become reusable once released)."""
+        full = min(self.num_tokens // self.page_size, *(len(h) for h in row_hashes)) if row_hashes else 0
+        for row, hashes in zip(self.rows, row_hashes):
+            for i in range(max(self.first_page, self.hashed_pages), full):
+                self.manager.set_hash(row[i - self.first_page], hashes[i])
+        self.hashed_pages = max(self.hashed_pages, full)
+
+    def _needed_pages(self, pages: int) -> range:
+        """Logical pages a group must hold after reusing ``pages`` full pages."""
+        first = self.first_page
+        self.first_page = 0
+        try:
+            return range(self.first_kept_page(pages * self.page_size), pages)
+        finally:
+            self.first_page = first
+
+    def can_restore(self, row_hashes: list[list[bytes]], pages: int) -> bool:
+        return all(self.manager.lookup(h[i]) is not None for h in row_hashes for i in self._needed_pages(pages))
+
+    def restore(self, row_hashes: list[list[bytes]], pages: int) -> None:
+        """Rows become the cached pages of their first ``pages`` pages (shared, counted as hits)."""
+        needed = self._needed_pages(pages)
+        self.rows = [[self.manager.lookup(h[i]) for i in needed] for h in row_hashes]
+        for p in (p for r in self.rows for p in r):
+            self.manager.share(p)
+        self.first_page, self.num_tokens, self.hashed_pages = needed.start, pages * self.page_size, pages
+        self.prefix_hits += len(needed) * len(self.rows)
 
     # ------------------------------------------------------------- row edits
     def clear(self) -> None:
@@ -138,7 +170,7 @@ class PageGroup:
         self.commit()
         for r in self.rows:
             self.manager.release_row(r)
-        self.rows, self.first_page, self.num_tokens, self.step = [], 0, 0, None
+        self.rows, self.first_page, self.num_tokens, self.step, self.hashed_pages = [], 0, 0, None, 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages."""
@@ -158,6 +190,7 @@ class PageGroup:
             if r and new_len % self.page_size:
                 self.manager.forget(r[-1])  # the page is partial again: its content hash is stale
         self.num_tokens, self.step = new_len, None
+        self.hashed_pages = min(self.hashed_pages, new_len // self.page_size)
 
     # ------------------------------------------------------------------ step
     def begin_step(self, batch_size: int, q_len: int, same_as: list[int] | None = None) -> StepPlan:
