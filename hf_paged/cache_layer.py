@@ -183,6 +183,10 @@ class PagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def activate_past_recording(self) -> None:
+        """Assisted decoding: keep sliding-window pages until the next `crop` (it may roll back)."""
+        self.group.record_past = True
+
     def reset(self) -> None:
         """Forget this layer's tokens; the pools are kept for reuse."""
         self.seen = 0

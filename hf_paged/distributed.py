@@ -9,7 +9,7 @@ How the work is split, and why a run on N processes gives the same greedy output
 
 1. every prompt is tokenized once and the prompts are sorted by length (longest first), then cut
    into batches of ``batch_size``: batches hold prompts of similar length, so little padding;
-2. the *batches* (not the prompts) are dealt round-robin to the processes, through
+2. the *batches* (not the prompts) are dealt to the processes in snake order (see :func:`deal`), through
    ``PartialState.split_between_processes`` (without ``apply_padding``, which would repeat the last
    item on the short ranks); a prompt is therefore generated in the same batch, with the same
    padding and the same neighbours, whatever the number of processes: the numbers are the same;
@@ -95,14 +95,25 @@ def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 
 def deal(items: Sequence, num_processes: int) -> list:
-    """Reorder ``items`` so that ``split_between_processes``' contiguous chunks deal them round-robin.
+    """Reorder ``items`` so that ``split_between_processes``' contiguous chunks deal them out in snake order.
 
-    ``split_between_processes`` gives the first ``len(items) % num_processes`` ranks one item more,
-    and so does a round-robin deal (rank r gets items r, r + P, r + 2P, ...), so rank r's chunk
-    of the result is exactly ``items[r::num_processes]``: long and short batches alternate between
-    ranks instead of rank 0 getting all the long ones.
+    Items go to ranks in rounds of ``num_processes``: forwards (0, 1, ..., P-1), then backwards
+    (P-1, ..., 0), and so on; the last, incomplete round goes forwards. With items sorted longest
+    first this balances the ranks (rank 0 does not get the longest batch of every round), and the
+    counts are exactly those of ``split_between_processes``: one each per full round, plus one for
+    each of the first ``len(items) % P`` ranks. Rank r's chunk of the result is its share, in order.
     """
-    return [x for r in range(num_processes) for x in items[r::num_processes]]
+    if num_processes <= 0:
+        raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
+    shares: list[list] = [[] for _ in range(num_processes)]
+    full = len(items) - len(items) % num_processes
+    for start in range(0, len(items), num_processes):
+        ranks = range(num_processes)
+        if start < full and (start // num_processes) % 2 == 1:
+            ranks = reversed(ranks)
+        for rank, item in zip(ranks, items[start:start + num_processes]):
+            shares[rank].append(item)
+    return [x for share in shares for x in share]
 
 
 @dataclass

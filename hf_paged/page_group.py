@@ -177,6 +177,7 @@ class PageGroup:
         self.commit()
         new_len = self.num_tokens - tokens_to_remove
         if tokens_to_remove <= 0:
+            self._trim_recorded_past()
             return
         if new_len < self.first_page * self.page_size:
             raise CacheUsageError(
@@ -191,6 +192,19 @@ class PageGroup:
                 self.manager.forget(r[-1])  # the page is partial again: its content hash is stale
         self.num_tokens, self.step = new_len, None
         self.hashed_pages = min(self.hashed_pages, new_len // self.page_size)
+        self._trim_recorded_past()
+
+    def _trim_recorded_past(self) -> None:
+        """After a crop, free the sliding-window pages kept for it (see `record_past`)."""
+        if self.sliding_window is None or not self.record_past:
+            return
+        self.record_past = False
+        trim = self.first_kept_page(self.num_tokens) - self.first_page
+        self.record_past = True
+        for r in self.rows:
+            self.manager.release_row(r[:trim])
+            del r[:trim]
+        self.first_page += max(trim, 0)
 
     # ------------------------------------------------------------------ step
     def begin_step(self, batch_size: int, q_len: int, same_as: list[int] | None = None) -> StepPlan:
