@@ -35,13 +35,15 @@ def attend(
     is_causal: bool = False,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_probs: bool = False,
+):
     """Attention of ``query [B, Hq, Q, D]`` over ``key/value [B, Hkv, T, D]`` (any strides).
 
     GQA reads each K/V head once (no repeat). ``mask`` is boolean (True = attend) or additive,
-    broadcastable to ``[B, Hq, Q, T]``. Returns ``[B, Q, Hq, Dv]``.
+    broadcastable to ``[B, Hq, Q, T]``. Returns ``[B, Q, Hq, Dv]``, and with ``return_probs``
+    also the attention probabilities ``[B, Hkv, Hq // Hkv, Q, T]`` (float32).
     """
-    if softcap is None and s_aux is None:
+    if softcap is None and s_aux is None and not return_probs:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
             enable_gqa=query.shape[1] != key.shape[1])
@@ -71,7 +73,8 @@ def attend(
         probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # a fully masked query row attends to nothing
     out = torch.matmul(probs.to(value.dtype).view(B, Hkv, groups * Q, T), value)
-    return out.view(B, Hq, Q, -1).transpose(1, 2)
+    out = out.view(B, Hq, Q, -1).transpose(1, 2)
+    return (out, probs) if return_probs else out
 
 
 def resolve_backend(choice: str | None, device: torch.device) -> str:
@@ -99,9 +102,47 @@ def _triton_attention(query, layer, attention_mask, scaling, sliding_window, sof
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
         mask_offset = plan.num_tokens - attention_mask.shape[-1]
-    return paged_attention_triton(
+    result = paged_attention_triton(
         query, layer.keys, layer.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
-        mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+        mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
+        return_page_mass=layer.group.tracks_usage)
+    if not layer.group.tracks_usage:
+        return result
+    out, page_mass = result
+    layer.group.step.add_usage(page_mass.amax(dim=1))
+    return out
+
+
+def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, plan) -> torch.Tensor:
+    """Boolean mask ``[B, 1 or H, Q, T]`` over gathered live tokens at ``positions [B, T]``."""
+    q_pos = torch.arange(plan.past, plan.num_tokens, device=positions.device)
+    allowed = positions[:, None, None, :] <= q_pos[None, None, :, None]  # causal; padding slots excluded
+    if attention_mask is None:
+        return allowed
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    B, heads, Q, M = attention_mask.shape
+    column = positions - (plan.num_tokens - M)  # the mask's last column is the newest token
+    index = column.clamp(0, M - 1)[:, None, None, :].expand(positions.shape[0], heads, Q, -1)
+    picked = attention_mask.expand(positions.shape[0], heads, Q, M).gather(-1, index)
+    return allowed & picked & (column >= 0)[:, None, None, :]
+
+
+def _live_attention(query, layer, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
+    """Rows with evicted pages (or a bounded LRU cache): attend over the gathered live pages."""
+    plan = layer.group.step
+    keys, values, positions = layer.read_live()
+    mask = _live_mask(attention_mask, positions, plan)
+    track = layer.group.tracks_usage
+    result = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scaling, softcap=softcap,
+                    s_aux=s_aux, return_probs=track)
+    if not track:
+        return result
+    out, probs = result
+    B, T = positions.shape
+    per_page = probs.mean(dim=3).reshape(B, *probs.shape[1:3], T // plan.page_size, plan.page_size).sum(-1)
+    plan.add_usage(per_page.amax(dim=(1, 2)))
+    return out
 
 
 def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, sliding_window, softcap,
@@ -110,6 +151,8 @@ def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, slidi
     layer = key.layer
     if resolve_backend(layer.backend, query.device) == "triton":
         return _triton_attention(query, layer, attention_mask, scaling, sliding_window, softcap, s_aux)
+    if layer.group.step.read_table is not None:
+        return _live_attention(query, layer, attention_mask, scaling, softcap, s_aux)
     keys, values = layer.read()
     kv_len = keys.shape[1]
     if attention_mask is not None and attention_mask.shape[-1] != kv_len:

@@ -16,6 +16,8 @@ from collections import OrderedDict
 
 from .errors import PagePoolExhausted
 
+EVICTED = -1  # a row's entry for a page that an eviction policy dropped
+
 
 class BlockManager:
     """Hands out page ids; knows nothing about tensors.
@@ -125,7 +127,14 @@ class BlockManager:
     def release_row(self, pages: list[int]) -> None:
         """Release a row's pages tail first, so its prefix outlives its suffix in the LRU order."""
         for page in reversed(pages):
-            self.release(page)
+            if page != EVICTED:
+                self.release(page)
+
+    def share_row(self, pages: list[int]) -> None:
+        """One more reference on each of a row's pages (evicted entries skipped)."""
+        for page in pages:
+            if page != EVICTED:
+                self.share(page)
 
     def forget(self, page: int) -> None:
         """Drop ``page``'s content hash (its content is about to change or is incomplete)."""

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
+from .eviction import EvictionPolicy
 from .page_group import PageGroup
 from .prefix_cache import TokenLog, install_hook, page_hashes
 
@@ -52,6 +53,11 @@ class PagedCache(Cache):
             as they leave the window) and checks the attention implementation.
         backend: "torch" (CPU path), "triton" (the paged kernel; CUDA, or CPU with
             TRITON_INTERPRET=1) or "auto" (Triton on CUDA); default ``$HF_PAGED_BACKEND`` or "auto".
+        eviction: what a bounded pool does when full: "lru" (default), "fifo" or "error"
+            (raise `PagePoolExhausted`); see `hf_paged.eviction`.
+        sink_pages / recent_pages: pages never evicted at the start / end of each row.
+        lru_threshold: share of a step's attention mass (any head, any layer) that makes a page
+            count as used for "lru".
         model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
@@ -60,12 +66,14 @@ class PagedCache(Cache):
     """
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
-                 model=None):
+                 model=None, eviction: str = "lru", sink_pages: int = 1, recent_pages: int = 1,
+                 lru_threshold: float = 0.01):
         _check_positive_int("page_size", page_size)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         if backend not in (None, "auto", "torch", "triton"):
             raise CacheUsageError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
+        self.policy = EvictionPolicy(eviction, sink_pages, recent_pages, lru_threshold)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages
@@ -98,7 +106,7 @@ class PagedCache(Cache):
         group = self.groups.get(sliding_window)
         if group is None:
             manager = BlockManager(self.page_size, self.max_pages)
-            group = self.groups[sliding_window] = PageGroup(manager, sliding_window)
+            group = self.groups[sliding_window] = PageGroup(manager, sliding_window, self.policy)
         return group
 
     def _layer(self, layer_idx: int) -> PagedLayer:
@@ -159,7 +167,9 @@ class PagedCache(Cache):
         copies that page first. ``copy.deepcopy(cache)`` does the same.
         """
         self.commit()
-        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend)
+        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend, eviction=self.policy.name,
+                          sink_pages=self.policy.sink_pages, recent_pages=self.policy.recent_pages,
+                          lru_threshold=self.policy.threshold)
         twin.config = self.config
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
@@ -180,8 +190,7 @@ class PagedCache(Cache):
             old = group.rows
             new = [list(r) for r in rows_for(old)]
             for r in new:
-                for p in r:
-                    group.manager.share(p)
+                group.manager.share_row(r)
             for r in old:
                 group.manager.release_row(r)
             group.rows = new

@@ -163,6 +163,20 @@ class PagedLayer(CacheLayerMixin):
         plan = (plan or self.group.step).on(self.device)
         return self._read(self.keys, plan), self._read(self.values, plan)
 
+    def read_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Live pages only, for rows with evicted pages (or usage tracking): keys and values
+        ``[B, Nk * S, H, D]`` gathered from the pools, and each token's position ``[B, Nk * S]``
+        (``num_tokens`` for padding and unwritten slots, which no query may attend)."""
+        plan = self.group.step.on(self.device)
+        table, page_pos = plan.live_pages()
+        B, S = table.shape[0], plan.page_size
+        index = table.clamp(min=0)
+        keys = self.keys[index].reshape(B, -1, self.num_heads, self.head_dim)
+        values = self.values[index].reshape(B, -1, self.num_heads, self.value_dim)
+        positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
+        positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
+        return keys, values, positions.clamp(max=plan.num_tokens)
+
     @staticmethod
     def _read(pool: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         P, S, H, D = pool.shape

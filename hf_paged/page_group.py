@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import BlockManager
+from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
+from .eviction import EvictionPolicy, warn_first_eviction
 
 
 @dataclass
@@ -40,6 +41,9 @@ class StepPlan:
     slab: tuple[int, int] | None  # (first page, row stride in pages) when rows form a regular slab
     page_size: int = 1
     same_as: list[int] | None = None  # rows assumed identical to an earlier row (sharing its pages)
+    read_table: torch.Tensor | None = None  # long [B, Nk]: live pages only (-1 padded), when rows have holes
+    read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
+    usage: torch.Tensor | None = None  # float [B, Nk]: max attention share per live page this step
     _on_device: dict = field(default_factory=dict)
 
     @property
@@ -50,11 +54,22 @@ class StepPlan:
         """(page_table int32 [B, N], page_pos [B, N], q_pos [B, Q]) for the Triton kernel, once per device."""
         key = ("kernel", device)
         if key not in self._on_device:
-            B, N = self.table.shape
-            page_pos = (self.first_pos + torch.arange(N) * self.page_size).expand(B, N)
-            q_pos = torch.arange(self.past, self.num_tokens).expand(B, -1)
-            self._on_device[key] = tuple(t.to(device) for t in (self.table.int(), page_pos, q_pos))
+            table, page_pos = self.live_pages()
+            q_pos = torch.arange(self.past, self.num_tokens).expand(table.shape[0], -1)
+            self._on_device[key] = tuple(t.to(device) for t in (table.int(), page_pos, q_pos))
         return self._on_device[key]
+
+    def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""
+        if self.read_table is not None:
+            return self.read_table, self.read_pos
+        B, N = self.table.shape
+        return self.table, (self.first_pos + torch.arange(N) * self.page_size).expand(B, N)
+
+    def add_usage(self, page_mass: torch.Tensor) -> None:
+        """Fold one layer's per-page attention share [B, Nk] into this step's usage (max)."""
+        page_mass = page_mass.float().cpu()
+        self.usage = page_mass if self.usage is None else torch.maximum(self.usage, page_mass)
 
     def on(self, device: torch.device) -> "StepPlan":
         """This plan's index tensors on ``device``, moved once per step per device."""
@@ -66,7 +81,7 @@ class StepPlan:
             moved = StepPlan(
                 self.batch_size, self.q_len, self.past, self.num_tokens, self.first_pos,
                 move(self.table), move(self.slots), move(self.copy_src), move(self.copy_dst), self.slab,
-                self.page_size, self.same_as,
+                self.page_size, self.same_as, move(self.read_table), move(self.read_pos),
             )
             self._on_device[device] = moved
         return moved
@@ -79,8 +94,13 @@ def _next_pow2(n: int) -> int:
 class PageGroup:
     """Rows' page tables for one group of layers, all rows advancing in lockstep."""
 
-    def __init__(self, manager: BlockManager, sliding_window: int | None = None):
+    def __init__(self, manager: BlockManager, sliding_window: int | None = None,
+                 policy: EvictionPolicy | None = None):
         self.manager = manager
+        self.policy = policy or EvictionPolicy("error")
+        self.tracks_usage = self.policy.tracks_usage and manager.max_pages is not None
+        self.clock = 0  # steps planned so far; `last_used` values are clock readings
+        self.last_used: dict[int, int] = {}  # page -> last step it was used (written or attended)
         self.page_size = manager.page_size
         self.sliding_window = sliding_window
         self.rows: list[list[int]] = []
@@ -113,8 +133,9 @@ class PageGroup:
         return len(self.rows)
 
     def tokens_stored(self) -> int:
-        return sum(min(self.num_tokens, (self.first_page + len(r)) * self.page_size) - self.first_page * self.page_size
-                   for r in self.rows)
+        S = self.page_size
+        return sum(min(S, self.num_tokens - (self.first_page + i) * S)
+                   for r in self.rows for i, p in enumerate(r) if p != EVICTED)
 
     def __del__(self):
         """A dropped cache (or fork) gives its pages back: unreferenced, then cached or free."""
@@ -126,10 +147,11 @@ class PageGroup:
     def fork(self) -> "PageGroup":
         """A group with the same rows, sharing every page (one more reference each)."""
         self.commit()
-        twin = PageGroup(self.manager, self.sliding_window)
+        twin = PageGroup(self.manager, self.sliding_window, self.policy)
+        twin.last_used, twin.clock = self.last_used, self.clock
         twin.rows = [list(r) for r in self.rows]
-        for p in (p for r in twin.rows for p in r):
-            self.manager.share(p)
+        for r in twin.rows:
+            self.manager.share_row(r)
         twin.first_page, twin.num_tokens, twin.record_past = self.first_page, self.num_tokens, self.record_past
         twin.hashed_pages = self.hashed_pages
         return twin
@@ -159,8 +181,8 @@ class PageGroup:
         """Rows become the cached pages of their first ``pages`` pages (shared, counted as hits)."""
         needed = self._needed_pages(pages)
         self.rows = [[self.manager.lookup(h[i]) for i in needed] for h in row_hashes]
-        for p in (p for r in self.rows for p in r):
-            self.manager.share(p)
+        for r in self.rows:
+            self.manager.share_row(r)
         self.first_page, self.num_tokens, self.hashed_pages = needed.start, pages * self.page_size, pages
         self.prefix_hits += len(needed) * len(self.rows)
 
@@ -185,6 +207,9 @@ class PageGroup:
                 f"{self.first_page * self.page_size} on are still held (sliding window). Call "
                 "cache.activate_past_recording() before generating to keep them until crop().")
         keep = math.ceil(new_len / self.page_size) - self.first_page
+        if any(r[keep - 1] == EVICTED for r in self.rows if keep > 0):
+            raise CacheUsageError(f"cannot crop to {new_len} tokens: the page holding the last kept token was "
+                                  "evicted. Crop less, or raise max_pages.")
         for r in self.rows:
             self.manager.release_row(r[keep:])
             del r[keep:]
@@ -239,7 +264,10 @@ class PageGroup:
         new_per_row = end_page - (self.first_page + len(rows[0]))
         partial = past % S != 0 and past > 0
         cow_rows = [b for b, r in enumerate(rows) if partial and self.manager.ref[r[-1]] > 1]
-        self.manager.require(len(owners) * new_per_row + len(cow_rows))
+        needed = len(owners) * new_per_row + len(cow_rows)
+        if self.policy.lossy and needed > self.manager.available():
+            self._evict(needed)
+        self.manager.require(needed)
 
         # From here on nothing raises (the pool was checked above). Pages leaving the rows are
         # released only when the step commits, so that `abort_step` can restore them.
@@ -258,8 +286,7 @@ class PageGroup:
         for b, a in enumerate(same_as or ()):
             if a != b:
                 rows[b] = list(rows[a])
-                for p in rows[b]:
-                    self.manager.share(p)
+                self.manager.share_row(rows[b])
         if was_slab and self._slab(torch.tensor(rows)) is None:
             self._relocate(rows, src, dst)
         self.rows = rows
@@ -269,15 +296,53 @@ class PageGroup:
 
     def _plan(self, batch_size, q_len, past, src, dst, same_as) -> StepPlan:
         S = self.page_size
+        self.clock += 1
         table = torch.tensor(self.rows, dtype=torch.long)
         pos = torch.arange(past, self.num_tokens)
-        slots = (table[:, pos // S - self.first_page] * S + pos % S).reshape(-1)
+        written = table[:, pos // S - self.first_page]
+        slots = (written * S + pos % S).reshape(-1)
+        read_table = read_pos = None
+        if self.tracks_usage or bool((table == EVICTED).any()):
+            for page in written.unique().tolist():
+                self.last_used[page] = self.clock  # pages being written are in use
+            live = [[(p, (self.first_page + i) * S) for i, p in enumerate(r) if p != EVICTED] for r in self.rows]
+            width = max(len(r) for r in live)
+            read_table = torch.tensor([[p for p, _ in r] + [EVICTED] * (width - len(r)) for r in live])
+            read_pos = torch.tensor([[q for _, q in r] + [self.num_tokens] * (width - len(r)) for r in live])
         return StepPlan(
             batch_size, q_len, past, self.num_tokens, self.first_page * S, table, slots,
             torch.tensor(src, dtype=torch.long) if src else None,
             torch.tensor(dst, dtype=torch.long) if dst else None,
-            self._slab(table), S, same_as,
+            self._slab(table) if read_table is None else None, S, same_as, read_table, read_pos,
         )
+
+    def _record_usage(self) -> None:
+        """Pages that got at least the policy's threshold of attention in the last step were used."""
+        plan = self.step
+        if plan is None or plan.usage is None:
+            return
+        for page in plan.read_table[plan.usage >= self.policy.threshold].tolist():
+            if page != EVICTED:
+                self.last_used[page] = self.clock
+        plan.usage = None
+
+    def _evict(self, needed: int) -> None:
+        """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
+        warn_first_eviction(self.policy, self.manager.max_pages)
+        while self.manager.available() < needed:
+            evicted = False
+            for row in self.rows:
+                i = self.policy.victim(row, self.first_page, self.last_used)
+                if i is None:
+                    continue
+                self.manager.release(row[i])
+                row[i] = EVICTED
+                self.evictions += 1
+                evicted = True
+                if self.manager.available() >= needed:
+                    return
+            if not evicted:
+                return  # everything left is protected: `require` raises with the numbers
 
     def unshare(self, rows: list[int]) -> list[tuple[int, int]]:
         """Give rows that were assumed identical to another row their own pages, mid-step.
@@ -323,7 +388,7 @@ class PageGroup:
         cost per token is amortised, and decode keeps reading views instead of gathering.
         Only unshared rows of an unbounded pool move (a shared page stays shared).
         """
-        if self.manager.max_pages is not None or any(self.manager.ref[p] != 1 for r in rows for p in r):
+        if self.manager.max_pages is not None or any(p == EVICTED or self.manager.ref[p] != 1 for r in rows for p in r):
             return
         stride = _next_pow2(2 * len(rows[0]))
         base = self.manager.free_run(len(rows) * stride)
@@ -360,6 +425,7 @@ class PageGroup:
 
     def commit(self) -> None:
         """Make the current step final: release the pages it replaced or trimmed."""
+        self._record_usage()
         if self._undo is None:
             return
         self.manager.release_row(self._pending_release)

@@ -34,6 +34,13 @@ class PagedKV(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """The ``[B, H, kv_len, D]`` window as a regular tensor (a view when pages allow)."""
+        if self.layer.group.step.read_table is not None and bool((self.layer.group.step.table < 0).any()):
+            from .errors import CacheUsageError
+
+            raise CacheUsageError(
+                "This PagedCache evicted pages (a bounded pool with a lossy eviction policy): only the "
+                "'hf_paged' attention can read rows with holes. Load the model with attn_implementation='hf_paged', "
+                "or use eviction='error'.")
         keys, values = self.layer.read()
         return (keys if self.which == "k" else values).transpose(1, 2)
 

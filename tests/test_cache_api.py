@@ -124,7 +124,7 @@ def test_max_pages_below_one_page_per_row(llama):
 def test_bounded_pool_exhausted_keeps_cache_consistent(llama):
     ref, paged = llama
     batch = left_padded_batch((6, 4))
-    cache = hf_paged.PagedCache(page_size=4, max_pages=4, config=paged.config)
+    cache = hf_paged.PagedCache(page_size=4, max_pages=4, config=paged.config, eviction="error")
     with pytest.raises(hf_paged.PagePoolExhausted) as info:
         paged.generate(**batch, max_new_tokens=12, pad_token_id=0, eos_token_id=None, cache=cache)
     assert info.value.needed > info.value.available
