@@ -55,11 +55,11 @@ class BlockManager:
         headroom = float("inf") if self.max_pages is None else room - self.num_pages
         return len(self.free) + len(self.cached) + headroom
 
-    def require(self, needed: int) -> None:
+    def require(self, needed: int, lossy: bool = False) -> None:
         """Raise `PagePoolExhausted` (changing nothing) unless ``needed`` pages can be allocated."""
         available = self.available()
         if needed > available:
-            raise PagePoolExhausted(needed, int(available), self.max_pages, self.page_size)
+            raise PagePoolExhausted(needed, int(available), self.max_pages, self.page_size, lossy)
 
     @property
     def num_used(self) -> int:

@@ -7,12 +7,15 @@ class PagePoolExhausted(RuntimeError):
     Raised before anything is changed: the cache stays consistent and usable.
     """
 
-    def __init__(self, needed: int, available: int, max_pages: int, page_size: int):
+    def __init__(self, needed: int, available: int, max_pages: int, page_size: int, lossy: bool = False):
         self.needed, self.available, self.max_pages = needed, available, max_pages
+        fix = ("feed the prompt in chunks that fit (evicted pages cannot include the ones a step writes), "
+               "lower sink_pages / recent_pages, or raise max_pages." if lossy else
+               "raise max_pages, shorten the generation, or choose a lossy eviction policy "
+               "(eviction='lru' or 'fifo').")
         super().__init__(
             f"The page pool is exhausted: this step needs {needed} new page(s) but only {available} of "
-            f"max_pages={max_pages} (page_size={page_size}) can be freed. Raise max_pages, shorten the "
-            "generation, or choose a lossy eviction policy (eviction='lru' or 'fifo')."
+            f"max_pages={max_pages} (page_size={page_size}) can be freed. To fix it, {fix}"
         )
 
 

@@ -100,7 +100,7 @@ class PageGroup:
         self.policy = policy or EvictionPolicy("error")
         self.tracks_usage = self.policy.tracks_usage and manager.max_pages is not None
         self.clock = 0  # steps planned so far; `last_used` values are clock readings
-        self.last_used: dict[int, int] = {}  # page -> last step it was used (written or attended)
+        self.last_used: dict[int, int] = {}  # page -> 2 * step written, or 2 * step + 1 attended
         self.page_size = manager.page_size
         self.sliding_window = sliding_window
         self.rows: list[list[int]] = []
@@ -267,7 +267,7 @@ class PageGroup:
         needed = len(owners) * new_per_row + len(cow_rows)
         if self.policy.lossy and needed > self.manager.available():
             self._evict(needed)
-        self.manager.require(needed)
+        self.manager.require(needed, self.policy.lossy)
 
         # From here on nothing raises (the pool was checked above). Pages leaving the rows are
         # released only when the step commits, so that `abort_step` can restore them.
@@ -304,7 +304,7 @@ class PageGroup:
         read_table = read_pos = None
         if self.tracks_usage or bool((table == EVICTED).any()):
             for page in written.unique().tolist():
-                self.last_used[page] = self.clock  # pages being written are in use
+                self.last_used[page] = 2 * self.clock  # written this step (ranks below attended)
             live = [[(p, (self.first_page + i) * S) for i, p in enumerate(r) if p != EVICTED] for r in self.rows]
             width = max(len(r) for r in live)
             read_table = torch.tensor([[p for p, _ in r] + [EVICTED] * (width - len(r)) for r in live])
@@ -323,7 +323,7 @@ class PageGroup:
             return
         for page in plan.read_table[plan.usage >= self.policy.threshold].tolist():
             if page != EVICTED:
-                self.last_used[page] = self.clock
+                self.last_used[page] = 2 * self.clock + 1
         plan.usage = None
 
     def _evict(self, needed: int) -> None:
