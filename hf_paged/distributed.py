@@ -21,7 +21,7 @@ process as a lone process (each would generate *every* prompt): :func:`make_stat
 ``cpu=True`` there, which makes the processes a gloo group. Note that in accelerate 1.15
 ``accelerate launch --cpu --num_processes 2`` starts a *single* process (its "simple launcher");
 use ``accelerate launch --multi_gpu --num_processes 2`` (torch's elastic launcher, also on CPU) or
-``torchrun --nproc_per_node 2``: :func:`make_state` warns when it detects the single-process case.
+``torchrun --standalone --nproc_per_node 2``: :func:`make_state` warns when it detects the single-process case.
 
 accelerate is an optional dependency (``pip install hf_paged[eval]``); it is imported lazily.
 """
@@ -82,7 +82,7 @@ def make_state(cpu: bool | None = None):
         logger.warning(
             "one process only: `accelerate launch --cpu --num_processes N` starts a single process in "
             "accelerate 1.x. Use `accelerate launch --multi_gpu --num_processes N` or "
-            "`torchrun --nproc_per_node N` to start N processes (on CPU too).")
+            "`torchrun --standalone --nproc_per_node N` to start N processes (on CPU too).")
     return state
 
 

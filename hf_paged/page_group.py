@@ -87,10 +87,6 @@ class StepPlan:
         return moved
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class PageGroup:
     """Rows' page tables for one group of layers, all rows advancing in lockstep."""
 
@@ -371,7 +367,7 @@ class PageGroup:
         if count <= 0:
             return
         if all(not r for r in rows):
-            stride = _next_pow2(2 * count)
+            stride = 2 * count
             base = self.manager.free_run(len(rows) * stride)
             if base is not None:
                 for b, r in enumerate(rows):
@@ -390,7 +386,7 @@ class PageGroup:
         """
         if self.manager.max_pages is not None or any(p == EVICTED or self.manager.ref[p] != 1 for r in rows for p in r):
             return
-        stride = _next_pow2(2 * len(rows[0]))
+        stride = 2 * len(rows[0])
         base = self.manager.free_run(len(rows) * stride)
         for b, r in enumerate(rows):
             moved = [self.manager.allocate(base + b * stride + i) for i in range(len(r))]
