@@ -11,10 +11,10 @@ prompts = ["The capital of France is", "Shakespeare was born in", "A paged KV ca
 inputs = tokenizer(prompts, return_tensors="pt", padding=True)
 
 cache = hf_paged.PagedCache(page_size=16, config=model.config)
-paged = model.generate(**inputs, max_new_tokens=24, do_sample=False, cache=cache)
+paged = model.generate(**inputs, max_new_tokens=24, do_sample=False, **{hf_paged.CACHE_KWARG: cache})
 
 model.set_attn_implementation("sdpa")
-stock = model.generate(**inputs, max_new_tokens=24, do_sample=False, cache=DynamicCache(config=model.config))
+stock = model.generate(**inputs, max_new_tokens=24, do_sample=False, **{hf_paged.CACHE_KWARG: DynamicCache(config=model.config)})
 
 for text in tokenizer.batch_decode(paged, skip_special_tokens=True):
     print(repr(text))

@@ -10,13 +10,14 @@ reads keys and values from pages in place.
 
 from .attention import paged_attention_forward, register
 from .block_manager import BlockManager
-from .cache import ATTN_IMPLEMENTATION, PagedCache
+from .cache import ATTN_IMPLEMENTATION, CACHE_KWARG, PagedCache
 from .errors import CacheUsageError, PagePoolExhausted
 
 register()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CACHE_KWARG",
     "BlockManager",
     "CacheUsageError",
     "PagePoolExhausted",

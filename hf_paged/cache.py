@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers.cache_utils import Cache
@@ -15,6 +16,16 @@ from .page_group import PageGroup
 from .prefix_cache import TokenLog, install_hook, page_hashes
 
 ATTN_IMPLEMENTATION = "hf_paged"
+
+
+def _cache_keyword() -> str:
+    """How `generate` and model forwards take a cache: ``cache=`` (transformers >= 5.2x), else ``past_key_values=``."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+CACHE_KWARG = _cache_keyword()  # e.g. model.generate(**inputs, **{hf_paged.CACHE_KWARG: cache})
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PagedCache
+from .cache import CACHE_KWARG, PagedCache
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def generate_distributed(
             enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True).to(device)
             if gen.get("do_sample"):
                 torch.manual_seed(seed + number)
-            out = model.generate(**enc, cache=cache, **gen)
+            out = model.generate(**enc, **{CACHE_KWARG: cache}, **gen)
             width = enc["input_ids"].shape[1]
             new = out[:, width:].tolist()
             for row, i in enumerate(batch):

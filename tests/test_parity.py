@@ -1,5 +1,7 @@
 """The contract: PagedCache + "hf_paged" attention == DynamicCache + stock attention, per architecture."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -36,7 +38,8 @@ def test_past_key_values_keyword(pair):
     name, ref, paged = pair
     batch = left_padded_batch((4, 7, 6))
     want = ref.generate(**batch, **GEN, do_sample=False)
-    with pytest.warns(FutureWarning):  # transformers renamed the keyword to `cache`; both must work
+    with warnings.catch_warnings():  # newer transformers renamed the keyword to `cache`; both must work
+        warnings.simplefilter("ignore", FutureWarning)
         got = paged.generate(**batch, **GEN, do_sample=False, past_key_values=hf_paged.PagedCache(page_size=4))
     assert torch.equal(got, want)
 
