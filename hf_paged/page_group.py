@@ -68,8 +68,10 @@ class StepPlan:
 
     def add_usage(self, page_mass: torch.Tensor) -> None:
         """Fold one layer's per-page attention share [B, Nk] into this step's usage (max)."""
-        page_mass = page_mass.float().cpu()
-        self.usage = page_mass if self.usage is None else torch.maximum(self.usage, page_mass)
+        page_mass = page_mass.float()  # stays on its device: moved to the host once, at commit
+        if self.usage is not None:
+            page_mass = torch.maximum(self.usage, page_mass.to(self.usage.device))
+        self.usage = page_mass
 
     def on(self, device: torch.device) -> "StepPlan":
         """This plan's index tensors on ``device``, moved once per step per device."""
@@ -112,12 +114,13 @@ class PageGroup:
         self.hashed_pages = 0  # logical pages [0, hashed_pages) of every row carry content hashes
 
     # ----------------------------------------------------------------- views
-    def first_kept_page(self, past: int) -> int:
-        """First logical page a step starting after ``past`` tokens still needs."""
+    def first_kept_page(self, past: int, first_page: int | None = None) -> int:
+        """First logical page a step starting after ``past`` tokens still needs (rows now start at ``first_page``)."""
+        first_page = self.first_page if first_page is None else first_page
         if self.sliding_window is None or self.record_past:
-            return self.first_page
+            return first_page
         first_needed_pos = max(0, past - self.sliding_window + 1)
-        return max(self.first_page, first_needed_pos // self.page_size)
+        return max(first_page, first_needed_pos // self.page_size)
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         """(kv_length, kv_offset) that the next step's attention reads, as transformers expects."""
@@ -158,17 +161,13 @@ class PageGroup:
         full = min(self.num_tokens // self.page_size, *(len(h) for h in row_hashes)) if row_hashes else 0
         for row, hashes in zip(self.rows, row_hashes):
             for i in range(max(self.first_page, self.hashed_pages), full):
-                self.manager.set_hash(row[i - self.first_page], hashes[i])
+                if row[i - self.first_page] != EVICTED:
+                    self.manager.set_hash(row[i - self.first_page], hashes[i])
         self.hashed_pages = max(self.hashed_pages, full)
 
     def _needed_pages(self, pages: int) -> range:
         """Logical pages a group must hold after reusing ``pages`` full pages."""
-        first = self.first_page
-        self.first_page = 0
-        try:
-            return range(self.first_kept_page(pages * self.page_size), pages)
-        finally:
-            self.first_page = first
+        return range(self.first_kept_page(pages * self.page_size, first_page=0), pages)
 
     def can_restore(self, row_hashes: list[list[bytes]], pages: int) -> bool:
         return all(self.manager.lookup(h[i]) is not None for h in row_hashes for i in self._needed_pages(pages))
@@ -317,7 +316,7 @@ class PageGroup:
         plan = self.step
         if plan is None or plan.usage is None:
             return
-        for page in plan.read_table[plan.usage >= self.policy.threshold].tolist():
+        for page in plan.read_table[plan.usage.cpu() >= self.policy.threshold].tolist():
             if page != EVICTED:
                 self.last_used[page] = 2 * self.clock + 1
         plan.usage = None
