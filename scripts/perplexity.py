@@ -1,0 +1,515 @@
+"""Perplexity of a causal LM with DynamicCache vs PagedCache, unbounded and under eviction policies.
+
+Two modes, over any text that ``datasets`` can load (documents joined with "\\n\\n", tokenized once):
+
+``--mode strided`` (the transformers perplexity guide): windows of ``--window`` tokens every
+``--stride`` tokens, the overlap masked out of the labels (-100); every window is a fresh cache and
+a ``use_cache=True`` forward, so the cache is really written and read. DynamicCache + "sdpa" and
+PagedCache + "hf_paged" must agree within ``--tolerance`` (relative).
+
+``--mode streaming`` (StreamingLLM's long-text evaluation): the text goes through ONE cache in
+chunks of ``--chunk`` tokens (default: one page), with explicit ``position_ids`` continuing the
+processed count; every next token is scored given what the cache still holds plus the chunk. Rows:
+DynamicCache (full), PagedCache unbounded (must equal full within ``--tolerance``), and for every
+``--budgets`` value B (tokens, ``max_pages = B // page_size``): ``lru``, ``fifo+sinks``
+(``sink_pages`` = enough pages for 4 tokens) and ``fifo`` without sinks (``sink_pages=0``). Those
+rows need ``PagedCache(eviction=...)``; without it they read "n/a (eviction not available)".
+
+Examples:
+    python scripts/perplexity.py --mode streaming                       # Britannica, 4096 tokens
+    python scripts/perplexity.py --mode strided --max-tokens 0          # the whole text
+    python scripts/perplexity.py --dataset wikitext --config wikitext-2-raw-v1 --split test
+    python scripts/perplexity.py --text-file notes.txt --model HuggingFaceTB/SmolLM2-360M
+
+Several processes (``accelerate launch`` or ``torchrun``; one process needs no launcher):
+    accelerate launch --config_file integrations/accelerate/cpu_2proc.yaml scripts/perplexity.py
+    torchrun --nproc_per_node 2 scripts/perplexity.py --mode strided
+The strided windows, and in streaming mode the cache configurations (one stream cannot be cut
+without changing what the cache holds), are split between the ranks with
+``PartialState.split_between_processes``; NLL sums and token counts come back through
+``accelerate.utils.gather_object`` and are added in a fixed order, so the numbers do not depend on
+the number of processes. Only the main process writes.
+
+Writes ``--out``/perplexity.md (the table, also printed), perplexity.json (every number, settings,
+versions) and perplexity.png. Exit status 1 when a parity check fails or a row raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import hf_paged  # noqa: E402  (registers the "hf_paged" attention)
+from hf_paged import assets  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NA_EVICTION = "n/a (eviction not available)"
+SINK_TOKENS = 4  # StreamingLLM keeps 4 attention-sink tokens
+POLICIES = ("lru", "fifo+sinks", "fifo")
+
+
+# ------------------------------------------------------------------------------------ arguments
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", choices=("strided", "streaming"), default="streaming")
+    p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dataset", default=None, help="datasets name or path; none: the embedded Britannica article")
+    p.add_argument("--config", default=None, help="dataset config name")
+    p.add_argument("--split", default="train")
+    p.add_argument("--column", default="text")
+    p.add_argument("--text-file", default=None, help="local text file, one document per paragraph")
+    p.add_argument("--max-tokens", type=int, default=4096, help="use the first N tokens of the text (0: all)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=512, help="strided: tokens per window")
+    p.add_argument("--stride", type=int, default=256, help="strided: window step (the scored tokens per window)")
+    p.add_argument("--chunk", type=int, default=None, help="streaming: tokens per forward; none: one page")
+    p.add_argument("--budgets", type=_int_list, default="128,256,512,1024",
+                   help="streaming: KV budgets in tokens (max_pages = budget // page size)")
+    p.add_argument("--lru-threshold", type=float, default=None,
+                   help="streaming: PagedCache(lru_threshold=...) for the lru rows; none: PagedCache's default")
+    p.add_argument("--segment", type=int, default=512, help="streaming: also report perplexity per segment of N tokens")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the parity checks")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process; none: torch's default")
+    p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
+    p.add_argument("--out", default="results/perplexity", help="output folder")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("page_size", "window", "stride", "segment"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.chunk is None:
+        args.chunk = args.page_size
+    if args.chunk <= 0:
+        p.error("--chunk must be positive")
+    if args.stride > args.window:
+        p.error("--stride must not exceed --window (tokens would be skipped)")
+    if args.max_tokens < 0:
+        p.error("--max-tokens must be >= 0")
+    if args.mode == "streaming" and min(args.budgets) < args.page_size:
+        p.error(f"--budgets must be at least one page ({args.page_size} tokens)")
+    return args
+
+
+# ----------------------------------------------------------------------------------------- text
+def load_token_ids(args, tokenizer) -> tuple[torch.Tensor, dict]:
+    """The documents joined with "\\n\\n", tokenized once, cut to ``--max-tokens``: (1-D ids, info).
+
+    With a token limit only a prefix of the documents is tokenized (16 characters per wanted
+    token, doubled until the limit is reached), so a large dataset is not tokenized whole.
+    """
+    ds = assets.load_text_dataset(args.dataset, args.config, split=args.split, column=args.column,
+                                  text_file=args.text_file)
+    docs = [t for t in ds[args.column] if isinstance(t, str) and t.strip()]
+    if not docs:
+        raise ValueError(f"no non-empty text in column {args.column!r}")
+    chars = 16 * args.max_tokens if args.max_tokens else None
+    while True:
+        used, total = [], 0
+        for doc in docs:
+            if chars is not None and total >= chars:
+                break
+            used.append(doc)
+            total += len(doc) + 2
+        text = "\n\n".join(used)
+        ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[0]
+        if chars is None or len(ids) >= args.max_tokens or len(used) == len(docs):
+            break
+        chars *= 2
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    source = args.text_file or args.dataset or "britannica (embedded, hf_paged.assets)"
+    info = dict(source=source, config=args.config, split=None if args.text_file or not args.dataset else args.split,
+                column=args.column, documents_total=len(docs), documents_used=len(used),
+                chars_tokenized=len(text), tokens=len(ids))
+    return ids, info
+
+
+# ---------------------------------------------------------------------------------------- caches
+def eviction_available() -> bool:
+    return "eviction" in inspect.signature(hf_paged.PagedCache.__init__).parameters
+
+
+def sink_pages_for(page_size: int) -> int:
+    return math.ceil(SINK_TOKENS / page_size)
+
+
+def make_cache(kind: str, model, page_size: int, max_pages=None, policy_kwargs=None):
+    if kind == "dynamic":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    return hf_paged.PagedCache(page_size=page_size, max_pages=max_pages, config=model.config, **(policy_kwargs or {}))
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) per position, float64; ``logits [T, V]``, ``targets [T]``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return -logprobs.gather(-1, targets[:, None])[:, 0].double()
+
+
+def relative_diff(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else float("inf")
+
+
+def ppl(nll_sum: float, tokens: int) -> float:
+    return math.exp(nll_sum / tokens) if tokens else float("nan")
+
+
+# --------------------------------------------------------------------------------------- strided
+def strided_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, target_len) per window, as in the transformers perplexity guide."""
+    out, prev_end = [], 0
+    for begin in range(0, n, stride):
+        end = min(begin + window, n)
+        out.append((begin, end, end - prev_end))
+        prev_end = end
+        if end == n:
+            break
+    return out
+
+
+@torch.no_grad()
+def window_nll(model, cache, ids: torch.Tensor, begin: int, end: int, target_len: int, device) -> tuple[float, int]:
+    """NLL sum and count of one window: labels are -100 on the overlap with the previous window."""
+    input_ids = ids[begin:end][None].to(device)
+    labels = input_ids.clone()
+    labels[:, :-target_len] = -100
+    logits = model(input_ids=input_ids, **{hf_paged.CACHE_KWARG: cache}, use_cache=True).logits[0, :-1]
+    targets = labels[0, 1:]
+    keep = targets != -100
+    if cache.get_seq_length() != end - begin:
+        raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens after a window of {end - begin}")
+    return float(token_nll(logits[keep], targets[keep]).sum()), int(keep.sum())
+
+
+def run_strided(args, state, models, ids, progress) -> dict:
+    from accelerate.utils import gather_object
+
+    from hf_paged.distributed import deal
+
+    windows = strided_windows(len(ids), args.window, args.stride)
+    numbered = list(enumerate(windows))
+    records = []
+    with state.split_between_processes(deal(numbered, state.num_processes)) as mine:
+        bar = progress(total=len(mine), desc=f"strided windows (rank {state.process_index})")
+        for idx, (begin, end, trg) in mine:
+            rec = dict(index=idx, begin=begin, end=end, target_len=trg, rank=state.process_index)
+            for kind in ("dynamic", "paged"):
+                model = models[kind]
+                t0 = time.perf_counter()
+                nll, count = window_nll(model, make_cache(kind, model, args.page_size), ids, begin, end, trg,
+                                        state.device)
+                rec[f"{kind}_nll_sum"], rec["tokens"] = nll, count
+                rec[f"{kind}_wall_s"] = time.perf_counter() - t0
+            records.append(rec)
+            bar.update(1)
+        bar.close()
+    records = sorted(gather_object(records), key=lambda r: r["index"])
+    tokens = sum(r["tokens"] for r in records)
+    rows = []
+    for kind, label, cache_name, attn in (("dynamic", "DynamicCache", "DynamicCache", "sdpa"),
+                                         ("paged", "PagedCache", f"PagedCache(page_size={args.page_size})",
+                                          "hf_paged")):
+        nll = math.fsum(r[f"{kind}_nll_sum"] for r in records)
+        rows.append(dict(name=kind, label=label, cache=cache_name, attn_implementation=attn, nll_sum=nll,
+                         tokens=tokens, perplexity=ppl(nll, tokens),
+                         wall_s=sum(r[f"{kind}_wall_s"] for r in records)))
+    rel = relative_diff(rows[1]["perplexity"], rows[0]["perplexity"])
+    parity = dict(compare="PagedCache vs DynamicCache", relative_diff=rel, tolerance=args.tolerance,
+                  ok=rel <= args.tolerance)
+    return dict(rows=rows, windows=records, parity=parity)
+
+
+# ------------------------------------------------------------------------------------- streaming
+def streaming_configs(args, evict_ok: bool) -> list[dict]:
+    configs = [
+        dict(name="full", label="DynamicCache (full)", kind="dynamic", policy="full", budget=None, max_pages=None),
+        dict(name="unbounded", label="PagedCache unbounded", kind="paged", policy="unbounded", budget=None,
+             max_pages=None, policy_kwargs={}),
+    ]
+    sinks = sink_pages_for(args.page_size)
+    kwargs = {"lru": dict(eviction="lru", sink_pages=sinks), "fifo+sinks": dict(eviction="fifo", sink_pages=sinks),
+              "fifo": dict(eviction="fifo", sink_pages=0)}
+    if args.lru_threshold is not None:
+        if "lru_threshold" not in inspect.signature(hf_paged.PagedCache.__init__).parameters:
+            raise SystemExit("--lru-threshold: this PagedCache has no lru_threshold parameter")
+        kwargs["lru"]["lru_threshold"] = args.lru_threshold
+    for budget in args.budgets:
+        for policy in POLICIES:
+            configs.append(dict(name=f"{policy}@{budget}", label=f"PagedCache {policy}", kind="paged", policy=policy,
+                                budget=budget, max_pages=budget // args.page_size, policy_kwargs=kwargs[policy],
+                                available=evict_ok))
+    return configs
+
+
+@torch.no_grad()
+def stream(model, cache, ids: torch.Tensor, chunk: int, device, bar=None) -> torch.Tensor:
+    """Feed ``ids[:-1]`` in chunks through one cache; NLL of every token 1..n-1 (float64, [n-1])."""
+    n = len(ids)
+    nll = torch.empty(n - 1, dtype=torch.float64)
+    for start in range(0, n - 1, chunk):
+        end = min(start + chunk, n - 1)
+        if cache.get_seq_length() != start:
+            raise RuntimeError(f"cache counts {cache.get_seq_length()} processed tokens, expected {start}")
+        position_ids = torch.arange(start, end, device=device)[None]
+        logits = model(input_ids=ids[start:end][None].to(device), position_ids=position_ids, **{hf_paged.CACHE_KWARG: cache},
+                       use_cache=True).logits[0]
+        nll[start:end] = token_nll(logits, ids[start + 1:end + 1].to(device)).cpu()
+        if bar is not None:
+            bar.update(end - start)
+    return nll
+
+
+def run_streaming(args, state, models, ids, progress) -> dict:
+    from accelerate.utils import gather_object
+
+    from hf_paged.distributed import deal
+
+    evict_ok = eviction_available()
+    configs = streaming_configs(args, evict_ok)
+    runnable = [(i, c) for i, c in enumerate(configs) if c.get("available", True)]
+    results = []
+    with state.split_between_processes(deal(runnable, state.num_processes)) as mine:  # round-robin
+        for idx, cfg in mine:
+            res = dict(index=idx, rank=state.process_index)
+            bar = progress(total=len(ids) - 1, desc=f"{cfg['name']} (rank {state.process_index})")
+            t0 = time.perf_counter()
+            try:
+                model = models[cfg["kind"]]
+                cache = make_cache(cfg["kind"], model, args.page_size, cfg["max_pages"], cfg.get("policy_kwargs"))
+                nll = stream(model, cache, ids, args.chunk, state.device, bar)
+            except Exception as exc:  # noqa: BLE001  a row that fails is reported, the others still run
+                res["error"] = f"{type(exc).__name__}: {exc}"
+            else:
+                res["nll_sum"] = math.fsum(nll.tolist())
+                res["tokens"] = len(nll)
+                seg = args.segment
+                res["segments"] = [dict(start=s + 1, end=min(s + seg, len(nll)) + 1,
+                                        perplexity=ppl(math.fsum(nll[s:s + seg].tolist()), len(nll[s:s + seg])))
+                                   for s in range(0, len(nll), seg)]
+                if isinstance(cache, hf_paged.PagedCache):
+                    res["stats"] = cache.stats()
+                res["tokens_held"] = _tokens_held(cache)
+            res["wall_s"] = time.perf_counter() - t0
+            bar.close()
+            results.append(res)
+    gathered = {r["index"]: r for r in gather_object(results)}
+    rows = []
+    for i, cfg in enumerate(configs):
+        row = {k: v for k, v in cfg.items() if k not in ("kind", "available")}
+        row["cache"] = "DynamicCache" if cfg["kind"] == "dynamic" else "PagedCache"
+        row["attn_implementation"] = "sdpa" if cfg["kind"] == "dynamic" else "hf_paged"
+        if not cfg.get("available", True):
+            row["status"] = NA_EVICTION
+        else:
+            res = gathered[i]
+            row.update({k: v for k, v in res.items() if k != "index"})
+            if "error" in res:
+                row["status"] = "error"
+            else:
+                row["status"] = "ok"
+                row["perplexity"] = ppl(res["nll_sum"], res["tokens"])
+        rows.append(row)
+    full = rows[0].get("perplexity")
+    for row in rows:
+        if row.get("perplexity") is not None and full is not None:
+            row["relative_to_full"] = row["perplexity"] / full - 1
+    unb = rows[1].get("perplexity")
+    rel = relative_diff(unb, full) if unb is not None and full is not None else float("nan")
+    parity = dict(compare="PagedCache unbounded vs DynamicCache (full)", relative_diff=rel,
+                  tolerance=args.tolerance, ok=bool(rel <= args.tolerance))
+    return dict(rows=rows, parity=parity, eviction_available=evict_ok,
+                sink_pages=sink_pages_for(args.page_size))
+
+
+def _tokens_held(cache) -> int:
+    if isinstance(cache, hf_paged.PagedCache):
+        return cache.stats()["tokens_stored"]
+    layer = cache.layers[0]
+    return int(layer.keys.shape[-2]) if getattr(layer, "keys", None) is not None else 0
+
+
+# ---------------------------------------------------------------------------------------- output
+def _fmt(x, digits=4) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    s, r = report["settings"], report["result"]
+    text = report["text"]
+    lines = [f"# Perplexity ({s['mode']}): {s['model']}, {text['tokens']} tokens of {text['source']}", ""]
+    if s["mode"] == "strided":
+        lines += [f"Window {s['window']}, stride {s['stride']} ({len(r['windows'])} windows, a fresh cache per "
+                  f"window), page size {s['page_size']}, {s['dtype']}, {s['num_processes']} process(es).", "",
+                  "| cache | attention | perplexity | NLL tokens | wall s |", "|---|---|---:|---:|---:|"]
+        for row in r["rows"]:
+            lines.append(f"| {row['cache']} | {row['attn_implementation']} | {_fmt(row['perplexity'])} | "
+                         f"{row['tokens']} | {row['wall_s']:.1f} |")
+    else:
+        lines += [f"Chunks of {s['chunk']} tokens through one cache, page size {s['page_size']}, budgets in tokens "
+                  f"(max_pages = budget // page size), sinks = {r['sink_pages']} page(s), {s['dtype']}, "
+                  f"{s['num_processes']} process(es).", "",
+                  "| cache | policy | budget | max_pages | perplexity | vs full | evictions | tokens held | wall s |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in r["rows"]:
+            budget = "—" if row["budget"] is None else str(row["budget"])
+            pages = "—" if row["max_pages"] is None else str(row["max_pages"])
+            if row["status"] == "ok":
+                value = _fmt(row["perplexity"])
+                rel = row.get("relative_to_full", 0.0)
+                vs = "—" if row["name"] == "full" else (f"{rel:+.2e}" if abs(rel) < 1e-3 else f"{100 * rel:+.1f}%")
+                ev = str(row["stats"]["evictions"]) if "stats" in row else "—"
+                held, wall = str(row["tokens_held"]), f"{row['wall_s']:.1f}"
+            else:
+                value = NA_EVICTION if row["status"] == NA_EVICTION else f"error: {row['error']}"
+                vs = ev = held = wall = "—"
+            lines.append(f"| {row['cache']} | {row['policy']} | {budget} | {pages} | {value} | {vs} | {ev} | "
+                         f"{held} | {wall} |")
+    p = r["parity"]
+    lines += ["", f"Parity, {p['compare']}: relative difference {p['relative_diff']:.3e} "
+                  f"(tolerance {p['tolerance']:g}): {'OK' if p['ok'] else 'MISMATCH'}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, r = report["settings"], report["result"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if s["mode"] == "strided":
+        starts = [w["begin"] for w in r["windows"]]
+        for kind, style in (("dynamic", "-o"), ("paged", "--x")):
+            ax.plot(starts, [ppl(w[f"{kind}_nll_sum"], w["tokens"]) for w in r["windows"]], style, ms=4,
+                    label=f"{'DynamicCache' if kind == 'dynamic' else 'PagedCache'}")
+        ax.set_xlabel("window start (token)")
+        ax.set_ylabel("perplexity of the window's scored tokens")
+        ax.set_title(f"Strided perplexity: window {s['window']}, stride {s['stride']}")
+    else:
+        rows = r["rows"]
+        full, unb = rows[0], rows[1]
+        if full["status"] == "ok":
+            ax.axhline(full["perplexity"], color="black", lw=1.5, label=f"full cache ({full['perplexity']:.3f})")
+        if unb["status"] == "ok":
+            ax.axhline(unb["perplexity"], color="grey", lw=1, ls=":", label="PagedCache unbounded")
+        legend = {"lru": "lru", "fifo+sinks": f"fifo + {r['sink_pages']} sink page(s)", "fifo": "fifo, no sinks"}
+        for policy, marker, ls, size in zip(POLICIES, "osd", ("-", "--", ":"), (9, 6, 6)):
+            pts = [(row["budget"], row["perplexity"]) for row in rows if row["policy"] == policy and row["status"] == "ok"]
+            if pts:  # lines that coincide stay visible: large hollow markers under small filled ones
+                ax.plot(*zip(*pts), marker=marker, ls=ls, ms=size, mfc="none" if size > 6 else None,
+                        label=legend[policy])
+        if not r["eviction_available"]:
+            ax.text(0.5, 0.3, NA_EVICTION, transform=ax.transAxes, ha="center", va="center", color="grey")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(s["budgets"], [str(b) for b in s["budgets"]])
+        ax.set_xlim(min(s["budgets"]) / 1.3, max(s["budgets"]) * 1.3)
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"Streaming perplexity, {report['text']['tokens']} tokens, chunk {s['chunk']}")
+        ys = [row["perplexity"] for row in rows if row["status"] == "ok"]
+        if ys and max(ys) > 8 * min(ys):
+            ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _finite(obj):
+    """NaN / inf -> None, so that perplexity.json is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "platform": platform.platform(), "hf_paged": hf_paged.__version__}
+    for name in ("torch", "transformers", "tokenizers", "datasets", "accelerate", "matplotlib"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tqdm.auto import tqdm
+
+    from hf_paged.distributed import make_state
+
+    state = make_state(cpu=True if args.cpu else None)
+    quiet = args.no_progress or not state.is_main_process
+
+    def progress(**kw):
+        return tqdm(disable=quiet, dynamic_ncols=True, **kw)
+
+    t0 = time.perf_counter()
+    with state.main_process_first():  # the first process converts / downloads, the others read the cache
+        models, tokenizer = {}, None
+        for kind, attn in (("dynamic", "sdpa"), ("paged", hf_paged.ATTN_IMPLEMENTATION)):
+            models[kind], tokenizer = assets.load_model_and_tokenizer(
+                args.model, dtype=DTYPES[args.dtype], device=state.device, attn_implementation=attn)
+        ids, text_info = load_token_ids(args, tokenizer)
+    if len(ids) < 2:
+        raise SystemExit(f"the text has {len(ids)} token(s): nothing to score")
+    run = run_strided if args.mode == "strided" else run_streaming
+    result = run(args, state, models, ids, progress)
+    settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    settings.update(num_processes=state.num_processes, device=str(state.device),
+                    torch_threads=torch.get_num_threads())
+    report = dict(settings=settings, text=text_info, result=result, versions=versions(),
+                  wall_s=time.perf_counter() - t0)
+    failed = not result["parity"]["ok"] or any(row.get("status") == "error" for row in result["rows"])
+    if state.is_main_process:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        table = markdown(report)
+        (out / "perplexity.md").write_text(table, encoding="utf-8")
+        (out / "perplexity.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        plot(report, out / "perplexity.png")
+        print(table)
+        print(f"wrote {out / 'perplexity.md'}, {out / 'perplexity.json'}, {out / 'perplexity.png'}")
+    state.wait_for_everyone()
+    if state.use_distributed:
+        state.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

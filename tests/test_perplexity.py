@@ -1,0 +1,178 @@
+"""scripts/perplexity.py (both modes) and the evaluate metric in integrations/perplexity_metric, on the real SmolLM2."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_paged import assets
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "perplexity.py"
+METRIC = ROOT / "integrations" / "perplexity_metric"
+TOL = 1e-4
+TEXTS = [
+    "William Shakespeare was born at Stratford-on-Avon in April 1564, the son of John Shakespeare.",
+    "The first folio of the plays was printed in 1623, seven years after his death.",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread here (the script runs get ``--threads 1``): forwards this small gain little from
+    two threads and lose a lot on a busy machine. Put torch's thread count back for the other modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("perplexity_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The baseline: real SmolLM2 with "sdpa" attention (what DynamicCache runs with in the script)."""
+    return assets.load_model_and_tokenizer(attn_implementation="sdpa")
+
+
+@torch.no_grad()
+def direct_nll(model, ids: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[float, int]:
+    """NLL sum and count of one forward over ``ids`` with a fresh DynamicCache (labels -100 = not scored)."""
+    labels = ids.clone() if labels is None else labels
+    logits = model(input_ids=ids[None], cache=DynamicCache(config=model.config), use_cache=True).logits[0]
+    targets = labels[1:]
+    keep = targets != -100
+    nll = torch.nn.functional.cross_entropy(logits[:-1][keep].double(), targets[keep], reduction="sum")
+    return float(nll), int(keep.sum())
+
+
+def check_common(report: dict, out: Path, mode: str) -> None:
+    assert set(report) >= {"settings", "text", "result", "versions", "wall_s"}
+    assert report["settings"]["mode"] == mode and report["settings"]["num_processes"] == 1
+    assert {"torch", "transformers", "datasets", "accelerate", "hf_paged"} <= set(report["versions"])
+    assert report["text"]["source"].startswith("britannica")
+    png = out / "perplexity.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert (out / "perplexity.md").read_text().startswith("# Perplexity")
+
+
+def test_strided_paged_matches_dynamic(script, reference, tmp_path):
+    rc = script.main(["--mode", "strided", "--window", "128", "--stride", "64", "--max-tokens", "400",
+                      "--page-size", "16", "--threads", "1", "--out", str(tmp_path), "--no-progress"])
+    report = json.loads((tmp_path / "perplexity.json").read_text())
+    check_common(report, tmp_path, "strided")
+    assert rc == 0
+    result = report["result"]
+    assert report["text"]["tokens"] == 400
+    windows = script.strided_windows(400, 128, 64)
+    assert [(w["begin"], w["end"], w["target_len"]) for w in result["windows"]] == windows
+    dynamic, paged = result["rows"]
+    assert (dynamic["cache"], paged["cache"]) == ("DynamicCache", "PagedCache(page_size=16)")
+    assert dynamic["tokens"] == paged["tokens"] == 399  # every token but the first, exactly once
+    assert rel(paged["perplexity"], dynamic["perplexity"]) <= TOL
+    assert result["parity"]["ok"] and result["parity"]["relative_diff"] <= TOL
+
+    # the guide's numbers, recomputed here: the same windows, labels -100 on the overlap
+    model, tok = reference
+    ids = tok("\n\n".join(assets.britannica_dataset()["text"][:8]), return_tensors="pt").input_ids[0][:400]
+    nll, count = 0.0, 0
+    for begin, end, target_len in windows:
+        labels = ids[begin:end].clone()
+        labels[:-target_len] = -100
+        n, c = direct_nll(model, ids[begin:end], labels)
+        nll, count = nll + n, count + c
+    assert count == 399
+    assert rel(dynamic["perplexity"], math.exp(nll / count)) <= TOL
+
+
+@pytest.fixture(scope="module")
+def streaming(script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("streaming")
+    rc = script.main(["--mode", "streaming", "--max-tokens", "256", "--budgets", "64,128", "--page-size", "16",
+                      "--threads", "1", "--out", str(out), "--no-progress"])
+    return rc, out, json.loads((out / "perplexity.json").read_text())
+
+
+def test_streaming_unbounded_matches_full(streaming, reference):
+    rc, out, report = streaming
+    check_common(report, out, "streaming")
+    rows = {row["name"]: row for row in report["result"]["rows"]}
+    full, unbounded = rows["full"], rows["unbounded"]
+    assert full["status"] == unbounded["status"] == "ok"
+    assert full["tokens"] == unbounded["tokens"] == 255
+    assert full["tokens_held"] == unbounded["tokens_held"] == 255
+    assert unbounded["stats"]["evictions"] == 0
+    assert rel(unbounded["perplexity"], full["perplexity"]) <= TOL
+    assert report["result"]["parity"]["ok"]
+    # 16 chunks through one cache == one forward over the 256 tokens (positions continue correctly)
+    model, tok = reference
+    ids = tok("\n\n".join(assets.britannica_dataset()["text"][:8]), return_tensors="pt").input_ids[0][:256]
+    nll, count = direct_nll(model, ids)
+    assert rel(full["perplexity"], math.exp(nll / count)) <= TOL
+    assert set(rows) == {"full", "unbounded"} | {f"{p}@{b}" for p in ("lru", "fifo+sinks", "fifo") for b in (64, 128)}
+    if not report["result"]["eviction_available"]:
+        assert rc == 0
+        assert "n/a (eviction not available)" in (out / "perplexity.md").read_text()
+
+
+def test_streaming_eviction_policies(streaming, script):
+    rc, out, report = streaming
+    if not script.eviction_available():
+        pytest.skip("eviction not available: PagedCache.__init__ has no `eviction` parameter yet")
+    assert report["result"]["eviction_available"]
+    rows = [row for row in report["result"]["rows"] if row["budget"] is not None]
+    assert len(rows) == 6
+    errors = {row["name"]: row.get("error") for row in rows if row["status"] != "ok"}
+    assert not errors, errors
+    assert rc == 0
+    full = report["result"]["rows"][0]["perplexity"]
+    for row in rows:
+        assert row["max_pages"] == row["budget"] // 16
+        assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1
+        assert row["tokens_held"] <= row["budget"]
+        assert row["stats"]["pages_total"] <= row["max_pages"]
+        assert row["stats"]["evictions"] > 0  # 255 tokens never fit in 64 or 128
+        assert row["relative_to_full"] == pytest.approx(row["perplexity"] / full - 1)
+    assert {row["policy_kwargs"]["sink_pages"] for row in rows if row["policy"] == "fifo"} == {0}
+    assert {row["policy_kwargs"]["sink_pages"] for row in rows if row["policy"] == "fifo+sinks"} == {1}
+
+
+def test_evaluate_metric_matches_dynamic_cache(reference):
+    import evaluate
+
+    metric = evaluate.load(str(METRIC))
+    got = metric.compute(predictions=TEXTS, model_id="smollm2", page_size=16, batch_size=2)
+    assert set(got) == {"perplexities", "mean_perplexity"}
+    model, tok = reference
+    want = []
+    for text in TEXTS:
+        nll, count = direct_nll(model, tok(text, return_tensors="pt").input_ids[0])
+        want.append(math.exp(nll / count))
+    assert len(got["perplexities"]) == 2
+    for g, w in zip(got["perplexities"], want):
+        assert rel(g, w) <= TOL
+    assert rel(got["mean_perplexity"], sum(want) / 2) <= TOL
+    assert abs(want[0] - want[1]) > 1e-3 * want[0]  # two different texts: a swapped order would show
+    one_by_one = metric.compute(predictions=TEXTS, batch_size=1, page_size=5)  # no padding, other page size
+    for g, w in zip(one_by_one["perplexities"], want):
+        assert rel(g, w) <= TOL
+    # a bounded pool that holds both rows whole: the chunked (streaming) path, nothing evicted
+    chunked = metric.compute(predictions=TEXTS, batch_size=2, page_size=4, max_pages=16)
+    for g, w in zip(chunked["perplexities"], want):
+        assert rel(g, w) <= TOL
