@@ -22,7 +22,7 @@ EVICTED = -1  # a row's entry for a page that an eviction policy dropped
 class BlockManager:
     """Hands out page ids; knows nothing about tensors.
 
-    ``max_pages=None`` lets the pool grow geometrically (capacity doubles); an int bounds it.
+    ``max_pages=None`` lets the pool grow geometrically (+25% at a time); an int bounds it.
     Allocation order: a free page (the preferred one when it is free), else the least recently
     used cached page (vLLM v1 order), else growth, else `PagePoolExhausted`.
     """
@@ -49,6 +49,10 @@ class BlockManager:
             self.free[page] = None
         self.num_pages = max(self.num_pages, num_pages)
 
+    def _grown(self) -> int:
+        """Next capacity of an unbounded pool: +25% (geometric, so growth is amortised O(1) per page)."""
+        return self.num_pages + max(1, self.num_pages // 4)
+
     def available(self) -> int:
         """Pages obtainable right now without touching referenced pages (growth included)."""
         room = self.num_pages if self.max_pages is None else self.max_pages
@@ -69,7 +73,7 @@ class BlockManager:
     def allocate(self, prefer: int | None = None) -> int:
         """Return a page with reference count 1 (``prefer`` when it is free or can be grown into)."""
         if prefer is not None and prefer >= self.num_pages and (self.max_pages is None or prefer < self.max_pages):
-            self.grow_to(max(prefer + 1, 2 * self.num_pages))
+            self.grow_to(max(prefer + 1, self._grown()))
         if prefer is not None and prefer in self.free:
             del self.free[prefer]
             page = prefer
@@ -80,7 +84,7 @@ class BlockManager:
             self._drop_hash(page)
             self.cached_evictions += 1
         elif self.max_pages is None or self.num_pages < self.max_pages:
-            self.grow_to(max(2 * self.num_pages, self.num_pages + 1))
+            self.grow_to(self._grown())
             return self.allocate(prefer)
         else:
             raise PagePoolExhausted(1, 0, self.max_pages, self.page_size)
@@ -101,7 +105,7 @@ class BlockManager:
         if run == 0:
             run_start = self.num_pages
         if self.max_pages is None or run_start + length <= self.max_pages:
-            self.grow_to(max(run_start + length, 2 * self.num_pages))
+            self.grow_to(max(run_start + length, self._grown()))
             return run_start
         return None
 

@@ -59,7 +59,7 @@ class PagedCache(Cache):
 
     Args:
         page_size: tokens per page, any positive int.
-        max_pages: pages per layer group; None lets the pool grow (amortised doubling).
+        max_pages: pages per layer group; None lets the pool grow (geometrically, +25% at a time).
         config: the model config; builds sliding-window layers up front (their pages are freed
             as they leave the window) and checks the attention implementation.
         backend: "torch" (CPU path), "triton" (the paged kernel; CUDA, or CPU with
@@ -78,7 +78,7 @@ class PagedCache(Cache):
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str = "lru", sink_pages: int = 1, recent_pages: int = 1,
-                 lru_threshold: float = 0.01):
+                 lru_threshold: float = 0.5):
         _check_positive_int("page_size", page_size)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         if backend not in (None, "auto", "torch", "triton"):

@@ -28,7 +28,7 @@ class EvictionPolicy:
     name: str = "lru"
     sink_pages: int = 1
     recent_pages: int = 1
-    threshold: float = 0.01
+    threshold: float = 0.5
 
     def __post_init__(self):
         if self.name not in POLICIES:

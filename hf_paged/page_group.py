@@ -360,13 +360,13 @@ class PageGroup:
     def _allocate(self, rows: list[list[int]], count: int) -> None:
         """Give each row ``count`` more pages, keeping a row's pages consecutive when possible.
 
-        A fresh batch is placed on a slab (row b starts at ``base + b * stride``, stride twice
-        what the rows need), so that decode can keep growing each row into its own region.
+        A fresh batch of several rows is placed on a slab (row b starts at ``base + b * stride``,
+        with 25% headroom per row), so that decode can keep growing each row into its own region.
         """
         if count <= 0:
             return
         if all(not r for r in rows):
-            stride = 2 * count
+            stride = count + (count // 4 + 1 if len(rows) > 1 else 0)
             base = self.manager.free_run(len(rows) * stride)
             if base is not None:
                 for b, r in enumerate(rows):
@@ -377,15 +377,15 @@ class PageGroup:
                 r.append(self.manager.allocate(r[-1] + 1 if r else None))
 
     def _relocate(self, rows: list[list[int]], src: list[int], dst: list[int]) -> None:
-        """Move rows that outgrew their slab region onto a new slab with twice the stride.
+        """Move rows that outgrew their slab region onto a new slab with 25% more room per row.
 
-        Like a vector's growth: each move copies the cache once and doubles the room, so the
+        Like a vector's growth: each move copies the cache once and adds 25% room, so the
         cost per token is amortised, and decode keeps reading views instead of gathering.
         Only unshared rows of an unbounded pool move (a shared page stays shared).
         """
         if self.manager.max_pages is not None or any(p == EVICTED or self.manager.ref[p] != 1 for r in rows for p in r):
             return
-        stride = 2 * len(rows[0])
+        stride = len(rows[0]) + len(rows[0]) // 4 + 1
         base = self.manager.free_run(len(rows) * stride)
         for b, r in enumerate(rows):
             moved = [self.manager.allocate(base + b * stride + i) for i in range(len(r))]
