@@ -1,0 +1,679 @@
+#!/usr/bin/env python
+"""Speed and memory of `hf_paged.PagedCache` + "hf_paged" attention against `DynamicCache` + "sdpa".
+
+One model is loaded once; for every configuration the two caches run alternately (a short warm-up
+of each first, then ``--repeats`` timed runs, the order flipped every repeat) on real text: prompts
+cut from the Britannica article (``hf_paged.assets.britannica_text``) at exactly the context length
+in tokens, one distinct slice per batch row. The table reports medians over the repeats.
+
+What is measured, per ``generate`` run (a LogitsProcessor is called once per forward step):
+
+* prefill tokens/s: rows x context / (time from calling ``generate`` to the first logits processor
+  call, i.e. the prefill forward plus generate's setup);
+* decode tokens/s: rows x (new_tokens - 1) / (time from the first to the last processor call),
+  i.e. per generated token, prefill excluded. The processor's own bookkeeping time is subtracted.
+  "rows" is what the model computes: batch, x beams (beamN) or x returned sequences (sampleN);
+  generate expands the prompts before prefill, so prefill processes rows x context tokens too;
+* KV bytes at the end (DynamicCache: nbytes of every layer's keys and values; PagedCache:
+  ``stats()["kv_bytes"]``, the used + cached pages) and their peak over the steps (sampled after
+  every forward step); for PagedCache also the allocated pool (``pool_bytes``);
+* process memory: see ``memory_method`` in the JSON. On Linux/CPU, before every run the garbage
+  collector and ``malloc_trim(0)`` return freed memory to the OS and the peak-RSS counter (VmHWM)
+  is reset through /proc/self/clear_refs; the run's "peak RSS growth" is VmHWM after the run minus
+  VmRSS before it, so each run is measured on its own although all run in one process. On CUDA
+  it is torch.cuda.max_memory_allocated() minus memory_allocated() before the run.
+* tokens_match: the paged run produced exactly the dynamic run's tokens, in every repeat
+  (sampling uses the same seed for both).
+
+Outputs: a markdown table on stdout and, in ``--out`` (default results/benchmark), benchmark.md,
+benchmark.json (every number, settings, versions) and benchmark.png (decode tokens/s against
+context, one line per cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import itertools
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CACHES = ("dynamic", "paged")
+ATTN = {"dynamic": "sdpa", "paged": "hf_paged"}
+
+# Axis values when an axis is not given on the command line.
+ALL_CONTEXTS = [256, 1024, 4096]
+ALL_BATCH_SIZES = [1, 8]
+ALL_MODES = ["greedy", "beam4", "sample8"]
+ALL_PAGE_SIZES = [16, 128]
+BASE = dict(context=1024, batch=1, mode="greedy", page_size=16)  # for axes left out of a partial grid
+
+# The default covering set: every value of every axis at least once, without the full cross product
+# (36 configurations, hours on 2 CPU cores).
+DEFAULT_SET = [
+    (256, 1, "greedy", 16), (1024, 1, "greedy", 16), (4096, 1, "greedy", 16),
+    (256, 8, "greedy", 16), (1024, 8, "greedy", 16),
+    (1024, 1, "beam4", 16), (1024, 1, "sample8", 16),
+    (4096, 1, "greedy", 128),
+]
+QUICK_SET = [
+    (32, 1, "greedy", 16), (64, 1, "greedy", 16), (32, 2, "greedy", 16),
+    (32, 1, "beam4", 16), (32, 1, "sample8", 16), (64, 1, "greedy", 8),
+]
+QUICK = dict(new_tokens=5, repeats=1, warmup=1)
+DEFAULTS = dict(new_tokens=32, repeats=3, warmup=1)
+
+HELP_EPILOG = f"""\
+configurations:
+  With none of --contexts/--batch-sizes/--modes/--page-sizes, the default covering set runs
+  ({len(DEFAULT_SET)} configurations, each value of each axis at least once):
+{chr(10).join(f'    context {c:>5}  batch {b}  {m:<8} page size {p}' for c, b, m, p in DEFAULT_SET)}
+  i.e. greedy at every context with batch 1 and at 256/1k with batch 8, beam search (4 beams) and
+  8 sampled returns at 1k batch 1, page size 128 at 4k. With --new-tokens 32 --repeats 3 it took
+  33 minutes on a 2-core machine shared with other jobs (--threads 1, load average 4-8); expect
+  roughly 10-15 minutes on 2 idle cores. Prefills dominate (1k x 8 rows and the 4k contexts).
+  On a busy machine pass --threads 1: torch's default of one thread per core then collapses
+  (10x slower) under oversubscription.
+  Giving some axis flags runs the cross product of the given lists, with the axes left out at
+  context {BASE['context']}, batch {BASE['batch']}, {BASE['mode']}, page size {BASE['page_size']}. --full runs the cross product of
+  all lists (defaults: contexts {','.join(map(str, ALL_CONTEXTS))}, batch sizes {','.join(map(str, ALL_BATCH_SIZES))},
+  modes {','.join(ALL_MODES)}, page sizes {','.join(map(str, ALL_PAGE_SIZES))}).
+  --quick (smoke test, about a minute on 2 cores): {len(QUICK_SET)} tiny configurations (contexts 32/64,
+  batch 1/2, greedy/beam4/sample8, page sizes 16/8), --new-tokens {QUICK['new_tokens']}, --repeats {QUICK['repeats']};
+  axis flags still replace its set.
+
+modes: greedy, beamN (beam search with N beams, 1 sequence returned), sampleN (sampling,
+  N sequences returned per prompt; same seed for both caches).
+"""
+
+
+# --------------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class Config:
+    context: int
+    batch: int
+    mode: str
+    page_size: int
+
+    @property
+    def name(self) -> str:
+        return f"ctx{self.context}-b{self.batch}-{self.mode}-p{self.page_size}"
+
+
+def parse_mode(mode: str) -> dict:
+    """'greedy' | 'beamN' | 'sampleN' -> generate kwargs and the row multiplier."""
+    if mode == "greedy":
+        return dict(kwargs=dict(do_sample=False, num_beams=1), rows_per_prompt=1, deterministic=True)
+    m = re.fullmatch(r"(beam|sample)(\d+)", mode)
+    if not m or int(m.group(2)) < 1:
+        raise ValueError(f"mode {mode!r}: expected greedy, beamN or sampleN (N >= 1)")
+    n = int(m.group(2))
+    if m.group(1) == "beam":
+        return dict(kwargs=dict(do_sample=False, num_beams=n, num_return_sequences=1, early_stopping=False),
+                    rows_per_prompt=n, deterministic=True)
+    return dict(kwargs=dict(do_sample=True, num_beams=1, num_return_sequences=n, temperature=1.0, top_k=50,
+                            top_p=1.0), rows_per_prompt=n, deterministic=False)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _mode_list(text: str) -> list[str]:
+    modes = [v.strip() for v in text.split(",") if v.strip()]
+    for m in modes:
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if not modes:
+        raise argparse.ArgumentTypeError("no mode given")
+    return modes
+
+
+def build_configs(args) -> list[Config]:
+    axes = dict(context=args.contexts, batch=args.batch_sizes, mode=args.modes, page_size=args.page_sizes)
+    given = {k: v for k, v in axes.items() if v is not None}
+    if args.full:
+        lists = dict(context=ALL_CONTEXTS, batch=ALL_BATCH_SIZES, mode=ALL_MODES, page_size=ALL_PAGE_SIZES)
+        lists.update(given)
+    elif given:
+        lists = {k: [v] for k, v in BASE.items()}
+        lists.update(given)
+    else:
+        return [Config(*c) for c in (QUICK_SET if args.quick else DEFAULT_SET)]
+    keys = ["context", "batch", "mode", "page_size"]
+    return [Config(**dict(zip(keys, combo))) for combo in itertools.product(*(lists[k] for k in keys))]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="benchmark.py", description=__doc__.split("\n\n")[0], epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="'smollm2' (default, the embedded SmolLM2-135M), a local path "
+                   "or a hub id (the hub needs HF_HUB_OFFLINE=0)")
+    p.add_argument("--contexts", type=_int_list, default=None, help="prompt lengths in tokens, e.g. 256,1024,4096")
+    p.add_argument("--batch-sizes", type=_int_list, default=None, help="prompts per batch, e.g. 1,8")
+    p.add_argument("--modes", type=_mode_list, default=None, help="e.g. greedy,beam4,sample8")
+    p.add_argument("--page-sizes", type=_int_list, default=None, help="PagedCache page sizes, e.g. 16,128")
+    p.add_argument("--full", action="store_true", help="cross product of all axis lists")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"tokens generated per row (default {DEFAULTS['new_tokens']}; --quick {QUICK['new_tokens']})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"timed runs per cache and configuration (default {DEFAULTS['repeats']}; --quick "
+                        f"{QUICK['repeats']})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed warm-up runs per cache and configuration (default 1), with the configuration's "
+                        "batch, mode and page size on a prompt of min(context, 64) tokens and 4 new tokens")
+    p.add_argument("--full-warmup", action="store_true", help="warm up with the full configuration instead")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny contexts, 1 repeat, few tokens (~1 min)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for both caches)")
+    p.add_argument("--out", default="results/benchmark", help="output folder (default results/benchmark)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="run nothing: rewrite benchmark.md/.png in --out from an earlier benchmark.json")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (decode speed needs at least one step after prefill)")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
+    return args
+
+
+# ------------------------------------------------------------------------------------ memory
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (glibc only)
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+def _can_reset_hwm() -> bool:
+    if _proc_status_kib("VmHWM") is None:
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class MemoryMeter:
+    """Peak memory growth of one run: CUDA allocator peak, or process RSS (see module docstring)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+        self.hwm = not self.cuda and _can_reset_hwm()
+        if self.cuda:
+            self.method = "cuda: torch.cuda.max_memory_allocated() - memory_allocated() before the run"
+        elif self.hwm:
+            trim = " + malloc_trim(0)" if _libc() else ""
+            self.method = ("process RSS: VmHWM after the run - VmRSS before it; before each run gc.collect()"
+                           f"{trim} and a VmHWM reset via /proc/self/clear_refs")
+        else:
+            self.method = ("process RSS: growth of resource.getrusage().ru_maxrss over the run (a lifetime "
+                           "maximum: 0 when an earlier run peaked higher)")
+
+    def start(self) -> None:
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.before = self.torch.cuda.memory_allocated()
+        elif self.hwm:
+            if _libc():
+                _libc().malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.before = _proc_status_kib("VmRSS") * 1024
+        else:
+            import resource
+
+            self.before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+    def stop(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return int(self.torch.cuda.max_memory_allocated() - self.before)
+        if self.hwm:
+            return max(0, _proc_status_kib("VmHWM") * 1024 - self.before)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return max(0, peak - self.before)
+
+
+def source_fingerprint(package) -> str:
+    """sha256 (12 hex digits) of the package's .py files as imported: which library code ran."""
+    import hashlib
+
+    root = Path(package.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+# -------------------------------------------------------------------------------------- caches
+def dynamic_kv_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None and getattr(layer, "is_initialized", True):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def make_cache(kind: str, model, page_size: int):
+    import transformers
+
+    import hf_paged
+
+    if kind == "dynamic":
+        return transformers.DynamicCache(config=model.config)
+    return hf_paged.PagedCache(page_size=page_size, config=model.config)
+
+
+def cache_memory(kind: str, cache) -> dict:
+    if kind == "dynamic":
+        kv = dynamic_kv_bytes(cache)
+        return dict(kv_bytes=kv, pool_bytes=kv)
+    s = cache.stats()
+    return dict(kv_bytes=s["kv_bytes"], pool_bytes=s["pool_bytes"])
+
+
+class StepProbe:
+    """LogitsProcessor (duck-typed): timestamps every forward step and samples the cache's memory after it.
+
+    generate calls it once per forward step, after the step's logits. Its own sampling time is
+    subtracted from the timestamps that follow it.
+    """
+
+    def __init__(self, kind: str, cache, sync):
+        self.kind, self.cache, self.sync = kind, cache, sync
+        self.times: list[float] = []
+        self.kv_peak = 0
+        self.pool_peak = 0
+        self.overhead = 0.0
+
+    def __call__(self, input_ids, scores):
+        self.sync()
+        now = time.perf_counter()
+        self.times.append(now - self.overhead)
+        mem = cache_memory(self.kind, self.cache)
+        self.kv_peak = max(self.kv_peak, mem["kv_bytes"])
+        self.pool_peak = max(self.pool_peak, mem["pool_bytes"])
+        self.overhead += time.perf_counter() - now
+        return scores
+
+
+# ------------------------------------------------------------------------------------- prompts
+def prompt_batch(token_ids: list[int], context: int, batch: int, device):
+    """``batch`` distinct slices of exactly ``context`` tokens, spread over the text."""
+    import torch
+
+    n = len(token_ids)
+    if context >= n:
+        raise SystemExit(f"context {context} is longer than the text ({n} tokens)")
+    span = n - context
+    starts = [0] if batch == 1 else [round(b * span / (batch - 1)) for b in range(batch)]
+    if len(set(starts)) < batch:
+        raise SystemExit(f"cannot cut {batch} distinct prompts of {context} tokens from {n} tokens")
+    ids = torch.tensor([token_ids[s:s + context] for s in starts], dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+# ----------------------------------------------------------------------------------------- runs
+def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, seed: int, meter: MemoryMeter,
+             sync) -> dict:
+    import torch
+    from transformers import LogitsProcessorList
+
+    import hf_paged
+
+    mode = parse_mode(cfg.mode)
+    model.set_attn_implementation(ATTN[kind])
+    if model.config._attn_implementation != ATTN[kind]:
+        raise RuntimeError(f"could not switch the model to attn_implementation={ATTN[kind]!r}")
+    cache = make_cache(kind, model, cfg.page_size)
+    probe = StepProbe(kind, cache, sync)
+    torch.manual_seed(seed)
+    meter.start()
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**inputs, **{hf_paged.CACHE_KWARG: cache}, max_new_tokens=new_tokens,
+                             eos_token_id=None, pad_token_id=pad_id, logits_processor=LogitsProcessorList([probe]),
+                             **mode["kwargs"])
+    sync()
+    total = time.perf_counter() - start - probe.overhead
+    peak_mem = meter.stop()
+    end_mem = cache_memory(kind, cache)
+    steps = len(probe.times)
+    rows = inputs["input_ids"].shape[0] * mode["rows_per_prompt"]
+    prefill_s = probe.times[0] - start
+    decode_s = probe.times[-1] - probe.times[0]
+    result = dict(
+        steps=steps, rows=rows, total_s=total, prefill_s=prefill_s, decode_s=decode_s,
+        prefill_tok_s=rows * inputs["input_ids"].shape[1] / prefill_s,
+        decode_tok_s=rows * (steps - 1) / decode_s if steps > 1 and decode_s > 0 else float("nan"),
+        kv_bytes_end=end_mem["kv_bytes"], kv_bytes_peak=max(probe.kv_peak, end_mem["kv_bytes"]),
+        pool_bytes_end=end_mem["pool_bytes"], pool_bytes_peak=max(probe.pool_peak, end_mem["pool_bytes"]),
+        peak_mem_growth_bytes=peak_mem,
+    )
+    result["attn_implementation"] = model.config._attn_implementation
+    result["cache_class"] = type(cache).__name__
+    if kind == "paged":
+        result["stats_end"] = cache.stats()
+    sequences = out.cpu()
+    del out, cache, probe
+    return result, sequences
+
+
+def ideal_kv_bytes(model, rows: int, tokens: int, dtype) -> int:
+    """rows x tokens x layers x kv_heads x (head_dim for K + for V) x element size (no padding, no pages)."""
+    import torch
+
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return rows * tokens * cfg.num_hidden_layers * heads * head_dim * 2 * torch.tensor([], dtype=dtype).element_size()
+
+
+def summarize(cfg: Config, runs: dict[str, list[dict]], matches: list[bool], agreement: list[float],
+              new_tokens: int, model, dtype) -> dict:
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    entry = dict(name=cfg.name, **asdict(cfg), new_tokens=new_tokens)
+    entry["rows"] = runs["dynamic"][0]["rows"]
+    entry["ideal_kv_bytes_end"] = ideal_kv_bytes(model, entry["rows"], cfg.context + new_tokens - 1, dtype)
+    for kind in CACHES:
+        rs = runs[kind]
+        entry[kind] = dict(
+            prefill_tok_s=med([r["prefill_tok_s"] for r in rs]),
+            decode_tok_s=med([r["decode_tok_s"] for r in rs]),
+            prefill_s=med([r["prefill_s"] for r in rs]),
+            decode_s=med([r["decode_s"] for r in rs]),
+            total_s=med([r["total_s"] for r in rs]),
+            decode_ms_per_step=1000 * med([r["decode_s"] / max(1, r["steps"] - 1) for r in rs]),
+            kv_bytes_end=rs[-1]["kv_bytes_end"],
+            kv_bytes_peak=max(r["kv_bytes_peak"] for r in rs),
+            pool_bytes_end=rs[-1]["pool_bytes_end"],
+            pool_bytes_peak=max(r["pool_bytes_peak"] for r in rs),
+            peak_mem_growth_bytes=med([r["peak_mem_growth_bytes"] for r in rs]),
+            runs=rs,
+        )
+    d, p = entry["dynamic"], entry["paged"]
+    entry["ratios"] = {k: (p[k] / d[k] if d[k] else float("nan")) for k in RATIO_KEYS}
+    entry["tokens_match"] = all(matches)
+    entry["token_agreement"] = min(agreement)
+    return entry
+
+
+RATIO_KEYS = ("prefill_tok_s", "decode_tok_s", "kv_bytes_end", "kv_bytes_peak", "pool_bytes_peak",
+              "peak_mem_growth_bytes")
+
+
+def compare(a, b, prompt_len: int) -> tuple[bool, float]:
+    if a.shape != b.shape:
+        return False, 0.0
+    new_a, new_b = a[:, prompt_len:], b[:, prompt_len:]
+    return bool((a == b).all()), float((new_a == new_b).float().mean()) if new_a.numel() else 1.0
+
+
+# --------------------------------------------------------------------------------------- output
+def _mib(b) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def markdown_table(configs: list[dict]) -> str:
+    head = ("| context | batch | mode | rows | page | prefill tok/s dyn | paged | ratio | decode tok/s dyn | paged | "
+            "ratio | KV end MiB dyn | paged | KV peak MiB dyn | paged | paged pool peak MiB | peak mem growth MiB "
+            "dyn | paged | tokens match |")
+    sep = "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"
+    lines = [head, sep]
+    for c in configs:
+        d, p, r = c["dynamic"], c["paged"], c["ratios"]
+        lines.append(
+            f"| {c['context']} | {c['batch']} | {c['mode']} | {c['rows']} | {c['page_size']} "
+            f"| {d['prefill_tok_s']:.1f} | {p['prefill_tok_s']:.1f} | {r['prefill_tok_s']:.2f} "
+            f"| {d['decode_tok_s']:.2f} | {p['decode_tok_s']:.2f} | {r['decode_tok_s']:.2f} "
+            f"| {_mib(d['kv_bytes_end'])} | {_mib(p['kv_bytes_end'])} | {_mib(d['kv_bytes_peak'])} "
+            f"| {_mib(p['kv_bytes_peak'])} | {_mib(p['pool_bytes_peak'])} | {_mib(d['peak_mem_growth_bytes'])} "
+            f"| {_mib(p['peak_mem_growth_bytes'])} | {'yes' if c['tokens_match'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict) -> str:
+    s, e = result["settings"], result["environment"]
+    return "\n".join([
+        "# hf_paged benchmark: PagedCache + hf_paged vs DynamicCache + sdpa",
+        "",
+        f"model `{s['model']}` ({e['model_class']}, {e['num_layers']} layers), dtype {s['dtype']}, device "
+        f"{e['device']} ({e['device_name']}), torch threads {e['torch_threads']}, new tokens {s['new_tokens']}, "
+        f"repeats {s['repeats']} (medians), warm-up {s['warmup']} {'full' if s['full_warmup'] else 'short'}.",
+        f"torch {e['torch']}, transformers {e['transformers']}, hf_paged {e['hf_paged']} (source sha256 "
+        f"{e.get('hf_paged_source_sha256', 'not recorded')}), python {e['python']}, "
+        f"{e['platform']}. Wall time {result['wall_s']:.0f} s.",
+        "",
+        markdown_table(result["configs"]),
+        "",
+        "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
+        "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
+        "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
+        "(used + cached pages); pool = allocated page pool. Peak KV is sampled after every forward step.",
+        f"peak mem growth: {e['memory_method']}.",
+        "",
+    ])
+
+
+def plot(result: dict, path: Path) -> None:
+    """Decode tokens/s (left) and peak KV MiB (right) against context: one line per cache for each
+    (batch, mode, page size) measured at several contexts, single markers for the others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    configs = result["configs"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    groups = sorted({(c["batch"], c["mode"], c["page_size"]) for c in configs}, key=lambda g: (g[1] != "greedy", g))
+    colors = {"dynamic": "tab:blue", "paged": "tab:orange"}
+    styles = itertools.cycle(["-", "--", ":", "-."])
+    markers = itertools.cycle(["s", "^", "v", "D", "P", "X", "*"])
+    for batch, mode, page in groups:
+        pts = sorted(((c["context"], c) for c in configs if (c["batch"], c["mode"], c["page_size"]) == (batch, mode, page)),
+                     key=lambda t: t[0])
+        xs = [x for x, _ in pts]
+        line = len(set(xs)) > 1
+        style, marker = (next(styles), "o") if line else ("none", next(markers))
+        for kind in CACHES:
+            name = "DynamicCache + sdpa" if kind == "dynamic" else f"PagedCache(page_size={page}) + hf_paged"
+            kw = dict(linestyle=style, marker=marker, color=colors[kind], label=f"{name}, batch {batch}, {mode}")
+            ax.plot(xs, [c[kind]["decode_tok_s"] for _, c in pts], **kw)
+            ax2.plot(xs, [c[kind]["kv_bytes_peak"] / 2**20 for _, c in pts], **kw)
+            if kind == "paged":  # what the pool allocated (free pages included)
+                ax2.plot(xs, [c[kind]["pool_bytes_peak"] / 2**20 for _, c in pts], linestyle=":" if line else "none",
+                         marker=marker, markerfacecolor="none", color=colors[kind], alpha=0.6)
+    contexts = sorted({c["context"] for c in configs})
+    for a, ylabel in ((ax, "decode tokens/s (all rows)"), (ax2, "peak KV cache MiB")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(contexts, [str(c) for c in contexts])
+        a.minorticks_off()
+        a.set_xlabel("context (tokens)")
+        a.set_ylabel(ylabel)
+        a.grid(True, alpha=0.3)
+    ax2.set_yscale("log")
+    ax2.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_title("decode speed (higher is better)")
+    ax2.set_title("peak KV cache memory (hollow, dotted: PagedCache pool allocated)")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    e, s = result["environment"], result["settings"]
+    fig.suptitle(f"{s['model']} {s['dtype']} on {e['device']} ({e['torch_threads']} threads), "
+                 f"{s['new_tokens']} new tokens, median of {s['repeats']}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.022 * ((len(labels) + 1) // 2), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------- main
+def write_outputs(result: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    report = markdown_report(result)
+    (out / "benchmark.md").write_text(report, encoding="utf-8")
+    (out / "benchmark.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    plot(result, out / "benchmark.png")
+    return report
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text(encoding="utf-8"))
+        print(write_outputs(result, Path(args.out)))
+        return result
+    configs = build_configs(args)
+    wall_start = time.perf_counter()
+
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    import hf_paged
+    from hf_paged import assets
+
+    hf_paged_source = source_fingerprint(hf_paged)  # now: the package may be edited while this runs
+    transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else getattr(torch, args.dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    model_name = args.model or assets.DEFAULT_MODEL
+
+    model, tokenizer = assets.load_model_and_tokenizer(model_name, dtype=dtype, device=device,
+                                                       attn_implementation="sdpa")
+    pad_id = tokenizer.pad_token_id
+    token_ids = tokenizer(assets.britannica_text(), add_special_tokens=False)["input_ids"]
+    max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_pos is not None:
+        too_long = [c.name for c in configs if c.context + args.new_tokens > max_pos]
+        if too_long:
+            raise SystemExit(f"context + new tokens exceed the model's {max_pos} positions: {too_long}")
+    meter = MemoryMeter(device)
+
+    environment = dict(
+        torch=torch.__version__, transformers=transformers.__version__, hf_paged=hf_paged.__version__,
+        hf_paged_source_sha256=hf_paged_source, hf_paged_path=str(Path(hf_paged.__file__).parent),
+        python=platform.python_version(), platform=platform.platform(), processor=platform.processor(),
+        device=str(device), device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                                         else f"{os.cpu_count()} CPU cores"),
+        torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+        model_class=type(model).__name__, num_layers=model.config.get_text_config(decoder=True).num_hidden_layers,
+        text_tokens=len(token_ids), memory_method=meter.method,
+        load_avg_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
+    )
+    settings = dict(model=model_name, dtype=str(dtype).replace("torch.", ""), new_tokens=args.new_tokens,
+                    repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
+                    seed=args.seed, argv=list(sys.argv[1:] if argv is None else argv),
+                    configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
+
+    results = []
+    total_runs = len(configs) * 2 * (args.warmup + args.repeats)
+    with tqdm(total=total_runs, disable=args.no_progress, desc="benchmark", file=sys.stderr) as bar:
+        for cfg in configs:
+            cfg_start = time.perf_counter()
+            inputs = prompt_batch(token_ids, cfg.context, cfg.batch, device)
+            warm_ctx = cfg.context if args.full_warmup else min(cfg.context, 64)
+            warm_inputs = {k: v[:, -warm_ctx:] for k, v in inputs.items()}
+            warm_tokens = args.new_tokens if args.full_warmup else min(args.new_tokens, 4)
+            for i in range(args.warmup):
+                for kind in CACHES:
+                    bar.set_postfix_str(f"{cfg.name} warm-up {kind}")
+                    run_once(model, kind, cfg, warm_inputs, warm_tokens, pad_id, args.seed, meter, sync)
+                    bar.update()
+            runs = {k: [] for k in CACHES}
+            matches, agreement = [], []
+            for rep in range(args.repeats):
+                order = CACHES if rep % 2 == 0 else CACHES[::-1]
+                seqs = {}
+                for kind in order:
+                    bar.set_postfix_str(f"{cfg.name} repeat {rep + 1} {kind}")
+                    res, seqs[kind] = run_once(model, kind, cfg, inputs, args.new_tokens, pad_id, args.seed + rep,
+                                               meter, sync)
+                    runs[kind].append(res)
+                    bar.update()
+                same, frac = compare(seqs["dynamic"], seqs["paged"], cfg.context)
+                matches.append(same)
+                agreement.append(frac)
+            entry = summarize(cfg, runs, matches, agreement, args.new_tokens, model, dtype)
+            entry["deterministic_mode"] = parse_mode(cfg.mode)["deterministic"]
+            entry["wall_s"] = time.perf_counter() - cfg_start
+            results.append(entry)
+            tqdm.write(f"{cfg.name}: decode tok/s dynamic {entry['dynamic']['decode_tok_s']:.2f} paged "
+                       f"{entry['paged']['decode_tok_s']:.2f} (x{entry['ratios']['decode_tok_s']:.2f}), tokens "
+                       f"match {entry['tokens_match']}", file=sys.stderr)
+
+    environment["load_avg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result = dict(settings=settings, environment=environment, configs=results,
+                  wall_s=time.perf_counter() - wall_start)
+    out = Path(args.out)
+    report = write_outputs(result, out)
+    print(report)
+    print(f"wrote {out / 'benchmark.md'}, {out / 'benchmark.json'}, {out / 'benchmark.png'}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
