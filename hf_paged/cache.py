@@ -197,7 +197,7 @@ class PagedCache(Cache):
         self.commit()
         if self.token_log is not None and self.token_log.tokens:
             self.token_log.remap(rows_for(range(len(self.token_log.tokens))))
-        for group in self.groups.values():
+        for group in (g for g in self.groups.values() if g.rows):  # an empty cache has no rows to remap
             old = group.rows
             new = [list(r) for r in rows_for(old)]
             for r in new:
@@ -225,6 +225,8 @@ class PagedCache(Cache):
             raise CacheUsageError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache.")
         self.commit()
+        for group in self.groups.values():  # all groups are checked before any is cropped
+            group.check_crop(-tokens_to_remove)
         for group in self.groups.values():
             group.crop(-tokens_to_remove)
         if self.token_log is not None:

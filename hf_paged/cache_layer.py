@@ -118,6 +118,7 @@ class PagedLayer(CacheLayerMixin):
             pairs = self.group.unshare(differ)
             for layer in self.group.layers:
                 if layer is not self and layer.seen == self.group.num_tokens:
+                    layer._ensure_capacity(self.group.manager.num_pages)
                     layer._copy_pages(*(torch.tensor(side, device=layer.device) for side in zip(*pairs)))
 
     def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -189,22 +189,31 @@ class PageGroup:
             self.manager.release_row(r)
         self.rows, self.first_page, self.num_tokens, self.step, self.hashed_pages = [], 0, 0, None, 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages."""
-        self.commit()
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise (changing nothing) if cropping would need tokens this group no longer holds."""
         new_len = self.num_tokens - tokens_to_remove
         if tokens_to_remove <= 0:
-            self._trim_recorded_past()
             return
-        if new_len < self.first_page * self.page_size:
+        needed_from = max(0, new_len - self.sliding_window + 1) if self.sliding_window else new_len
+        if needed_from < self.first_page * self.page_size:
             raise CacheUsageError(
-                f"cannot crop {tokens_to_remove} tokens: only the tokens from position "
-                f"{self.first_page * self.page_size} on are still held (sliding window). Call "
-                "cache.activate_past_recording() before generating to keep them until crop().")
+                f"cannot crop {tokens_to_remove} tokens: the next step would attend from position {needed_from}, "
+                f"but only the tokens from position {self.first_page * self.page_size} on are still held "
+                "(sliding window). Call cache.activate_past_recording() before generating to keep them until crop().")
         keep = math.ceil(new_len / self.page_size) - self.first_page
         if any(r[keep - 1] == EVICTED for r in self.rows if keep > 0):
             raise CacheUsageError(f"cannot crop to {new_len} tokens: the page holding the last kept token was "
                                   "evicted. Crop less, or raise max_pages.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages."""
+        self.commit()
+        self.check_crop(tokens_to_remove)
+        new_len = self.num_tokens - tokens_to_remove
+        if tokens_to_remove <= 0:
+            self._trim_recorded_past()
+            return
+        keep = math.ceil(new_len / self.page_size) - self.first_page
         for r in self.rows:
             self.manager.release_row(r[keep:])
             del r[keep:]
@@ -387,9 +396,10 @@ class PageGroup:
             return
         stride = len(rows[0]) + len(rows[0]) // 4 + 1
         base = self.manager.free_run(len(rows) * stride)
+        copied_from = dict(zip(dst, src))  # a page copied on write this step moves from its source
         for b, r in enumerate(rows):
             moved = [self.manager.allocate(base + b * stride + i) for i in range(len(r))]
-            src.extend(r), dst.extend(moved)
+            src.extend(copied_from.get(p, p) for p in r), dst.extend(moved)
             self._pending_release.extend(r)
             r[:] = moved
 
