@@ -26,9 +26,8 @@ def test_generate_through_triton_kernel(name, mode, monkeypatch):
 
     original = kernel.paged_attention_triton
     monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
-    got = paged.generate(**batch, **GEN, **extra, cache=hf_paged.PagedCache(page_size=3, config=paged.config,
-                                                                             backend="triton"),
-                         return_dict_in_generate=True, output_scores=True)
+    cache = hf_paged.PagedCache(page_size=3, config=paged.config, backend="triton")
+    got = paged.generate(**batch, **GEN, **extra, cache=cache, return_dict_in_generate=True, output_scores=True)
     assert calls, "the Triton kernel was not used"
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(got.scores[0], want.scores[0], atol=1e-4, rtol=1e-4)
@@ -39,3 +38,16 @@ def test_backend_env_variable_selects_kernel(monkeypatch):
     _, paged = make_pair("llama")
     with pytest.raises(ValueError, match="HF_PAGED_BACKEND"):
         paged.generate(**left_padded_batch((3,)), **GEN, cache=hf_paged.PagedCache(page_size=4))
+
+
+def test_backend_env_variable_forces_the_kernel_on_cpu(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    ref, paged = make_pair("llama")
+    from hf_paged.kernels import triton_paged_attention as kernel
+
+    calls = []
+    original = kernel.paged_attention_triton
+    monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    batch = left_padded_batch((4, 6))
+    got = paged.generate(**batch, **GEN, cache=hf_paged.PagedCache(page_size=2))
+    assert calls and torch.equal(got, ref.generate(**batch, **GEN))
