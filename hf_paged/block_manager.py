@@ -12,7 +12,7 @@ cache calls once per prefill to place rows on consecutive pages.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from .errors import PagePoolExhausted
 
@@ -24,7 +24,8 @@ class BlockManager:
 
     ``max_pages=None`` lets the pool grow geometrically (+25% at a time); an int bounds it.
     Allocation order: a free page (the preferred one when it is free), else the least recently
-    used cached page (vLLM v1 order), else growth, else `PagePoolExhausted`.
+    used cached page (vLLM v1 order), else growth (into the preferred page when it lies just
+    beyond the pool, so rows stay consecutive), else `PagePoolExhausted`.
     """
 
     def __init__(self, page_size: int, max_pages: int | None = None, initial_pages: int = 0):
@@ -72,8 +73,9 @@ class BlockManager:
     # -------------------------------------------------------------- allocation
     def allocate(self, prefer: int | None = None) -> int:
         """Return a page with reference count 1 (``prefer`` when it is free or can be grown into)."""
-        if prefer is not None and prefer >= self.num_pages and (self.max_pages is None or prefer < self.max_pages):
-            self.grow_to(max(prefer + 1, self._grown()))
+        if (prefer is not None and prefer >= self.num_pages and not self.free
+                and (self.max_pages is None or prefer < self.max_pages)):
+            self.grow_to(max(prefer + 1, self._grown()))  # grow into the preferred page only when full
         if prefer is not None and prefer in self.free:
             del self.free[prefer]
             page = prefer
@@ -129,7 +131,13 @@ class BlockManager:
                 self.free[page] = None
 
     def release_row(self, pages: list[int]) -> None:
-        """Release a row's pages tail first, so its prefix outlives its suffix in the LRU order."""
+        """Release a row's pages tail first, so its prefix outlives its suffix in the LRU order.
+
+        All or nothing: raises (changing nothing) if a page would be released more often than held.
+        """
+        counts = Counter(p for p in pages if p != EVICTED)
+        if any(self.ref[p] < n for p, n in counts.items()):
+            raise ValueError(f"release_row({pages}): a page is released more often than it was referenced")
         for page in reversed(pages):
             if page != EVICTED:
                 self.release(page)
@@ -151,6 +159,8 @@ class BlockManager:
     def set_hash(self, page: int, content_hash: bytes) -> None:
         """Mark a full, referenced page as holding the content identified by ``content_hash``."""
         if content_hash in self.hash_to_page:
+            if self.hash_to_page[content_hash] != page:
+                self._drop_hash(page)  # ``page`` no longer holds what its old hash says
             return  # an identical page is already registered; keep the first
         self._drop_hash(page)
         self.page_hash[page] = content_hash
@@ -181,5 +191,7 @@ class BlockManager:
         assert len(referenced) + len(self.free) + len(self.cached) == self.num_pages, "page lost"
         assert all(p not in self.free for p in self.page_hash), "free page keeps a hash"
         assert {self.hash_to_page[h] for h in self.page_hash.values()} == set(self.page_hash)
+        assert all(self.page_hash.get(p) == h for h, p in self.hash_to_page.items()), "stale hash entry"
+        assert all(p in self.page_hash for p in self.cached), "cached page without a hash"
         if self.max_pages is not None:
             assert self.num_pages <= self.max_pages

@@ -154,7 +154,7 @@ class PagedLayer(CacheLayerMixin):
             return
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_empty((num_pages, *old.shape[1:]))
+            new = old.new_zeros((num_pages, *old.shape[1:]))  # never NaN: masked slots are multiplied by 0
             new[:have] = old
             setattr(self, name, new)
 

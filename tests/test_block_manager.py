@@ -106,12 +106,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """`allocate` checked against the model; None when a bounded pool is exhausted."""
         m, before = self.model, snapshot(self.bm)
         free = m.free
-        if prefer is not None and prefer >= m.num_pages and (m.max_pages is None or prefer < m.max_pages):
-            kind = "grow to prefer"  # a preferred id the pool can grow into is honoured
-        elif prefer is not None and prefer in free:
+        if prefer is not None and prefer in free:
             kind = "prefer"
         elif free:
             kind = "free"
+        elif prefer is not None and prefer >= m.num_pages and (m.max_pages is None or prefer < m.max_pages):
+            kind = "grow to prefer"  # nothing free: a preferred id the pool can grow into is honoured
         elif m.cached:
             kind = "lru"
         elif m.max_pages is None or m.num_pages < m.max_pages:
@@ -158,7 +158,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def prefill_row(self, length, first_hash, release):
         """A new row of full pages: allocate (preferring consecutive ids), hash, maybe release it."""
         row = []
-        for i in range(length):
+        for _ in range(length):
             page = self._allocate(row[-1] + 1 if row else None)
             if page is None:
                 break
@@ -331,8 +331,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.ref)
     @rule(sel=SELECT, content_hash=st.sampled_from(HASHES))
     def set_hash(self, sel, content_hash):
-        m = self.model
-        pages = sorted(m.ref)
+        pages = sorted(self.model.ref)
         self.set_hash_checked(pages[sel % len(pages)], content_hash)
 
     def set_hash_checked(self, page: int, content_hash: bytes) -> None:
@@ -340,6 +339,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.set_hash(page, content_hash)
         if content_hash not in m.hash_to_page:  # else the first registered page keeps it
             m.page_hash[page] = content_hash
+        elif m.hash_to_page[content_hash] != page:  # and this page's own old hash is stale
+            m.page_hash.pop(page, None)
 
     @precondition(lambda self: self.model.num_pages > 0)
     @rule(sel=SELECT)
@@ -384,7 +385,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.hash_to_page == m.hash_to_page, "hash maps are not inverse"
         assert all(p in bm.page_hash for p in bm.cached), "a cached page has no hash"
         assert bm.cached_evictions == m.evictions
-        assert Counter(p for row in self.rows for p in row if p != EVICTED) == Counter(m.ref)  # the harness itself
+        # the harness itself: every reference is held by exactly one row slot
+        assert Counter(p for row in self.rows for p in row if p != EVICTED) == Counter(m.ref)
 
 
 class BoundedMachine(BlockManagerMachine):
@@ -400,7 +402,7 @@ class UnboundedMachine(BlockManagerMachine):
         self._start(None, initial_pages)
 
 
-_machine_settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+_machine_settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 TestBoundedBlockManager = BoundedMachine.TestCase
 TestBoundedBlockManager.settings = _machine_settings
@@ -431,13 +433,15 @@ def test_allocate_takes_free_pages_in_order_then_honours_prefer():
 
 def test_allocate_grows_into_a_preferred_id_beyond_the_pool():
     bm = BlockManager(PAGE_SIZE, initial_pages=4)
-    assert bm.allocate(prefer=6) == 6  # although pages 0..3 are free: the row stays consecutive
-    assert bm.num_pages >= 7 and [p for p in range(bm.num_pages) if bm.ref[p]] == [6]
-    assert {0, 1, 2, 3, 4, 5} <= set(bm.free)
+    assert bm.allocate(prefer=6) == 0  # a free page exists: no growth for a preference
+    assert [bm.allocate() for _ in range(3)] == [1, 2, 3]
+    assert bm.allocate(prefer=6) == 6  # nothing free: the pool grows into the preferred page
+    assert bm.num_pages >= 7 and [p for p in range(bm.num_pages) if bm.ref[p]] == [0, 1, 2, 3, 6]
+    assert {4, 5} <= set(bm.free)
     bm.check_invariants()
     bm = BlockManager(PAGE_SIZE, max_pages=8, initial_pages=4)
-    assert bm.allocate(prefer=8) == 0  # not a page id of this pool: ignored, no growth
-    assert bm.num_pages == 4
+    assert [bm.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    assert bm.allocate(prefer=8) == 4  # not a page id of this pool: ignored, plain growth
     assert bm.allocate(prefer=7) == 7 and bm.num_pages == 8
     bm.check_invariants()
 

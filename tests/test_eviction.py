@@ -99,7 +99,7 @@ def test_eviction_changes_output_and_logs_once(llama, caplog):
 
 def test_eviction_with_batch_and_beams_keeps_reference_counts(llama):
     _, paged = llama
-    cache = hf_paged.PagedCache(page_size=2, max_pages=22, config=paged.config, eviction="lru")
+    cache = hf_paged.PagedCache(page_size=2, max_pages=14, config=paged.config, eviction="lru")
     paged.generate(**left_padded_batch((10, 7)), max_new_tokens=12, num_beams=3, **GEN, cache=cache)
     assert cache.stats()["evictions"] > 0
     _check(cache)
@@ -148,11 +148,12 @@ def test_soak_bounded_cache_with_forks_and_resets(llama):
             paged(input_ids=torch.tensor([[7]]), cache=fork)
             del fork
         _check(cache)
-        if i == 10:
+        if i == 100:
             gc.collect()
             baseline = cache.stats()["pages_total"], cache.stats()["pool_bytes"]
     cache.reset()
     gc.collect()
     stats = cache.stats()
     assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
-    assert (stats["pages_total"], stats["pool_bytes"]) == baseline  # bounded: memory did not grow
+    assert (stats["pages_total"], stats["pool_bytes"]) == baseline  # memory stopped growing
+    assert stats["pages_total"] <= 12  # and stays within the bound

@@ -1,0 +1,456 @@
+"""Prepared GPU check: copy bandwidth, decode-kernel bandwidth, SDPA/flash comparison, end-to-end
+generate (PagedCache vs DynamicCache + sdpa) and a GPU/CPU split model.
+
+    python scripts/gpu_check.py --out OUT_DIR          # on a machine with one CUDA GPU
+    python scripts/gpu_check.py --out OUT_DIR --dry-run   # CPU, tiny shapes, Triton interpreter
+
+Every part runs in its own try/except; errors are recorded in OUT_DIR/gpu_check.json (which is
+rewritten after every part, so a run killed by a timeout still leaves the finished parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--out", required=True, help="folder for gpu_check.json")
+ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, kernel via TRITON_INTERPRET=1")
+ap.add_argument("--reps", type=int, default=20)
+ap.add_argument("--warmup", type=int, default=3)
+args = ap.parse_args()
+DRY = args.dry_run
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_paged  # noqa: E402
+
+CUDA = torch.cuda.is_available() and not DRY
+DEV = torch.device("cuda" if CUDA else "cpu")
+REPS, WARMUP = (2, 1) if DRY else (args.reps, args.warmup)
+OUT = Path(args.out)
+OUT.mkdir(parents=True, exist_ok=True)
+RESULTS: dict = {"dry_run": DRY, "device": str(DEV), "torch": torch.__version__,
+                 "gpu": torch.cuda.get_device_name(0) if CUDA else None,
+                 "targets": {"kernel_fraction_of_copy_bw_at_B32_ctx8k": 0.70, "e2e_paged_over_dynamic_sdpa_at_4k": 1.0}}
+
+
+def save() -> None:
+    (OUT / "gpu_check.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+
+
+def part(name):
+    """Run the decorated function now; store its dict (or the error text) under RESULTS[name]."""
+    def run(fn):
+        t0 = time.perf_counter()
+        RESULTS[name] = {}
+        try:
+            fn(RESULTS[name])
+        except Exception as e:  # noqa: BLE001 - record and go on with the next part
+            RESULTS[name]["error"] = f"{type(e).__name__}: {e}"
+            RESULTS[name]["traceback"] = traceback.format_exc(limit=8)
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
+        RESULTS[name]["part_seconds"] = round(time.perf_counter() - t0, 2)
+        if CUDA:
+            torch.cuda.empty_cache()
+        save()
+        return fn
+    return run
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def bench(fn, reps=None, warmup=None) -> float:
+    """Median seconds of fn(); CUDA events on the GPU, perf_counter on the CPU."""
+    reps, warmup = reps or REPS, warmup or WARMUP
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        if CUDA:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- a. copy bandwidth
+@part("copy_bandwidth")
+def _(r):
+    n = (1 << 18) if DRY else (1 << 28)  # float32: 1 MiB dry, 1 GiB real
+    src = torch.randn(n, device=DEV)
+    dst = torch.empty(n, device=DEV)
+    t = bench(lambda: dst.copy_(src))
+    nbytes = 2 * n * src.element_size()  # read + written
+    r.update(bytes_read_plus_written=nbytes, seconds=t, GBps=nbytes / t / 1e9)
+    del src, dst
+
+
+COPY_GBPS = RESULTS["copy_bandwidth"].get("GBps")
+
+
+# ------------------------------------------------------------- b/c. decode kernel vs SDPA / flash
+@part("decode_kernel")
+def _(r):
+    from hf_paged.kernels.triton_paged_attention import paged_attention_triton
+
+    try:
+        from flash_attn import flash_attn_func  # optional package
+    except Exception as e:  # noqa: BLE001
+        flash_attn_func = None
+        r["flash_attn_package"] = f"unavailable: {type(e).__name__}: {e}"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if DRY:
+        Hq, Hkv, D, S, dtype = 4, 2, 32, 16, torch.float32
+        batches, contexts = (1, 2), (64, 128)
+    else:
+        Hq, Hkv, D, S, dtype = 32, 8, 128, 16, torch.bfloat16
+        batches, contexts = (1, 8, 32), (1024, 8192, 32768)
+    r.update(Hq=Hq, Hkv=Hkv, D=D, page_size=S, dtype=str(dtype), configs=[])
+    scale = D ** -0.5
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for B in batches:
+        for T in contexts:
+            c = {"batch": B, "context": T}
+            r["configs"].append(c)
+            k_pool = v_pool = k = v = None
+            try:
+                N = T // S
+                P = B * N
+                kv_bytes = 2 * P * S * Hkv * D * torch.tensor([], dtype=dtype).element_size()
+                c["kv_bytes"] = kv_bytes
+                if CUDA:
+                    free, _ = torch.cuda.mem_get_info()
+                    if 2.6 * kv_bytes > free:  # pools + contiguous copies for SDPA + slack
+                        c["skipped"] = f"needs ~{2.6 * kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+                        continue
+                k_pool = torch.randn(P, S, Hkv, D, device=DEV, dtype=dtype)
+                v_pool = torch.randn(P, S, Hkv, D, device=DEV, dtype=dtype)
+                perm = torch.randperm(P, generator=g).to(torch.int32)  # shuffled pages
+                page_table = perm.view(B, N).to(DEV)
+                page_pos = (torch.arange(N, dtype=torch.int32) * S).expand(B, N).contiguous().to(DEV)
+                q_pos = torch.full((B, 1), T - 1, dtype=torch.int32, device=DEV)
+                q = torch.randn(B, Hq, 1, D, device=DEV, dtype=dtype)
+                out = torch.empty(B, 1, Hq, D, device=DEV, dtype=dtype)
+
+                def kern():
+                    return paged_attention_triton(q, k_pool, v_pool, page_table, page_pos, q_pos, scale=scale, out=out)
+
+                t = bench(kern)
+                c.update(kernel_s=t, kernel_GBps=kv_bytes / t / 1e9)
+                if COPY_GBPS:
+                    c["kernel_fraction_of_copy_bw"] = kv_bytes / t / 1e9 / COPY_GBPS
+                ko = kern().transpose(1, 2).float()  # [B, Hq, 1, D]
+
+                # same K/V, contiguous [B, Hkv, T, D]
+                idx = page_table.long()
+                k = k_pool[idx].reshape(B, T, Hkv, D).transpose(1, 2).contiguous()
+                v = v_pool[idx].reshape(B, T, Hkv, D).transpose(1, 2).contiguous()
+                k_pool = v_pool = None  # free the pools before timing SDPA
+                try:
+                    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+                    ts = bench(sdpa)
+                    c.update(sdpa_s=ts, sdpa_GBps=kv_bytes / ts / 1e9, kernel_speedup_vs_sdpa=ts / t,
+                             max_abs_diff_vs_sdpa=(sdpa().float() - ko).abs().max().item())
+                except Exception as e:  # noqa: BLE001
+                    c["sdpa_error"] = f"{type(e).__name__}: {e}"
+                if CUDA:
+                    try:
+                        def sdpa_flash():
+                            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+                        tf = bench(sdpa_flash)
+                        c.update(sdpa_flash_s=tf, kernel_speedup_vs_sdpa_flash=tf / t)
+                    except Exception as e:  # noqa: BLE001
+                        c["sdpa_flash_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if flash_attn_func is not None:
+                    try:
+                        qf, kf, vf = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+                        fa = lambda: flash_attn_func(qf, kf, vf, softmax_scale=scale)  # noqa: E731
+                        tfa = bench(fa)
+                        c.update(flash_attn_s=tfa, kernel_speedup_vs_flash_attn=tfa / t)
+                        kf = vf = None
+                    except Exception as e:  # noqa: BLE001
+                        c["flash_attn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            except torch.OutOfMemoryError as e:
+                c["skipped"] = f"OOM: {str(e)[:200]}"
+            except Exception as e:  # noqa: BLE001
+                c["error"] = f"{type(e).__name__}: {e}"
+                c["traceback"] = traceback.format_exc(limit=6)
+            finally:
+                k_pool = v_pool = k = v = None
+                if CUDA:
+                    torch.cuda.empty_cache()
+            print(f"[decode_kernel] B={B} T={T}: " + ", ".join(
+                f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in c.items()
+                if k_ not in ("batch", "context", "traceback")), flush=True)
+
+
+# --------------------------------------------------------------------------- d. end-to-end generate
+def count_kernel_calls():
+    """Wrap the Triton kernel so that calls are counted (attention.py imports it at call time)."""
+    from hf_paged.kernels import triton_paged_attention as mod
+    calls = [0]
+    orig = mod.paged_attention_triton
+
+    def wrapped(*a, **k):
+        calls[0] += 1
+        return orig(*a, **k)
+    mod.paged_attention_triton = wrapped
+    return calls, lambda: setattr(mod, "paged_attention_triton", orig)
+
+
+@part("end_to_end")
+def _(r):
+    from transformers import DynamicCache
+
+    from hf_paged.assets import britannica_text, load_model_and_tokenizer
+
+    ctx, new = (64, 5) if DRY else (4096, 64)
+    dtype = torch.float32 if DRY else torch.bfloat16
+    r.update(context=ctx, new_tokens=new, batch=1, dtype=str(dtype))
+    t0 = time.perf_counter()
+    paged, tok = load_model_and_tokenizer("smollm2", dtype=dtype, device=DEV, attn_implementation="hf_paged")
+    ref, _ = load_model_and_tokenizer("smollm2", dtype=dtype, device=DEV, attn_implementation="sdpa")
+    r["load_seconds"] = time.perf_counter() - t0
+    ids = tok(britannica_text(), return_tensors="pt").input_ids[:, :ctx].to(DEV)
+    r["prompt_tokens"] = ids.shape[1]
+    mask = torch.ones_like(ids)
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        """Called once per generated token, after that step's forward: sync and take the time."""
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            sync()
+            self.t.append(time.perf_counter())
+            return scores
+
+    def gen(model, cache_fn, n, clock=None):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=tok.pad_token_id,
+                                  logits_processor=LogitsProcessorList([clock] if clock else []),
+                                  **{hf_paged.CACHE_KWARG: cache_fn(model)})
+
+    backend = "triton" if DRY else None  # dry run: the interpreted kernel (auto = torch on the CPU)
+    variants = {"paged": (paged, lambda m: hf_paged.PagedCache(page_size=16, config=m.config, backend=backend)),
+                "dynamic_sdpa": (ref, lambda m: DynamicCache(config=m.config))}
+    seqs = {}
+    reps = 1 if DRY else 3
+    calls, restore = count_kernel_calls()
+    try:
+        for name, (model, cache_fn) in variants.items():
+            gen(model, cache_fn, 2)  # warm-up (Triton compile, cuBLAS handles)
+            before = calls[0]
+            prefill, decode, total = [], [], []
+            for _ in range(reps):
+                clock = StepClock()
+                sync()
+                t0 = time.perf_counter()
+                out = gen(model, cache_fn, new, clock)
+                sync()
+                total.append(time.perf_counter() - t0)
+                prefill.append(clock.t[0] - t0)  # prefill + first token
+                decode.append((len(clock.t) - 1) / (clock.t[-1] - clock.t[0]))  # tokens/s after the first
+            seqs[name] = out[0, ids.shape[1]:].tolist()
+            r[name] = {"prefill_s": statistics.median(prefill), "total_s": statistics.median(total),
+                       "decode_tokens_per_s": statistics.median(decode),
+                       "triton_kernel_calls_per_generate": (calls[0] - before) // reps}
+    finally:
+        restore()
+    r["paged_over_dynamic_decode"] = r["paged"]["decode_tokens_per_s"] / r["dynamic_sdpa"]["decode_tokens_per_s"]
+    a, b = seqs["paged"], seqs["dynamic_sdpa"]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    r.update(tokens_match=a == b, matching_prefix_tokens=same, generated_tokens=len(a))
+    if a != b:
+        r["paged_text"], r["dynamic_text"] = tok.decode(a), tok.decode(b)
+    del paged, ref
+
+
+# ---------------------------------------------------------------------- e. GPU/CPU split model
+def layer_info(model):
+    """Where each decoder layer's weights are and where accelerate executes it."""
+    info = []
+    for i, layer in enumerate(model.model.layers):
+        p = next(layer.parameters())
+        hook = getattr(layer, "_hf_hook", None)
+        info.append({"layer": i, "param_device": str(p.device),
+                     "execution_device": str(getattr(hook, "execution_device", None)) if hook else None,
+                     "offloaded": bool(getattr(hook, "offload", False)) if hook else False})
+    return info
+
+
+@part("split_model")
+def _(r):
+    from transformers import AutoConfig, DynamicCache
+
+    from hf_paged.assets import britannica_text, load_model_and_tokenizer, resolve_model_path
+
+    gpu = "cuda:0" if CUDA else "cpu"  # dry run: both halves on the CPU, same code path
+    n_layers = AutoConfig.from_pretrained(resolve_model_path("smollm2")).num_hidden_layers
+    half = n_layers // 2
+    # embed_tokens and lm_head are tied in SmolLM2: keep both on the first device
+    device_map = {"model.embed_tokens": gpu, "lm_head": gpu, "model.rotary_emb": gpu, "model.norm": "cpu"}
+    device_map.update({f"model.layers.{i}": gpu if i < half else "cpu" for i in range(n_layers)})
+    r["device_map"] = {"layers_on_first_device": f"0..{half - 1} -> {gpu}", "rest": "cpu"}
+    dtype = torch.float32 if DRY else torch.bfloat16
+    new = 4
+
+    def run(model, tok, cache):
+        ids = tok(britannica_text()[:2000], return_tensors="pt").input_ids[:, :64]
+        ids = ids.to(model.model.embed_tokens.weight.device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 **{hf_paged.CACHE_KWARG: cache})
+        return out[0, ids.shape[1]:].tolist()
+
+    def cache_devices(cache):
+        return [str(layer.keys.device) if getattr(layer, "keys", None) is not None else None
+                for layer in cache.layers]
+
+    def summarize(devs):
+        return {d: [i for i, x in enumerate(devs) if x == d] for d in sorted(set(map(str, devs)))}
+
+    # 1. accelerate device_map (accelerate may offload the "cpu" layers and run them on the GPU)
+    acc = r["accelerate_device_map"] = {}
+    try:
+        paged, tok = load_model_and_tokenizer("smollm2", dtype=dtype, device_map=device_map,
+                                              attn_implementation="hf_paged")
+        acc["hf_device_map_values"] = sorted(set(map(str, getattr(paged, "hf_device_map", {}).values())))
+        acc["layers"] = summarize([f"param={x['param_device']} exec={x['execution_device']} offload={x['offloaded']}"
+                                   for x in layer_info(paged)])
+        cache = hf_paged.PagedCache(page_size=16, config=paged.config)
+        a = run(paged, tok, cache)
+        acc["paged_cache_keys_device_per_layer"] = summarize(cache_devices(cache))
+        del paged
+        ref, _ = load_model_and_tokenizer("smollm2", dtype=dtype, device_map=device_map, attn_implementation="sdpa")
+        dyn = DynamicCache(config=ref.config)
+        b = run(ref, tok, dyn)
+        acc["dynamic_cache_keys_device_per_layer"] = summarize(cache_devices(dyn))
+        acc.update(paged_tokens=a, dynamic_tokens=b, tokens_match=a == b)
+        del ref
+    except Exception as e:  # noqa: BLE001
+        acc["error"] = f"{type(e).__name__}: {e}"
+        acc["traceback"] = traceback.format_exc(limit=8)
+    save()
+
+    # 2. manual split: layers really execute on the CPU; pre-hooks move inputs to each layer's device
+    man = r["manual_split"] = {}
+    try:
+        def to_dev(x, d):
+            if torch.is_tensor(x):
+                return x.to(d)
+            if isinstance(x, tuple):
+                return tuple(to_dev(y, d) for y in x)
+            return x
+
+        def split(attn):
+            model, tok = load_model_and_tokenizer("smollm2", dtype=dtype, attn_implementation=attn)
+            model.model.embed_tokens.to(gpu)  # tied lm_head follows
+            model.model.rotary_emb.to(gpu)
+            for i, layer in enumerate(model.model.layers):
+                d = torch.device(gpu if i < half else "cpu")
+                layer.to(d)
+                layer.register_forward_pre_hook(
+                    lambda m, a, k, d=d: (to_dev(a, d), {n: to_dev(v, d) for n, v in k.items()}), with_kwargs=True)
+            model.model.norm.register_forward_pre_hook(lambda m, a: to_dev(a, torch.device("cpu")))
+            model.lm_head.register_forward_pre_hook(lambda m, a: to_dev(a, torch.device(gpu)))
+            return model, tok
+
+        paged, tok = split("hf_paged")
+        man["layers"] = summarize([x["param_device"] for x in layer_info(paged)])
+        cache = hf_paged.PagedCache(page_size=16, config=paged.config)
+        a = run(paged, tok, cache)
+        man["paged_cache_keys_device_per_layer"] = summarize(cache_devices(cache))
+        del paged
+        ref, _ = split("sdpa")
+        dyn = DynamicCache(config=ref.config)
+        b = run(ref, tok, dyn)
+        man["dynamic_cache_keys_device_per_layer"] = summarize(cache_devices(dyn))
+        man.update(paged_tokens=a, dynamic_tokens=b, tokens_match=a == b)
+        del ref
+    except Exception as e:  # noqa: BLE001
+        man["error"] = f"{type(e).__name__}: {e}"
+        man["traceback"] = traceback.format_exc(limit=8)
+
+
+# ------------------------------------------------------------------------------------ summary
+def fmt(x, spec=".3g"):
+    return "-" if x is None else (format(x, spec) if isinstance(x, (int, float)) else str(x))
+
+
+lines = ["", "=" * 100, f"gpu_check summary ({'DRY RUN, cpu' if DRY else RESULTS['gpu']})", "=" * 100]
+cb = RESULTS.get("copy_bandwidth", {})
+lines.append(f"copy bandwidth (read+write): {fmt(cb.get('GBps'), '.1f')} GB/s {cb.get('error', '')}")
+dk = RESULTS.get("decode_kernel", {})
+if "error" in dk:
+    lines.append(f"decode kernel: ERROR {dk['error']}")
+lines.append(f"{'B':>3} {'ctx':>6} {'kernel GB/s':>11} {'%copy':>6} {'kern us':>9} {'sdpa us':>9} {'x sdpa':>7} "
+             f"{'flash us':>9} {'x flash':>7} {'maxdiff':>8}  note")
+for c in dk.get("configs", []):
+    fl_s = c.get("flash_attn_s", c.get("sdpa_flash_s"))
+    fl_x = c.get("kernel_speedup_vs_flash_attn", c.get("kernel_speedup_vs_sdpa_flash"))
+    frac = c.get("kernel_fraction_of_copy_bw")
+    note = c.get("skipped") or c.get("error") or ""
+    if c["batch"] == 32 and c["context"] == 8192:
+        note += f" target >=70% copy bw: {'PASS' if frac and frac >= 0.70 else 'FAIL'}"
+    us = lambda s: None if s is None else s * 1e6  # noqa: E731
+    lines.append(f"{c['batch']:>3} {c['context']:>6} {fmt(c.get('kernel_GBps'), '.1f'):>11} "
+                 f"{fmt(None if frac is None else 100 * frac, '.1f'):>6} {fmt(us(c.get('kernel_s')), '.1f'):>9} "
+                 f"{fmt(us(c.get('sdpa_s')), '.1f'):>9} {fmt(c.get('kernel_speedup_vs_sdpa'), '.2f'):>7} "
+                 f"{fmt(us(fl_s), '.1f'):>9} {fmt(fl_x, '.2f'):>7} {fmt(c.get('max_abs_diff_vs_sdpa'), '.2g'):>8}  {note}")
+e2e = RESULTS.get("end_to_end", {})
+if "error" in e2e:
+    lines.append(f"end-to-end: ERROR {e2e['error']}")
+else:
+    ratio = e2e.get("paged_over_dynamic_decode")
+    lines.append(f"end-to-end ctx={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
+                 f"{fmt(e2e['paged']['decode_tokens_per_s'], '.1f')} tok/s (triton calls "
+                 f"{e2e['paged']['triton_kernel_calls_per_generate']}), dynamic+sdpa "
+                 f"{fmt(e2e['dynamic_sdpa']['decode_tokens_per_s'], '.1f')} tok/s, ratio {fmt(ratio, '.2f')} "
+                 f"(target >=1.0: {'PASS' if ratio and ratio >= 1.0 else 'FAIL'}), tokens match: "
+                 f"{e2e.get('tokens_match')} ({e2e.get('matching_prefix_tokens')}/{e2e.get('generated_tokens')})")
+sp = RESULTS.get("split_model", {})
+if "error" in sp:
+    lines.append(f"split model: ERROR {sp['error']}")
+for key in ("accelerate_device_map", "manual_split"):
+    s = sp.get(key, {})
+    if "error" in s:
+        lines.append(f"split {key}: ERROR {s['error']}")
+    elif s:
+        lines.append(f"split {key}: paged keys per device {s.get('paged_cache_keys_device_per_layer')}; "
+                     f"tokens match DynamicCache: {s.get('tokens_match')}")
+        if key == "accelerate_device_map":
+            lines.append(f"    accelerate layers: {s.get('layers')}")
+lines.append(f"JSON: {OUT / 'gpu_check.json'}")
+print("\n".join(lines), flush=True)
+save()
