@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_paged
+from page_checks import check_pages
 from tiny_models import left_padded_batch, make_config, make_pair
 
 GEN = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False)
@@ -15,13 +16,6 @@ GEN = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False
 @pytest.fixture(scope="module")
 def llama():
     return make_pair("llama")
-
-
-def _check_pages(cache):
-    for group in cache.groups.values():
-        group.manager.check_invariants()
-        held = sum(len(r) for r in group.rows)
-        assert group.manager.num_used == held, "pages referenced by no row, or rows without pages"
 
 
 def test_public_names():
@@ -46,7 +40,7 @@ def test_stats_count_tokens_and_bytes(llama):
     page_bytes = 2 * 4 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     assert stats["kv_bytes"] == stats["pages_used"] * page_bytes * cfg.num_hidden_layers
     assert stats["pages_total"] == stats["pages_used"] + stats["pages_free"] + stats["pages_cached"]
-    _check_pages(cache)
+    check_pages(cache)
 
 
 def test_reset_returns_every_page_and_cache_is_reusable(llama):
@@ -114,7 +108,7 @@ def test_max_pages_below_one_page_per_row(llama):
     cache = hf_paged.PagedCache(page_size=4, max_pages=2, config=paged.config)
     with pytest.raises(hf_paged.CacheUsageError, match="max_pages=2 is smaller than one page per row"):
         paged.generate(**left_padded_batch((3, 5, 4)), **GEN, cache=cache)
-    _check_pages(cache)
+    check_pages(cache)
     assert cache.get_seq_length() == 0
     batch = left_padded_batch((3,))
     assert torch.equal(paged.generate(**batch, max_new_tokens=4, pad_token_id=0, eos_token_id=None, cache=cache),
@@ -132,7 +126,7 @@ def test_bounded_pool_exhausted_keeps_cache_consistent(llama):
     # the failing step changed nothing: 8 tokens per row were cached before it (2 pages each)
     assert cache.get_seq_length() == 8
     assert cache.stats()["tokens_stored"] == 16
-    _check_pages(cache)
+    check_pages(cache)
     # the cached tokens are intact: drop the 2 generated ones and continue the prompt like DynamicCache
     cache.crop(-2)
     dyn = DynamicCache(config=ref.config)
@@ -154,7 +148,7 @@ def test_batch_size_change_on_non_empty_cache(llama):
     with pytest.raises(hf_paged.CacheUsageError, match="batch size changed from 3 to 2"):
         paged.generate(**left_padded_batch((30, 28)), **GEN, cache=cache)
     assert cache.stats() == before
-    _check_pages(cache)
+    check_pages(cache)
 
 
 @pytest.mark.parametrize("bad", ["heads", "head_dim", "dtype", "device"])
@@ -172,7 +166,7 @@ def test_mismatched_keys_and_values(bad):
     with pytest.raises(hf_paged.CacheUsageError, match=r"layer 1: .*pool has"):
         cache.update(wrong, wrong.clone() if bad != "device" else wrong, 1)
     assert (cache.get_seq_length(), cache.stats()) == before
-    _check_pages(cache)
+    check_pages(cache)
     # and the cache still works: the next step is accepted by every layer
     for layer in range(2):
         cache.update(new, new.clone(), layer)

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged.block_manager import EVICTED
 from hf_paged.eviction import EvictionPolicy
+from page_checks import check_pages
 from tiny_models import left_padded_batch, make_pair
 
 GEN = dict(pad_token_id=0, eos_token_id=None, do_sample=False)
@@ -18,13 +19,6 @@ GEN = dict(pad_token_id=0, eos_token_id=None, do_sample=False)
 @pytest.fixture(scope="module")
 def llama():
     return make_pair("llama")
-
-
-def _check(cache):
-    for group in cache.groups.values():
-        group.manager.check_invariants()
-        refs = sum(group.manager.ref)
-        assert refs == sum(1 for r in group.rows for p in r if p != EVICTED)
 
 
 def test_policy_victims_on_synthetic_usage():
@@ -49,7 +43,7 @@ def test_protected_pages_are_never_evicted(llama, eviction):
     live = [p for p in row if p != EVICTED]
     assert row[-2:] == live[-2:] and EVICTED not in row[-2:]  # recent window
     assert len(live) == 5
-    _check(cache)
+    check_pages(cache)
 
 
 def test_lru_evicts_the_page_attention_ignores():
@@ -102,9 +96,9 @@ def test_eviction_with_batch_and_beams_keeps_reference_counts(llama):
     cache = hf_paged.PagedCache(page_size=2, max_pages=14, config=paged.config, eviction="lru")
     paged.generate(**left_padded_batch((10, 7)), max_new_tokens=12, num_beams=3, **GEN, cache=cache)
     assert cache.stats()["evictions"] > 0
-    _check(cache)
+    check_pages(cache)
     cache.reset()
-    _check(cache)
+    check_pages(cache)
     assert cache.stats()["pages_used"] == 0
 
 
@@ -113,7 +107,7 @@ def test_prompt_larger_than_the_budget_says_to_chunk(llama):
     cache = hf_paged.PagedCache(page_size=2, max_pages=4, config=paged.config)
     with pytest.raises(hf_paged.PagePoolExhausted, match="in chunks"):
         paged.generate(**left_padded_batch((20,)), max_new_tokens=2, **GEN, cache=cache)
-    _check(cache)
+    check_pages(cache)
 
 
 def test_evicted_cache_refuses_other_attention(llama):
@@ -147,7 +141,7 @@ def test_soak_bounded_cache_with_forks_and_resets(llama):
             fork = cache.fork()
             paged(input_ids=torch.tensor([[7]]), cache=fork)
             del fork
-        _check(cache)
+        check_pages(cache)
         if i == 100:
             gc.collect()
             baseline = cache.stats()["pages_total"], cache.stats()["pool_bytes"]

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 import hf_paged
 import hf_paged.prefix_cache
 from hf_paged.prefix_cache import page_hashes
+from page_checks import check_pages, managers_of
 from tiny_models import left_padded_batch, make_config, make_pair
 
 VOCAB = 96
@@ -63,25 +64,6 @@ def pair(name: str):
 # ------------------------------------------------------------------------------------ helpers
 def dynamic_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
-
-
-def managers_of(*caches) -> dict[int, tuple]:
-    """id(manager) -> (manager, page entries of every row of the given caches that use it)."""
-    held: dict[int, list] = {}
-    for cache in caches:
-        cache.commit()
-        for group in cache.groups.values():
-            entry = held.setdefault(id(group.manager), [group.manager, 0])
-            entry[1] += sum(len(r) for r in group.rows)
-    return {k: tuple(v) for k, v in held.items()}
-
-
-def check_pages(*caches) -> None:
-    """Invariants, and: pages referenced == pages held by rows (each entry holds one reference)."""
-    for manager, entries in managers_of(*caches).values():
-        manager.check_invariants()
-        assert sum(manager.ref) == entries, f"{sum(manager.ref)} references for {entries} row entries"
-        assert manager.num_used == len({p for p in range(manager.num_pages) if manager.ref[p] > 0})
 
 
 def check_all_given_back(manager, used: bool = True) -> None:
