@@ -36,7 +36,7 @@ from transformers import DynamicCache
 import hf_paged
 import hf_paged.prefix_cache
 from hf_paged.prefix_cache import page_hashes
-from page_checks import check_pages, managers_of
+from page_checks import check_pages
 from tiny_models import left_padded_batch, make_config, make_pair
 
 VOCAB = 96
