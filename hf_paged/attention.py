@@ -154,12 +154,17 @@ def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, slidi
     if layer.group.step.read_table is not None:
         return _live_attention(query, layer, attention_mask, scaling, softcap, s_aux)
     keys, values = layer.read()
-    kv_len = keys.shape[1]
+    return _attend_window(module, query, keys.transpose(1, 2), values.transpose(1, 2), attention_mask, scaling,
+                          softcap, s_aux)
+
+
+def _attend_window(module, query, key, value, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
+    """`attend` over ``key/value [B, Hkv, T, D]``, the last T tokens: the mask is aligned on its last column."""
+    kv_len = key.shape[-2]
     if attention_mask is not None and attention_mask.shape[-1] != kv_len:
         attention_mask = attention_mask[..., -kv_len:]
     is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
-    return attend(query, keys.transpose(1, 2), values.transpose(1, 2), attention_mask, scaling,
-                  is_causal=is_causal, softcap=softcap, s_aux=s_aux)
+    return attend(query, key, value, attention_mask, scaling, is_causal=is_causal, softcap=softcap, s_aux=s_aux)
 
 
 def paged_attention_forward(
@@ -183,19 +188,13 @@ def paged_attention_forward(
     if isinstance(key, PagedKV):
         out = _paged_attention(module, query, key, attention_mask, scaling, sliding_window, softcap, s_aux)
         return out, None
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = attention_mask[..., -key.shape[-2]:]
-    is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
-    return attend(query, key, value, attention_mask, scaling, is_causal=is_causal, softcap=softcap,
-                  s_aux=s_aux), None
-
-
-def paged_attention_mask(*args, **kwargs):
-    """transformers' boolean SDPA mask (None when a plain causal / full pattern suffices)."""
-    return sdpa_mask(*args, **kwargs)
+    return _attend_window(module, query, key, value, attention_mask, scaling, softcap, s_aux), None
 
 
 def register() -> None:
-    """Register ``"hf_paged"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"hf_paged"`` with transformers' attention and mask interfaces (idempotent).
+
+    The mask is transformers' own boolean SDPA mask (None when a plain causal pattern suffices).
+    """
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
