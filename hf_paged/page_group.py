@@ -114,13 +114,16 @@ class PageGroup:
         self.hashed_pages = 0  # logical pages [0, hashed_pages) of every row carry content hashes
 
     # ----------------------------------------------------------------- views
-    def first_kept_page(self, past: int, first_page: int | None = None) -> int:
-        """First logical page a step starting after ``past`` tokens still needs (rows now start at ``first_page``)."""
-        first_page = self.first_page if first_page is None else first_page
-        if self.sliding_window is None or self.record_past:
+    def _window_page(self, past: int, first_page: int) -> int:
+        """First logical page the window of a step starting after ``past`` tokens needs (rows start at ``first_page``)."""
+        if self.sliding_window is None:
             return first_page
-        first_needed_pos = max(0, past - self.sliding_window + 1)
-        return max(first_page, first_needed_pos // self.page_size)
+        return max(first_page, max(0, past - self.sliding_window + 1) // self.page_size)
+
+    def first_kept_page(self, past: int, first_page: int | None = None) -> int:
+        """First logical page a step starting after ``past`` tokens keeps (all of them while recording the past)."""
+        first_page = self.first_page if first_page is None else first_page
+        return first_page if self.record_past else self._window_page(past, first_page)
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         """(kv_length, kv_offset) that the next step's attention reads, as transformers expects."""
@@ -225,15 +228,13 @@ class PageGroup:
 
     def _trim_recorded_past(self) -> None:
         """After a crop, free the sliding-window pages kept for it (see `record_past`)."""
-        if self.sliding_window is None or not self.record_past:
+        if not self.record_past:
             return
-        self.record_past = False
-        trim = self.first_kept_page(self.num_tokens) - self.first_page
-        self.record_past = True
+        trim = self._window_page(self.num_tokens, self.first_page) - self.first_page
         for r in self.rows:
             self.manager.release_row(r[:trim])
             del r[:trim]
-        self.first_page += max(trim, 0)
+        self.first_page += trim
 
     # ------------------------------------------------------------------ step
     def begin_step(self, batch_size: int, q_len: int, same_as: list[int] | None = None) -> StepPlan:
@@ -291,11 +292,11 @@ class PageGroup:
             if a != b:
                 rows[b] = list(rows[a])
                 self.manager.share_row(rows[b])
-        if was_slab and self._slab(torch.tensor(rows)) is None:
-            self._relocate(rows, src, dst)
         self.rows = rows
         self.num_tokens = end
         self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
+        if was_slab and self.step.slab is None and self._relocate(rows, src, dst):
+            self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
         return self.step
 
     def _plan(self, batch_size, q_len, past, src, dst, same_as) -> StepPlan:
@@ -385,15 +386,16 @@ class PageGroup:
             for _ in range(count):
                 r.append(self.manager.allocate(r[-1] + 1 if r else None))
 
-    def _relocate(self, rows: list[list[int]], src: list[int], dst: list[int]) -> None:
+    def _relocate(self, rows: list[list[int]], src: list[int], dst: list[int]) -> bool:
         """Move rows that outgrew their slab region onto a new slab with 25% more room per row.
 
         Like a vector's growth: each move copies the cache once and adds 25% room, so the
         cost per token is amortised, and decode keeps reading views instead of gathering.
-        Only unshared rows of an unbounded pool move (a shared page stays shared).
+        Only unshared rows of an unbounded pool move (a shared page stays shared); returns
+        whether they moved.
         """
         if self.manager.max_pages is not None or any(p == EVICTED or self.manager.ref[p] != 1 for r in rows for p in r):
-            return
+            return False
         stride = len(rows[0]) + len(rows[0]) // 4 + 1
         base = self.manager.free_run(len(rows) * stride)
         copied_from = dict(zip(dst, src))  # a page copied on write this step moves from its source
@@ -402,6 +404,7 @@ class PageGroup:
             src.extend(copied_from.get(p, p) for p in r), dst.extend(moved)
             self._pending_release.extend(r)
             r[:] = moved
+        return True
 
     @staticmethod
     def _slab(table: torch.Tensor) -> tuple[int, int] | None:
