@@ -34,6 +34,16 @@ def test_greedy_left_padded_batch(pair, page_size):
     assert cache.get_seq_length() == batch["input_ids"].shape[1] + GEN["max_new_tokens"] - 1
 
 
+def test_greedy_unpadded_batch(pair):
+    """No padding: transformers skips the mask (None) and attention must apply causality itself."""
+    name, ref, paged = pair
+    batch = left_padded_batch((8, 8))
+    want = _generate(ref, DynamicCache(config=ref.config), batch, do_sample=False)
+    got = _generate(paged, hf_paged.PagedCache(page_size=3, config=paged.config), batch, do_sample=False)
+    torch.testing.assert_close(got.scores[0], want.scores[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.sequences, want.sequences)
+
+
 def test_past_key_values_keyword(pair):
     name, ref, paged = pair
     batch = left_padded_batch((4, 7, 6))
