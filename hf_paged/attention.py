@@ -12,8 +12,10 @@ paged path aligns it with the tokens a row still holds.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +23,13 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from .cache import ATTN_IMPLEMENTATION
+from .kernels import cpu_paged_attention as cpu_kernel
 from .paged_kv import PagedKV
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
+# The CPU kernel reads each slot once for all of a step's queries, scalar-ish per query: it wins for
+# decoding and short continuations (assisted decoding); longer queries go to SDPA's blocked kernel.
+CPU_KERNEL_MAX_QUERIES = 8
 
 
 def attend(
@@ -78,23 +84,44 @@ def attend(
 
 
 def resolve_backend(choice: str | None, device: torch.device) -> str:
-    """"torch" or "triton" for ``device``: the choice, else ``$HF_PAGED_BACKEND``, else "auto"."""
+    """"torch", "triton" or "cpu" for ``device``: the choice, else ``$HF_PAGED_BACKEND``, else "auto".
+
+    "auto" is the Triton kernel on CUDA and the C kernel on the CPU (when a C compiler can build it;
+    otherwise the torch path, with one warning saying why).
+    """
     choice = choice or os.environ.get("HF_PAGED_BACKEND", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"hf_paged backend must be one of {BACKENDS}, got {choice!r} "
                          "(argument `backend=` or environment variable HF_PAGED_BACKEND).")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+        if device.type == "cuda":
+            return "triton" if importlib.util.find_spec("triton") else "torch"
+        if device.type == "cpu":
+            reason = cpu_kernel.unavailable_reason()
+            if reason is None:
+                return "cpu"
+            _warn_once(f"hf_paged: the CPU attention kernel is unavailable ({reason}); using the slower torch path.")
+        return "torch"
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("The Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton is "
                          "imported) to run the kernel on the CPU; use backend='torch' otherwise.")
+    if choice == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"The 'cpu' backend runs on CPU tensors, got {device}; use 'auto' or 'triton'.")
+        reason = cpu_kernel.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"The 'cpu' backend cannot run: {reason}. Install a C compiler (or set $CC), "
+                             "or use backend='torch'.")
     return choice
 
 
-def _triton_attention(query, layer, attention_mask, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
-    """The Triton kernel walks the page table; the mask is aligned on its last column."""
-    from .kernels.triton_paged_attention import paged_attention_triton
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
+
+def _kernel_attention(kernel, query, layer, attention_mask, scaling, sliding_window, softcap, s_aux):
+    """A paged kernel walks the page table (holes included); the mask is aligned on its last column."""
     plan = layer.group.step.on(layer.device)
     page_table, page_pos, q_pos = plan.kernel_index(layer.device)
     mask_offset = 0
@@ -102,7 +129,7 @@ def _triton_attention(query, layer, attention_mask, scaling, sliding_window, sof
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
         mask_offset = plan.num_tokens - attention_mask.shape[-1]
-    result = paged_attention_triton(
+    result = kernel(
         query, layer.keys, layer.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
         mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
         return_page_mass=layer.group.tracks_usage)
@@ -149,8 +176,15 @@ def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, slidi
                      s_aux) -> torch.Tensor:
     """Read the rows of ``key.layer`` in place and attend; the mask is aligned on its last column."""
     layer = key.layer
-    if resolve_backend(layer.backend, query.device) == "triton":
-        return _triton_attention(query, layer, attention_mask, scaling, sliding_window, softcap, s_aux)
+    backend = resolve_backend(layer.backend, query.device)
+    if backend == "triton":
+        from .kernels.triton_paged_attention import paged_attention_triton
+
+        return _kernel_attention(paged_attention_triton, query, layer, attention_mask, scaling, sliding_window,
+                                 softcap, s_aux)
+    if backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES and layer.keys.dtype in cpu_kernel.SUPPORTED_DTYPES:
+        return _kernel_attention(cpu_kernel.paged_attention_cpu, query, layer, attention_mask, scaling,
+                                 sliding_window, softcap, s_aux)
     if layer.group.step.read_table is not None:
         return _live_attention(query, layer, attention_mask, scaling, softcap, s_aux)
     keys, values = layer.read()

@@ -62,8 +62,9 @@ class PagedCache(Cache):
         max_pages: pages per layer group; None lets the pool grow (geometrically, +25% at a time).
         config: the model config; builds sliding-window layers up front (their pages are freed
             as they leave the window) and checks the attention implementation.
-        backend: "torch" (CPU path), "triton" (the paged kernel; CUDA, or CPU with
-            TRITON_INTERPRET=1) or "auto" (Triton on CUDA); default ``$HF_PAGED_BACKEND`` or "auto".
+        backend: "cpu" (the C kernel, for CPU tensors), "triton" (the Triton kernel; CUDA, or CPU with
+            TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
+            on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
         eviction: what a bounded pool does when full: "lru" (default), "fifo" or "error"
             (raise `PagePoolExhausted`); see `hf_paged.eviction`.
         sink_pages / recent_pages: pages never evicted at the start / end of each row.
@@ -81,8 +82,8 @@ class PagedCache(Cache):
                  lru_threshold: float = 0.5):
         _check_positive_int("page_size", page_size)
         _check_positive_int("max_pages", max_pages, allow_none=True)
-        if backend not in (None, "auto", "torch", "triton"):
-            raise CacheUsageError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
+        if backend not in (None, "auto", "torch", "triton", "cpu"):
+            raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
         self.policy = EvictionPolicy(eviction, sink_pages, recent_pages, lru_threshold)
         super().__init__(layers=[])

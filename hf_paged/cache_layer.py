@@ -47,7 +47,7 @@ class PagedLayer(CacheLayerMixin):
         self.pool = pool or PagePool()  # CacheLayerMixin.__init__ would reset a shared pool: not called
         self.is_initialized = self.pool.keys is not None
         self.group = group
-        self.backend = backend  # "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
+        self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window

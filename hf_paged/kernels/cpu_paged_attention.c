@@ -1,0 +1,260 @@
+/* Paged attention on the CPU: reads K/V in place from a page pool through a page table.
+ *
+ * Semantics are those of hf_paged/kernels/reference.py (masking rules, sinks, softcap, page mass);
+ * the Python side (cpu_paged_attention.py) checks shapes and fills a PagedArgs.
+ *
+ * Work item = (batch row, split): the Q queries of all Hq heads form R = Q * Hq rows; each slot's
+ * K and V rows (all KV heads, contiguous in the pool) are read once, in page order, so that the
+ * hardware prefetcher sees a sequential stream. A split covers a range of page-table entries;
+ * it walks them in chunks of at most CHUNK slots: scores for the chunk, one rescale of the running
+ * (max, sum, acc) per row, then the weighted sum of V. Slots that no row may attend are never read
+ * into the result (they may hold garbage, even NaN). Splits write unnormalised partials that
+ * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 32
+#define MASKED (-1e30f) /* score of a slot a row may not attend: exp() of it minus any max is 0 */
+
+typedef struct {
+    const float *q;        /* [B, Hq, Q, D] fp32, strides q_stride */
+    int64_t q_stride[4];
+    const void *k, *v;     /* [P, S, Hkv, D] fp32 or bf16, last stride 1 */
+    int64_t k_stride[3], v_stride[3];
+    int64_t kv_bf16;       /* 1: pools hold bfloat16 */
+    const int64_t *table;  /* [B, N] page ids, -1 = skip */
+    const int64_t *page_pos; /* [B, N] position of slot 0 */
+    const int64_t *q_pos;  /* [B, Q] */
+    int64_t B, Hq, Hkv, Q, D, S, N;
+    float scale, softcap;  /* softcap 0 = none */
+    int64_t window;        /* 0 = none */
+    const uint8_t *mask;   /* [B|1, Hq|1, Q, M], stride 0 on broadcast dims; NULL = none */
+    int64_t mask_stride[4];
+    int64_t mask_offset, mask_len;
+    int64_t mask_per_head; /* mask_stride[1] != 0 */
+    const float *sinks;    /* [Hq] or NULL */
+    float *out;            /* [B, Q, Hq, D] fp32 contiguous */
+    float *page_mass;      /* [B, Hq, N] or NULL */
+    int64_t splits;
+    float *partial;        /* [B, splits, R, D + 2]: acc | max | sum, R = Q * Hq */
+    float *entry_stats;    /* [B, R, N, 2]: max | sum of each entry, when page_mass */
+    int64_t threads;
+} PagedArgs;
+
+/* exp(x) for x <= 88, ~2 ulp; plain arithmetic so that loops over it vectorise. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
+static inline float load_bf16(const uint16_t *p, int64_t i) {
+    union { uint32_t u; float f; } x = { .u = (uint32_t)p[i] << 16 };
+    return x.f;
+}
+
+/* ok[c] = 1 iff query qi of head h in row b may attend the token at position pos0 + c. */
+static inline void allowed_slots(const PagedArgs *a, int64_t b, int64_t h, int64_t qi, int64_t pos0, int64_t C,
+                                 uint8_t *ok) {
+    const int64_t qp = a->q_pos[b * a->Q + qi];
+    for (int64_t c = 0; c < C; c++) ok[c] = pos0 + c <= qp;
+    if (a->window > 0)
+        for (int64_t c = 0; c < C; c++) ok[c] &= qp - (pos0 + c) < a->window;
+    if (a->mask) {
+        const int64_t *ms = a->mask_stride;
+        const uint8_t *row = a->mask + b * ms[0] + h * ms[1] + qi * ms[2];
+        for (int64_t c = 0; c < C; c++) {
+            int64_t mi = pos0 + c - a->mask_offset;
+            ok[c] &= mi >= 0 && mi < a->mask_len && row[mi * ms[3]];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) const float *load_slot(const void *pool, int64_t off, int64_t n,
+                                                                     int bf16, float *buffer) {
+    if (!bf16) return (const float *)pool + off;
+    for (int64_t i = 0; i < n; i++) buffer[i] = load_bf16((const uint16_t *)pool + off, i);
+    return buffer;
+}
+
+static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int bf16,
+                                                                float *work) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, R = a->Q * Hq, D = a->D, S = a->S, N = a->N;
+    const int64_t split = item % a->splits, b = item / a->splits;
+    const int64_t per_split = (N + a->splits - 1) / a->splits;
+    const int64_t n_begin = split * per_split, n_end = n_begin + per_split < N ? n_begin + per_split : N;
+    float *q = work, *acc = q + R * D, *run_max = acc + R * D, *run_sum = run_max + R;
+    float *entry_max = run_sum + R, *entry_sum = entry_max + R, *slot = entry_sum + R; /* slot: Hkv * D */
+    float *score = slot + a->Hkv * D;                     /* [R][CHUNK] */
+    uint8_t *allowed = (uint8_t *)(score + R * CHUNK);   /* [R][CHUNK] */
+    uint8_t slot_used[CHUNK];
+
+    for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
+        const float *src = a->q + b * a->q_stride[0] + (r % Hq) * a->q_stride[1] + (r / Hq) * a->q_stride[2];
+        for (int64_t d = 0; d < D; d++) q[r * D + d] = src[d * a->q_stride[3]];
+        run_max[r] = MASKED;
+        run_sum[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * R * D);
+
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const int64_t page = a->table[b * N + n];
+        if (page < 0) continue;
+        const int64_t first = a->page_pos[b * N + n];
+        for (int64_t r = 0; r < R; r++) { entry_max[r] = MASKED; entry_sum[r] = 0.0f; }
+        for (int64_t s0 = 0; s0 < S; s0 += CHUNK) {
+            const int64_t C = S - s0 < CHUNK ? S - s0 : CHUNK;
+            int any = 0;
+            memset(slot_used, 0, CHUNK);
+            for (int64_t r = 0; r < R; r++) {
+                uint8_t *ok = allowed + r * CHUNK;
+                if (r % Hq && !a->mask_per_head) { /* same query, another head: same pattern */
+                    memcpy(ok, ok - CHUNK, C);
+                    continue;
+                }
+                allowed_slots(a, b, r % Hq, r / Hq, first + s0, C, ok);
+                for (int64_t c = 0; c < C; c++) { slot_used[c] |= ok[c]; any |= ok[c]; }
+            }
+            if (!any) continue;
+            /* scores: each slot's K row (all KV heads, contiguous) is read once for every row */
+            for (int64_t c = 0; c < C; c++) {
+                if (!slot_used[c]) {
+                    for (int64_t r = 0; r < R; r++) score[r * CHUNK + c] = MASKED;
+                    continue;
+                }
+                const int64_t off = page * a->k_stride[0] + (s0 + c) * a->k_stride[1];
+                for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+                    const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
+                    for (int64_t qi = 0; qi < a->Q; qi++)
+                        for (int64_t g = 0; g < G; g++) {
+                            const int64_t r = qi * Hq + kvh * G + g;
+                            const float *qr = q + r * D;
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
+                            dot *= a->scale;
+                            if (a->softcap > 0.0f) dot = a->softcap * tanhf(dot / a->softcap);
+                            score[r * CHUNK + c] = allowed[r * CHUNK + c] ? dot : MASKED;
+                        }
+                }
+            }
+            /* online softmax: one rescale per row and chunk; score becomes the probability weight */
+            for (int64_t r = 0; r < R; r++) {
+                float *sr = score + r * CHUNK;
+                float chunk_max = MASKED;
+                for (int64_t c = 0; c < C; c++) chunk_max = sr[c] > chunk_max ? sr[c] : chunk_max;
+                if (chunk_max <= MASKED) {
+                    for (int64_t c = 0; c < C; c++) sr[c] = 0.0f;
+                    continue;
+                }
+                const float new_max = run_max[r] > chunk_max ? run_max[r] : chunk_max;
+                const float rescale = exp_approx(run_max[r] - new_max);
+                float chunk_sum = 0.0f;
+#pragma omp simd reduction(+ : chunk_sum)
+                for (int64_t c = 0; c < C; c++) {
+                    const float p = sr[c] <= MASKED ? 0.0f : exp_approx(sr[c] - new_max);
+                    sr[c] = p;
+                    chunk_sum += p;
+                }
+                run_sum[r] = run_sum[r] * rescale + chunk_sum;
+                if (rescale != 1.0f)
+                    for (int64_t d = 0; d < D; d++) acc[r * D + d] *= rescale;
+                run_max[r] = new_max;
+                if (a->entry_stats) { /* the entry's own (max, sum) */
+                    const float m = entry_max[r] > new_max ? entry_max[r] : new_max;
+                    entry_sum[r] = entry_sum[r] * exp_approx(entry_max[r] - m) + chunk_sum * exp_approx(new_max - m);
+                    entry_max[r] = m;
+                }
+            }
+            /* values: each slot's V row is read once; slots nobody attends are never read */
+            for (int64_t c = 0; c < C; c++) {
+                if (!slot_used[c]) continue;
+                const int64_t off = page * a->v_stride[0] + (s0 + c) * a->v_stride[1];
+                for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+                    const float *vr = load_slot(a->v, off + kvh * a->v_stride[2], D, bf16, slot);
+                    for (int64_t qi = 0; qi < a->Q; qi++)
+                        for (int64_t g = 0; g < G; g++) {
+                            const int64_t r = qi * Hq + kvh * G + g;
+                            const float p = score[r * CHUNK + c];
+                            float *ar = acc + r * D;
+#pragma omp simd
+                            for (int64_t d = 0; d < D; d++) ar[d] += p * vr[d];
+                        }
+                }
+            }
+        }
+        if (a->entry_stats)
+            for (int64_t r = 0; r < R; r++) {
+                float *st = a->entry_stats + ((b * R + r) * N + n) * 2;
+                st[0] = entry_max[r];
+                st[1] = entry_sum[r];
+            }
+    }
+    float *dst = a->partial + (b * a->splits + split) * R * (D + 2);
+    for (int64_t r = 0; r < R; r++) {
+        memcpy(dst + r * (D + 2), acc + r * D, sizeof(float) * D);
+        dst[r * (D + 2) + D] = run_max[r];
+        dst[r * (D + 2) + D + 1] = run_sum[r];
+    }
+}
+
+/* Merge the splits of row r = (query, head) of batch row b: sink, normalisation, page mass. */
+static void finalize(const PagedArgs *a, int64_t item) {
+    const int64_t R = a->Q * a->Hq, D = a->D, N = a->N;
+    const int64_t r = item % R, b = item / R, qi = r / a->Hq, h = r % a->Hq;
+    const float *part = a->partial + (b * a->splits * R + r) * (D + 2);
+    const int64_t step = R * (D + 2);
+    float m = MASKED;
+    for (int64_t s = 0; s < a->splits; s++)
+        if (part[s * step + D + 1] > 0.0f && part[s * step + D] > m) m = part[s * step + D];
+    if (a->sinks && a->sinks[h] > m) m = a->sinks[h];
+    float total = a->sinks ? exp_approx(a->sinks[h] - m) : 0.0f;
+    float *out = a->out + ((b * a->Q + qi) * a->Hq + h) * D;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t s = 0; s < a->splits; s++) {
+        const float *p = part + s * step;
+        if (p[D + 1] <= 0.0f) continue;
+        const float w = exp_approx(p[D] - m);
+        total += p[D + 1] * w;
+        for (int64_t d = 0; d < D; d++) out[d] += p[d] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    if (a->page_mass && total > 0.0f) {
+        const float *st = a->entry_stats + (b * R + r) * N * 2;
+        float *mass = a->page_mass + (b * a->Hq + h) * N;
+        for (int64_t n = 0; n < N; n++)
+            if (st[2 * n + 1] > 0.0f) mass[n] += st[2 * n + 1] * exp_approx(st[2 * n] - m) * inv / (float)a->Q;
+    }
+}
+
+static void run(const PagedArgs *a, int bf16) {
+    const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
+    const size_t work_bytes = sizeof(float) * (2 * R * a->D + 4 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
+#pragma omp parallel num_threads(a->threads)
+    {
+        float *work = malloc(work_bytes);
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < items; i++) attend_split(a, i, bf16, work);
+        free(work);
+    }
+    /* with page mass, the queries of a head add to the same entries: run those rows in one thread */
+#pragma omp parallel for num_threads(a->threads) if (a->page_mass == NULL)
+    for (int64_t i = 0; i < a->B * R; i++) finalize(a, i);
+}
+
+void paged_attention_f32(const PagedArgs *a) { run(a, 0); }
+void paged_attention_bf16(const PagedArgs *a) { run(a, 1); }

@@ -1,0 +1,199 @@
+"""Paged attention on the CPU: a small C kernel that reads K/V in place through the page table.
+
+Same arguments and semantics as :func:`hf_paged.kernels.triton_paged_attention.paged_attention_triton`
+(defined by :func:`hf_paged.kernels.reference.paged_attention_reference`). It reads every K/V slot of
+a row once for all the query heads of its KV group, so a decode step costs one pass over the live
+pages, where SDPA's CPU kernel on the strided page view runs several times slower.
+
+The C source (``cpu_paged_attention.c``) is compiled on first use with the system C compiler
+(``$CC``, default ``cc``; ``-O3 -march=native -fopenmp``) into ``$HF_PAGED_CACHE_DIR/kernels``
+(default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and loaded
+with ctypes. :func:`unavailable_reason` says why it cannot be used (no compiler, build error);
+the attention then falls back to the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..assets import cache_dir
+
+__all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros"]
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+class _PagedArgs(ctypes.Structure):
+    """Mirror of the C ``PagedArgs`` struct (field order matters)."""
+
+    _fields_ = [
+        ("q", _ptr), ("q_stride", _i64 * 4),
+        ("k", _ptr), ("v", _ptr), ("k_stride", _i64 * 3), ("v_stride", _i64 * 3), ("kv_bf16", _i64),
+        ("table", _ptr), ("page_pos", _ptr), ("q_pos", _ptr),
+        ("B", _i64), ("Hq", _i64), ("Hkv", _i64), ("Q", _i64), ("D", _i64), ("S", _i64), ("N", _i64),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", _i64),
+        ("mask", _ptr), ("mask_stride", _i64 * 4), ("mask_offset", _i64), ("mask_len", _i64),
+        ("mask_per_head", _i64),
+        ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr),
+        ("splits", _i64), ("partial", _ptr), ("entry_stats", _ptr), ("threads", _i64),
+    ]
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: ``-march=native`` code is only valid on the same kind of CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel library, or a string saying why it cannot be built."""
+    compiler = _compiler()
+    if compiler is None:
+        return f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r}; set $CC)"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        return f"the C compiler {compiler} does not run: {error}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
+    target = cache_dir() / "kernels" / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                return f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}"
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    for name in ("paged_attention_f32", "paged_attention_bf16"):
+        getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs)]
+        getattr(library, name).restype = None
+    return library
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is ready to run, else why not (it is built on the first call)."""
+    library = _library()
+    return library if isinstance(library, str) else None
+
+
+def _choose_num_splits(rows: int, num_slots: int, threads: int) -> int:
+    """Enough (row, split) items to keep every thread busy; one split on one thread."""
+    if threads <= 1:
+        return 1
+    wanted = math.ceil(2 * threads / max(rows, 1))
+    return max(1, min(wanted, num_slots // _SLOTS_PER_SPLIT))
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    page_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    mask_offset: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    return_page_mass: bool = False,
+    num_splits: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention of ``query [B, Hq, Q, D]`` over ``k_pool/v_pool [P, S, Hkv, D]`` (CPU tensors).
+
+    Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; pools must be
+    float32 or bfloat16 with a unit last stride. Returns ``out [B, Q, Hq, D]`` in ``query.dtype``, and
+    float32 ``page_mass [B, Hq, N]`` (averaged over the queries) with ``return_page_mass``.
+    """
+    library = _library()
+    if isinstance(library, str):
+        raise RuntimeError(f"The hf_paged CPU kernel is unavailable: {library}")
+    B, Hq, Q, D = query.shape
+    P, S, Hkv, Dk = k_pool.shape
+    N = page_table.shape[1]
+    if Dk != D or tuple(v_pool.shape) != tuple(k_pool.shape):
+        raise ValueError(f"k_pool/v_pool must be [P, S, Hkv, {D}], got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype:
+        raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
+    if any(t.device.type != "cpu" for t in (query, k_pool, v_pool, page_table, page_pos, q_pos)):
+        raise ValueError("paged_attention_cpu needs CPU tensors")
+    if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
+        raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
+    G = Hq // Hkv
+    threads = torch.get_num_threads()
+    splits = num_splits or _choose_num_splits(B, N * S, threads)
+    splits = max(1, min(int(splits), max(N, 1)))
+
+    q32 = query.float()
+    table = page_table.to(torch.int64).contiguous()
+    first = page_pos.to(torch.int64).contiguous()
+    qpos = q_pos.to(torch.int64).contiguous()
+    out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
+    partial = torch.empty(B, splits, Q * Hq, D + 2, dtype=torch.float32)
+    page_mass = torch.zeros(B, Hq, N, dtype=torch.float32) if return_page_mass else None
+    entry_stats = torch.zeros(B, Q * Hq, N, 2, dtype=torch.float32) if return_page_mass else None
+    args = _PagedArgs(
+        q=q32.data_ptr(), q_stride=(_i64 * 4)(*q32.stride()),
+        k=k_pool.data_ptr(), v=v_pool.data_ptr(),
+        k_stride=(_i64 * 3)(*k_pool.stride()[:3]), v_stride=(_i64 * 3)(*v_pool.stride()[:3]),
+        kv_bf16=int(k_pool.dtype == torch.bfloat16),
+        table=table.data_ptr(), page_pos=first.data_ptr(), q_pos=qpos.data_ptr(),
+        B=B, Hq=Hq, Hkv=Hkv, Q=Q, D=D, S=S, N=N,
+        scale=float(scale), softcap=float(softcap or 0.0), window=int(sliding_window or 0),
+        sinks=None, out=out.data_ptr(), page_mass=page_mass.data_ptr() if page_mass is not None else None,
+        splits=splits, partial=partial.data_ptr(),
+        entry_stats=entry_stats.data_ptr() if entry_stats is not None else None, threads=threads,
+    )
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be bool, got {mask.dtype}")
+        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, Hq) or mask.shape[2] != Q:
+            raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
+        mask_bytes = mask.view(torch.uint8)
+        strides = [0 if mask.shape[i] == 1 and i < 2 else mask_bytes.stride(i) for i in range(4)]
+        args.mask, args.mask_stride = mask_bytes.data_ptr(), (_i64 * 4)(*strides)
+        args.mask_offset, args.mask_len, args.mask_per_head = int(mask_offset), mask.shape[3], int(strides[1] != 0)
+    if s_aux is not None:
+        if s_aux.shape != (Hq,):
+            raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
+        sinks = s_aux.float().contiguous()
+        args.sinks = sinks.data_ptr()
+    if out.numel():
+        kernel = library.paged_attention_bf16 if args.kv_bf16 else library.paged_attention_f32
+        kernel(ctypes.byref(args))
+    out = out.to(query.dtype)
+    return (out, page_mass) if return_page_mass else out

@@ -1,0 +1,137 @@
+"""Tests of the C paged-attention kernel (`hf_paged.kernels.cpu_paged_attention`) against the float64
+reference, its build and fallback, and its use by `generate` (token-identical to DynamicCache)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_cases import KERNEL_CASES, TOL, make_case, rel_err
+from tiny_models import left_padded_batch, make_pair
+
+import hf_paged
+from hf_paged import attention
+from hf_paged.kernels import cpu_paged_attention as cpu_kernel
+from hf_paged.kernels.reference import paged_attention_reference
+
+pytestmark = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
+                                reason=f"CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check(case: dict, **kw) -> None:
+    out, mass = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, **kw)
+    ref_out, ref_mass = paged_attention_reference(**case, return_page_mass=True)
+    tol = TOL[case["query"].dtype]
+    assert out.dtype == case["query"].dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref_out) <= tol, rel_err(out, ref_out)
+    assert float((mass - ref_mass).abs().max()) <= 1e-5
+    assert torch.all(mass.masked_select((case["page_table"] < 0)[:, None, :]) == 0)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("name", [n for n, c in KERNEL_CASES.items() if c.get("dtype") != torch.float16])
+def test_matches_reference(name, splits):
+    check(make_case(seed=1, **KERNEL_CASES[name]), num_splits=splits)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_row_automatic_splits(threads):
+    """Several chunks per page (page size 80 > the kernel's chunk), automatic splits on 2 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = make_case(B=2, Hq=6, Hkv=2, D=64, S=80, Q=1, lengths=[1500, 700], sink=True, seed=6)
+        assert (cpu_kernel._choose_num_splits(2, case["page_table"].shape[1] * 80, threads) > 1) == (threads > 1)
+        check(case)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_page_mass_with_several_queries_and_per_head_mask():
+    check(make_case(B=2, Hq=4, Hkv=1, D=16, S=5, Q=4, lengths=[23, 17], pad=[2, 4], mask_per_head=True,
+                    softcap=4.0, seed=7), num_splits=3)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_fully_masked_rows_give_zeros(sink):
+    case = make_case(B=2, Hq=4, Hkv=2, D=16, S=3, Q=3, lengths=[9, 6], pad=[0, 0], seed=5)
+    case["mask"][0, :, 1, :] = False  # query 1 of row 0 sees nothing
+    case["q_pos"][1, 0] = -1  # query 0 of row 1 precedes every cached token
+    case["s_aux"] = torch.randn(4) if sink else None
+    out = cpu_kernel.paged_attention_cpu(**case)
+    assert torch.all(out[0, 1] == 0) and torch.all(out[1, 0] == 0)
+    assert out[0, 0].abs().sum() > 0
+    check(case, num_splits=2)
+
+
+def test_bad_input_is_refused_with_a_reason():
+    case = make_case(B=1, Hq=4, Hkv=2, D=8, S=4, Q=1, lengths=[5], seed=8)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        cpu_kernel.paged_attention_cpu(**dict(case, k_pool=case["k_pool"].half(), v_pool=case["v_pool"].half()))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        cpu_kernel.paged_attention_cpu(**dict(case, query=case["query"][:, :3]))
+    with pytest.raises(ValueError, match="unit stride"):
+        cpu_kernel.paged_attention_cpu(**dict(case, k_pool=case["k_pool"].transpose(1, 3).contiguous().transpose(1, 3)))
+
+
+def test_missing_compiler_falls_back_to_torch_with_a_warning(tmp_path):
+    """No compiler: the kernel says why, "auto" warns and uses the torch path, "cpu" raises."""
+    code = (
+        "import warnings, torch, hf_paged\n"
+        "from hf_paged.attention import resolve_backend\n"
+        "from hf_paged.kernels import cpu_paged_attention as k\n"
+        "assert 'no C compiler' in k.unavailable_reason(), k.unavailable_reason()\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
+        "assert any('unavailable' in str(x.message) for x in w)\n"
+        "try:\n"
+        "    resolve_backend('cpu', torch.device('cpu'))\n"
+        "except ValueError as e:\n"
+        "    assert 'C compiler' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('backend=cpu without a compiler must raise')\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), HF_PAGED_CACHE_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+
+
+def test_builds_into_a_fresh_cache_dir(tmp_path):
+    code = (
+        "from hf_paged.kernels import cpu_paged_attention as k\n"
+        "assert k.unavailable_reason() is None, k.unavailable_reason()\n"
+    )
+    env = dict(os.environ, HF_PAGED_CACHE_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+    assert len(list((tmp_path / "kernels").glob("cpu_paged_attention-*.so"))) == 1
+
+
+def test_auto_backend_on_cpu_is_the_kernel():
+    assert attention.resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
+def test_generate_decodes_through_the_kernel(arch, monkeypatch):
+    """Greedy, left-padded batch: tokens identical to DynamicCache; every decode step used the kernel."""
+    calls = []
+    real = cpu_kernel.paged_attention_cpu
+
+    def counting(*args, **kw):
+        calls.append(args[0].shape[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_kernel, "paged_attention_cpu", counting)
+    ref_model, model = make_pair(arch)
+    inputs = left_padded_batch()
+    new = 6
+    want = ref_model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    cache = hf_paged.PagedCache(page_size=3, config=model.config, backend="cpu")
+    got = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         **{hf_paged.CACHE_KWARG: cache})
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert calls and set(calls) == {1}
+    assert len(calls) == (new - 1) * model.config.num_hidden_layers
