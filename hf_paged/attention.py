@@ -89,35 +89,36 @@ def resolve_backend(choice: str | None, device: torch.device) -> str:
     "auto" is the Triton kernel on CUDA and the C kernel on the CPU (when a C compiler can build it;
     otherwise the torch path, with one warning saying why).
     """
-    choice = choice or os.environ.get("HF_PAGED_BACKEND", "auto")
+    return _resolve(choice or os.environ.get("HF_PAGED_BACKEND", "auto"), device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(choice: str, device_type: str) -> str:
+    """Cached per (choice, device type): called by every layer of every step."""
     if choice not in BACKENDS:
         raise ValueError(f"hf_paged backend must be one of {BACKENDS}, got {choice!r} "
                          "(argument `backend=` or environment variable HF_PAGED_BACKEND).")
     if choice == "auto":
-        if device.type == "cuda":
+        if device_type == "cuda":
             return "triton" if importlib.util.find_spec("triton") else "torch"
-        if device.type == "cpu":
+        if device_type == "cpu":
             reason = cpu_kernel.unavailable_reason()
             if reason is None:
                 return "cpu"
-            _warn_once(f"hf_paged: the CPU attention kernel is unavailable ({reason}); using the slower torch path.")
+            warnings.warn(f"hf_paged: the CPU attention kernel is unavailable ({reason}); using the slower torch "
+                          "path.", stacklevel=4)  # once: the answer is cached
         return "torch"
-    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if choice == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("The Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton is "
                          "imported) to run the kernel on the CPU; use backend='torch' otherwise.")
     if choice == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"The 'cpu' backend runs on CPU tensors, got {device}; use 'auto' or 'triton'.")
+        if device_type != "cpu":
+            raise ValueError(f"The 'cpu' backend runs on CPU tensors, got {device_type}; use 'auto' or 'triton'.")
         reason = cpu_kernel.unavailable_reason()
         if reason is not None:
             raise ValueError(f"The 'cpu' backend cannot run: {reason}. Install a C compiler (or set $CC), "
                              "or use backend='torch'.")
     return choice
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
 
 
 def _kernel_attention(kernel, query, layer, attention_mask, scaling, sliding_window, softcap, s_aux):

@@ -60,7 +60,7 @@ class PagedLayer(CacheLayerMixin):
         twin.seen = self.seen
         if self.is_initialized:
             twin.dtype, twin.device, twin.num_heads = self.dtype, self.device, self.num_heads
-            twin.head_dim, twin.value_dim = self.head_dim, self.value_dim
+            twin.head_dim, twin.value_dim, twin._signature = self.head_dim, self.value_dim, self._signature
         return twin
 
     def __repr__(self) -> str:
@@ -71,6 +71,8 @@ class PagedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
         self.value_dim = value_states.shape[3]
+        self._signature = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device,
+                           self.device)  # what every later update must match
         S = self.group.page_size
         self.keys = key_states.new_empty((0, S, self.num_heads, self.head_dim))
         self.values = value_states.new_empty((0, S, self.num_heads, self.value_dim))
@@ -136,7 +138,7 @@ class PagedLayer(CacheLayerMixin):
         self._check_shapes(key_states, value_states)
         got = (key_states.shape[1], key_states.shape[3], value_states.shape[3], key_states.dtype,
                value_states.dtype, key_states.device, value_states.device)
-        want = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device, self.device)
+        want = self._signature
         if got != want:
             names = ("kv heads", "key head dim", "value head dim", "key dtype", "value dtype", "key device",
                      "value device")

@@ -51,12 +51,14 @@ class StepPlan:
         return self.num_tokens - self.first_pos
 
     def kernel_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page_table int32 [B, N], page_pos [B, N], q_pos [B, Q]) for the Triton kernel, once per device."""
+        """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) for the paged kernels, contiguous, once per
+        device: int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type)."""
         key = ("kernel", device)
         if key not in self._on_device:
             table, page_pos = self.live_pages()
             q_pos = torch.arange(self.past, self.num_tokens).expand(table.shape[0], -1)
-            self._on_device[key] = tuple(t.to(device) for t in (table.int(), page_pos, q_pos))
+            table = table.int() if device.type == "cuda" else table.long()
+            self._on_device[key] = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
         return self._on_device[key]
 
     def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:

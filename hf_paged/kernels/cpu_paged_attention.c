@@ -40,9 +40,9 @@ typedef struct {
     float *out;            /* [B, Q, Hq, D] fp32 contiguous */
     float *page_mass;      /* [B, Hq, N] or NULL */
     int64_t splits;
-    float *partial;        /* [B, splits, R, D + 2]: acc | max | sum, R = Q * Hq */
-    float *entry_stats;    /* [B, R, N, 2]: max | sum of each entry, when page_mass */
     int64_t threads;
+    float *partial;        /* set by run(): [B, splits, R, D + 2]: acc | max | sum, R = Q * Hq */
+    float *entry_stats;    /* set by run() when page_mass: [B, R, N, 2]: max | sum of each entry */
 } PagedArgs;
 
 /* exp(x) for x <= 88, ~2 ulp; plain arithmetic so that loops over it vectorise. */
@@ -83,6 +83,75 @@ static inline void allowed_slots(const PagedArgs *a, int64_t b, int64_t h, int64
     }
 }
 
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+static const float ZEROS[CHUNK];
+
+/* 16 consecutive pool values as fp32 lanes (bf16 widened exactly). */
+static inline __attribute__((always_inline)) v16 load16(const void *pool, int64_t off, int bf16) {
+    v16 x;
+    if (bf16) {
+        u16x16 h;
+        memcpy(&h, (const uint16_t *)pool + off, sizeof h);
+        u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&x, &w, sizeof x);
+    } else {
+        memcpy(&x, (const float *)pool + off, sizeof x);
+    }
+    return x;
+}
+
+/* acc[r] += p[r][c] * V[c] for the chunk's slots: for each KV head, blocks of 4 rows x NB * 16 lanes of
+ * acc stay in registers while the slots stream by (each V row is read from memory once, then from L1). */
+#define ADD_VALUES_BLOCK(NB)                                                                              \
+    for (; d0 + 16 * (NB) <= D; d0 += 16 * (NB)) {                                                       \
+        v16 t[4][NB];                                                                                     \
+        for (int j = 0; j < 4; j++)                                                                       \
+            for (int k = 0; k < (NB); k++) memcpy(&t[j][k], ar[j] + d0 + 16 * k, sizeof(v16));            \
+        for (int64_t c = 0; c < C; c++) {                                                                 \
+            if (!slot_used[c]) continue;                                                                  \
+            const int64_t off = head + c * a->v_stride[1] + d0;                                           \
+            v16 v[NB];                                                                                    \
+            for (int k = 0; k < (NB); k++) v[k] = load16(a->v, off + 16 * k, bf16);                       \
+            for (int j = 0; j < 4; j++) {                                                                 \
+                const float p = pr[j][c];                                                                 \
+                for (int k = 0; k < (NB); k++) t[j][k] += p * v[k];                                       \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int j = 0; j < 4; j++)                                                                       \
+            for (int k = 0; k < (NB); k++) memcpy(ar[j] + d0 + 16 * k, &t[j][k], sizeof(v16));            \
+    }
+
+static inline __attribute__((always_inline)) void add_values(const PagedArgs *a, int64_t page, int64_t s0,
+                                                              int64_t C, const uint8_t *slot_used,
+                                                              const float *score, float *acc, int bf16) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G;
+    float spare[4][D]; /* accumulators of the padding rows of a block */
+    for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+        const int64_t head = page * a->v_stride[0] + s0 * a->v_stride[1] + kvh * a->v_stride[2];
+        for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+            float *ar[4];
+            const float *pr[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t i = i0 + j, r = (i / G) * Hq + kvh * G + i % G; /* (query, head) row */
+                ar[j] = i < rows ? acc + r * D : spare[j];
+                pr[j] = i < rows ? score + r * CHUNK : ZEROS;
+            }
+            int64_t d0 = 0;
+            ADD_VALUES_BLOCK(4)
+            ADD_VALUES_BLOCK(1)
+            for (int64_t c = 0; c < C; c++) /* head dims that are not a multiple of 16 */
+                if (slot_used[c])
+                    for (int64_t d = d0; d < D; d++) {
+                        const int64_t off = head + c * a->v_stride[1] + d;
+                        const float v = bf16 ? load_bf16((const uint16_t *)a->v, off) : ((const float *)a->v)[off];
+                        for (int j = 0; j < 4; j++) ar[j][d] += pr[j][c] * v;
+                    }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) const float *load_slot(const void *pool, int64_t off, int64_t n,
                                                                      int bf16, float *buffer) {
     if (!bf16) return (const float *)pool + off;
@@ -93,6 +162,7 @@ static inline __attribute__((always_inline)) const float *load_slot(const void *
 static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int bf16,
                                                                 float *work) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, R = a->Q * Hq, D = a->D, S = a->S, N = a->N;
+    const int64_t elem = bf16 ? 2 : 4;
     const int64_t split = item % a->splits, b = item / a->splits;
     const int64_t per_split = (N + a->splits - 1) / a->splits;
     const int64_t n_begin = split * per_split, n_end = n_begin + per_split < N ? n_begin + per_split : N;
@@ -136,6 +206,12 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
                     continue;
                 }
                 const int64_t off = page * a->k_stride[0] + (s0 + c) * a->k_stride[1];
+                { /* fetch the slot's V row (all heads) in order now: add_values reads it head by head */
+                    const char *v = (const char *)a->v + (page * a->v_stride[0] + (s0 + c) * a->v_stride[1]) * elem;
+                    for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
+                        for (int64_t byte = 0; byte < D * elem; byte += 64)
+                            __builtin_prefetch(v + kvh * a->v_stride[2] * elem + byte);
+                }
                 for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
                     const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
                     for (int64_t qi = 0; qi < a->Q; qi++)
@@ -179,22 +255,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
                     entry_max[r] = m;
                 }
             }
-            /* values: each slot's V row is read once; slots nobody attends are never read */
-            for (int64_t c = 0; c < C; c++) {
-                if (!slot_used[c]) continue;
-                const int64_t off = page * a->v_stride[0] + (s0 + c) * a->v_stride[1];
-                for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-                    const float *vr = load_slot(a->v, off + kvh * a->v_stride[2], D, bf16, slot);
-                    for (int64_t qi = 0; qi < a->Q; qi++)
-                        for (int64_t g = 0; g < G; g++) {
-                            const int64_t r = qi * Hq + kvh * G + g;
-                            const float p = score[r * CHUNK + c];
-                            float *ar = acc + r * D;
-#pragma omp simd
-                            for (int64_t d = 0; d < D; d++) ar[d] += p * vr[d];
-                        }
-                }
-            }
+            add_values(a, page, s0, C, slot_used, score, acc, bf16);
         }
         if (a->entry_stats)
             for (int64_t r = 0; r < R; r++) {
@@ -241,20 +302,45 @@ static void finalize(const PagedArgs *a, int64_t item) {
     }
 }
 
-static void run(const PagedArgs *a, int bf16) {
+/* Returns 0, or -1 when scratch memory cannot be allocated (nothing written). */
+static int run(PagedArgs *a, int bf16) {
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
     const size_t work_bytes = sizeof(float) * (2 * R * a->D + 4 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
-#pragma omp parallel num_threads(a->threads)
-    {
+    a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
+    a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
+    int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
+    if (!failed && a->threads <= 1) { /* no parallel region: a decode step of a short row takes microseconds */
         float *work = malloc(work_bytes);
-#pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < items; i++) attend_split(a, i, bf16, work);
+        failed = work == NULL;
+        for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, bf16, work);
+        for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i);
         free(work);
-    }
-    /* with page mass, the queries of a head add to the same entries: run those rows in one thread */
+    } else if (!failed) {
+#pragma omp parallel num_threads(a->threads)
+        {
+            float *work = malloc(work_bytes);
+            if (work == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp barrier
+            if (!failed) {
+#pragma omp for schedule(dynamic)
+                for (int64_t i = 0; i < items; i++) attend_split(a, i, bf16, work);
+            }
+            free(work);
+        }
+        /* with page mass, the queries of a head add to the same entries: run those rows in one thread */
+        if (!failed) {
 #pragma omp parallel for num_threads(a->threads) if (a->page_mass == NULL)
-    for (int64_t i = 0; i < a->B * R; i++) finalize(a, i);
+            for (int64_t i = 0; i < a->B * R; i++) finalize(a, i);
+        }
+    }
+    free(a->partial);
+    free(a->entry_stats);
+    a->partial = a->entry_stats = NULL;
+    return failed ? -1 : 0;
 }
 
-void paged_attention_f32(const PagedArgs *a) { run(a, 0); }
-void paged_attention_bf16(const PagedArgs *a) { run(a, 1); }
+int paged_attention_f32(PagedArgs *a) { return run(a, 0); }
+int paged_attention_bf16(PagedArgs *a) { return run(a, 1); }

@@ -53,7 +53,7 @@ class _PagedArgs(ctypes.Structure):
         ("mask", _ptr), ("mask_stride", _i64 * 4), ("mask_offset", _i64), ("mask_len", _i64),
         ("mask_per_head", _i64),
         ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr),
-        ("splits", _i64), ("partial", _ptr), ("entry_stats", _ptr), ("threads", _i64),
+        ("splits", _i64), ("threads", _i64), ("partial", _ptr), ("entry_stats", _ptr),
     ]
 
 
@@ -94,7 +94,7 @@ def _library() -> ctypes.CDLL | str:
     library = ctypes.CDLL(str(target))
     for name in ("paged_attention_f32", "paged_attention_bf16"):
         getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs)]
-        getattr(library, name).restype = None
+        getattr(library, name).restype = ctypes.c_int
     return library
 
 
@@ -110,6 +110,10 @@ def _choose_num_splits(rows: int, num_slots: int, threads: int) -> int:
         return 1
     wanted = math.ceil(2 * threads / max(rows, 1))
     return max(1, min(wanted, num_slots // _SLOTS_PER_SPLIT))
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def paged_attention_cpu(
@@ -149,34 +153,31 @@ def paged_attention_cpu(
         raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
-    if any(t.device.type != "cpu" for t in (query, k_pool, v_pool, page_table, page_pos, q_pos)):
+    if not (query.is_cpu and k_pool.is_cpu and v_pool.is_cpu and page_table.is_cpu and page_pos.is_cpu
+            and q_pos.is_cpu):
         raise ValueError("paged_attention_cpu needs CPU tensors")
-    if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
+    if page_table.shape != (B, N) or page_pos.shape != (B, N) or q_pos.shape != (B, Q):
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
-    G = Hq // Hkv
     threads = torch.get_num_threads()
     splits = num_splits or _choose_num_splits(B, N * S, threads)
     splits = max(1, min(int(splits), max(N, 1)))
+    threads = min(threads, B * splits)  # waking a thread with nothing to do costs more than a short row
 
     q32 = query.float()
-    table = page_table.to(torch.int64).contiguous()
-    first = page_pos.to(torch.int64).contiguous()
-    qpos = q_pos.to(torch.int64).contiguous()
+    table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
-    partial = torch.empty(B, splits, Q * Hq, D + 2, dtype=torch.float32)
     page_mass = torch.zeros(B, Hq, N, dtype=torch.float32) if return_page_mass else None
-    entry_stats = torch.zeros(B, Q * Hq, N, 2, dtype=torch.float32) if return_page_mass else None
+    no_mask = (0, (_i64 * 4)(), 0, 0, 0)
     args = _PagedArgs(
-        q=q32.data_ptr(), q_stride=(_i64 * 4)(*q32.stride()),
-        k=k_pool.data_ptr(), v=v_pool.data_ptr(),
-        k_stride=(_i64 * 3)(*k_pool.stride()[:3]), v_stride=(_i64 * 3)(*v_pool.stride()[:3]),
-        kv_bf16=int(k_pool.dtype == torch.bfloat16),
-        table=table.data_ptr(), page_pos=first.data_ptr(), q_pos=qpos.data_ptr(),
-        B=B, Hq=Hq, Hkv=Hkv, Q=Q, D=D, S=S, N=N,
-        scale=float(scale), softcap=float(softcap or 0.0), window=int(sliding_window or 0),
-        sinks=None, out=out.data_ptr(), page_mass=page_mass.data_ptr() if page_mass is not None else None,
-        splits=splits, partial=partial.data_ptr(),
-        entry_stats=entry_stats.data_ptr() if entry_stats is not None else None, threads=threads,
+        q32.data_ptr(), (_i64 * 4)(*q32.stride()),
+        k_pool.data_ptr(), v_pool.data_ptr(), (_i64 * 3)(*k_pool.stride()[:3]), (_i64 * 3)(*v_pool.stride()[:3]),
+        k_pool.dtype == torch.bfloat16,
+        table.data_ptr(), first.data_ptr(), qpos.data_ptr(),
+        B, Hq, Hkv, Q, D, S, N,
+        scale, softcap or 0.0, sliding_window or 0,
+        *no_mask,
+        None, out.data_ptr(), None if page_mass is None else page_mass.data_ptr(),
+        splits, threads,
     )
     if mask is not None:
         if mask.dtype != torch.bool:
@@ -194,6 +195,7 @@ def paged_attention_cpu(
         args.sinks = sinks.data_ptr()
     if out.numel():
         kernel = library.paged_attention_bf16 if args.kv_bf16 else library.paged_attention_f32
-        kernel(ctypes.byref(args))
+        if kernel(ctypes.byref(args)) != 0:
+            raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
     out = out.to(query.dtype)
     return (out, page_mass) if return_page_mass else out
