@@ -33,9 +33,20 @@ def check(case: dict, **kw) -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("name", [n for n, c in KERNEL_CASES.items() if c.get("dtype") != torch.float16])
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_matches_reference(name, splits):
-    check(make_case(seed=1, **KERNEL_CASES[name]), num_splits=splits)
+    """The shared cases; float16 ones (pools the kernel does not read) run in bfloat16 and float32."""
+    if KERNEL_CASES[name].get("dtype") == torch.float16:
+        for dtype in (torch.bfloat16, torch.float32):
+            check(make_case(seed=1, **dict(KERNEL_CASES[name], dtype=dtype)), num_splits=splits)
+    else:
+        check(make_case(seed=1, **KERNEL_CASES[name]), num_splits=splits)
+
+
+@pytest.mark.parametrize("D", [8, 24, 48, 80])
+def test_head_dims(D):
+    """Multiples of 16 take the lane-sum-tree path, others one dot product per slot: both exact."""
+    check(make_case(B=2, Hq=6, Hkv=3, D=D, S=20, Q=2, lengths=[75, 41], pad=[3, 0], seed=D), num_splits=2)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -159,14 +159,130 @@ static inline __attribute__((always_inline)) const float *load_slot(const void *
     return buffer;
 }
 
+static inline void prefetch_rows(const void *pool, int64_t page, int64_t s0, int64_t C, const int64_t *stride,
+                                 int64_t heads, int64_t head_bytes, int64_t elem) {
+    for (int64_t c = 0; c < C; c++) {
+        const char *row = (const char *)pool + (page * stride[0] + (s0 + c) * stride[1]) * elem;
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t byte = 0; byte < head_bytes; byte += 64) __builtin_prefetch(row + h * stride[2] * elem + byte);
+    }
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+/* Lane sums of x[0..15], in order: a transpose-and-add tree (in-lane shuffles first, then 128-bit
+ * blocks), 45 vector operations for 16 dot products instead of a horizontal sum each. */
+static inline __attribute__((always_inline)) v16 sum_lanes16(const v16 x[16]) {
+    const i32x16 unpack_lo = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+    const i32x16 unpack_hi = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+    const i32x16 pairs_lo = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i32x16 pairs_hi = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i32x16 blocks_lo = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i32x16 blocks_hi = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i32x16 halves_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32x16 halves_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    v16 y[8], z[4], w[2];
+    for (int i = 0; i < 8; i++)
+        y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], unpack_lo) + __builtin_shuffle(x[2 * i], x[2 * i + 1], unpack_hi);
+    for (int i = 0; i < 4; i++)
+        z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], pairs_lo) + __builtin_shuffle(y[2 * i], y[2 * i + 1], pairs_hi);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], blocks_lo) + __builtin_shuffle(z[2 * i], z[2 * i + 1], blocks_hi);
+    return __builtin_shuffle(w[0], w[1], halves_lo) + __builtin_shuffle(w[0], w[1], halves_hi);
+}
+
+/* score[r][c] = scale * q[r] . K[slot c] (softcapped), or MASKED where row r may not attend slot c. */
+static inline __attribute__((always_inline)) void store_scores(const PagedArgs *a, int64_t r, int64_t c0, int64_t n,
+                                                                const float *dots, const uint8_t *allowed,
+                                                                float *score) {
+    for (int64_t j = 0; j < n; j++) {
+        float x = dots[j] * a->scale;
+        if (a->softcap > 0.0f) x = a->softcap * tanhf(x / a->softcap);
+        score[r * CHUNK + c0 + j] = allowed[r * CHUNK + c0 + j] ? x : MASKED;
+    }
+}
+
+/* Scores of a chunk, head dims a multiple of 16: slots in order (each K row, all heads, read once), 16 at a
+ * time; each (row, slot) dot product leaves a 16-lane partial in `partial` [R][16 slots][16 lanes], and one
+ * lane-sum tree per row turns 16 partials into 16 scores. */
+static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs *a, int64_t page, int64_t s0,
+                                                                  int64_t C, const uint8_t *slot_used,
+                                                                  const uint8_t *allowed, const float *q,
+                                                                  float *score, int bf16, v16 *partial,
+                                                                  int64_t next_page) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq;
+    for (int64_t c0 = 0; c0 < C; c0 += 16) {
+        const int64_t n = C - c0 < 16 ? C - c0 : 16;
+        for (int64_t j = 0; j < 16; j++) {
+            if (j >= n || !slot_used[c0 + j]) { /* never read: may be garbage */
+                for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
+                continue;
+            }
+            const int64_t off = page * a->k_stride[0] + (s0 + c0 + j) * a->k_stride[1];
+            /* add_values reads V head by head: fetch the slot's whole V row in order now, and the K row
+             * 16 slots ahead (maybe in the next entry's page) */
+            prefetch_rows(a->v, page, s0 + c0 + j, 1, a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            const int64_t ahead = s0 + c0 + j + 16;
+            if (ahead < a->S)
+                prefetch_rows(a->k, page, ahead, 1, a->k_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            else if (next_page >= 0 && ahead - a->S < a->S)
+                prefetch_rows(a->k, next_page, ahead - a->S, 1, a->k_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
+                for (int64_t i = 0; i < a->Q * G; i++) {
+                    const int64_t r = (i / G) * Hq + kvh * G + i % G;
+                    v16 x = {0};
+                    for (int64_t d = 0; d < D; d += 16) {
+                        v16 qd;
+                        memcpy(&qd, q + r * D + d, sizeof qd);
+                        x += qd * load16(a->k, off + kvh * a->k_stride[2] + d, bf16);
+                    }
+                    partial[r * 16 + j] = x;
+                }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const v16 dots = sum_lanes16(partial + r * 16);
+            float lanes[16];
+            memcpy(lanes, &dots, sizeof lanes);
+            store_scores(a, r, c0, n, lanes, allowed, score);
+        }
+    }
+}
+
+/* Scores of a chunk, any head dim: one dot product (and horizontal sum) per row and slot. */
+static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *a, int64_t page, int64_t s0,
+                                                                int64_t C, const uint8_t *slot_used,
+                                                                const uint8_t *allowed, const float *q,
+                                                                float *score, int bf16, float *slot) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D;
+    for (int64_t c = 0; c < C; c++) {
+        if (!slot_used[c]) { /* never read: may be garbage */
+            for (int64_t r = 0; r < a->Q * Hq; r++) score[r * CHUNK + c] = MASKED;
+            continue;
+        }
+        const int64_t off = page * a->k_stride[0] + (s0 + c) * a->k_stride[1];
+        prefetch_rows(a->v, page, s0 + c, 1, a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+        for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+            const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
+            for (int64_t i = 0; i < a->Q * G; i++) {
+                const int64_t r = (i / G) * Hq + kvh * G + i % G;
+                const float *qr = q + r * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
+                store_scores(a, r, c, 1, &dot, allowed, score);
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int bf16,
                                                                 float *work) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, R = a->Q * Hq, D = a->D, S = a->S, N = a->N;
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, S = a->S, N = a->N;
     const int64_t split = item % a->splits, b = item / a->splits;
     const int64_t per_split = (N + a->splits - 1) / a->splits;
     const int64_t n_begin = split * per_split, n_end = n_begin + per_split < N ? n_begin + per_split : N;
-    float *q = work, *acc = q + R * D, *run_max = acc + R * D, *run_sum = run_max + R;
+    float *partial16 = work;                              /* [R][16][16], 64-byte aligned at the start */
+    float *q = partial16 + R * 256, *acc = q + R * D, *run_max = acc + R * D, *run_sum = run_max + R;
     float *entry_max = run_sum + R, *entry_sum = entry_max + R, *slot = entry_sum + R; /* slot: Hkv * D */
     float *score = slot + a->Hkv * D;                     /* [R][CHUNK] */
     uint8_t *allowed = (uint8_t *)(score + R * CHUNK);   /* [R][CHUNK] */
@@ -199,34 +315,11 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
                 for (int64_t c = 0; c < C; c++) { slot_used[c] |= ok[c]; any |= ok[c]; }
             }
             if (!any) continue;
-            /* scores: each slot's K row (all KV heads, contiguous) is read once for every row */
-            for (int64_t c = 0; c < C; c++) {
-                if (!slot_used[c]) {
-                    for (int64_t r = 0; r < R; r++) score[r * CHUNK + c] = MASKED;
-                    continue;
-                }
-                const int64_t off = page * a->k_stride[0] + (s0 + c) * a->k_stride[1];
-                { /* fetch the slot's V row (all heads) in order now: add_values reads it head by head */
-                    const char *v = (const char *)a->v + (page * a->v_stride[0] + (s0 + c) * a->v_stride[1]) * elem;
-                    for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
-                        for (int64_t byte = 0; byte < D * elem; byte += 64)
-                            __builtin_prefetch(v + kvh * a->v_stride[2] * elem + byte);
-                }
-                for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-                    const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
-                    for (int64_t qi = 0; qi < a->Q; qi++)
-                        for (int64_t g = 0; g < G; g++) {
-                            const int64_t r = qi * Hq + kvh * G + g;
-                            const float *qr = q + r * D;
-                            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                            for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
-                            dot *= a->scale;
-                            if (a->softcap > 0.0f) dot = a->softcap * tanhf(dot / a->softcap);
-                            score[r * CHUNK + c] = allowed[r * CHUNK + c] ? dot : MASKED;
-                        }
-                }
-            }
+            if (D % 16 == 0)
+                chunk_scores16(a, page, s0, C, slot_used, allowed, q, score, bf16, (v16 *)partial16,
+                               n + 1 < n_end ? a->table[b * N + n + 1] : -1);
+            else
+                chunk_scores(a, page, s0, C, slot_used, allowed, q, score, bf16, slot);
             /* online softmax: one rescale per row and chunk; score becomes the probability weight */
             for (int64_t r = 0; r < R; r++) {
                 float *sr = score + r * CHUNK;
@@ -305,12 +398,12 @@ static void finalize(const PagedArgs *a, int64_t item) {
 /* Returns 0, or -1 when scratch memory cannot be allocated (nothing written). */
 static int run(PagedArgs *a, int bf16) {
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
-    const size_t work_bytes = sizeof(float) * (2 * R * a->D + 4 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
+    const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 4 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
     if (!failed && a->threads <= 1) { /* no parallel region: a decode step of a short row takes microseconds */
-        float *work = malloc(work_bytes);
+        float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
         failed = work == NULL;
         for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, bf16, work);
         for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i);
@@ -318,7 +411,7 @@ static int run(PagedArgs *a, int bf16) {
     } else if (!failed) {
 #pragma omp parallel num_threads(a->threads)
         {
-            float *work = malloc(work_bytes);
+            float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
             if (work == NULL) {
 #pragma omp atomic write
                 failed = 1;
