@@ -31,6 +31,16 @@ class PagePool:
     def __init__(self):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._rows: tuple = (None, None, None, None, None)  # (keys, values, grad mode, key rows, value rows)
+
+    def slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys``/``values`` as ``[pages * page_size, heads, dim]``, one row per slot: views made once per
+        pool tensor and grad mode (autograd forbids writing, with grad on, into a view made under no_grad)."""
+        keys, values, grad, key_rows, value_rows = self._rows
+        if keys is not self.keys or values is not self.values or grad != torch.is_grad_enabled():
+            key_rows, value_rows = self.keys.flatten(0, 1), self.values.flatten(0, 1)
+            self._rows = (self.keys, self.values, torch.is_grad_enabled(), key_rows, value_rows)
+        return key_rows, value_rows
 
 
 class PagedLayer(CacheLayerMixin):
@@ -102,10 +112,11 @@ class PagedLayer(CacheLayerMixin):
         self._ensure_capacity(group.manager.num_pages)
         if plan.copy_src is not None:
             self._copy_pages(plan.copy_src, plan.copy_dst)
-        self.keys.view(-1, self.num_heads, self.head_dim).index_copy_(
-            0, plan.slots, key_states.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim))
-        self.values.view(-1, self.num_heads, self.value_dim).index_copy_(
-            0, plan.slots, value_states.transpose(1, 2).reshape(-1, self.num_heads, self.value_dim))
+        if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
+            key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        key_rows, value_rows = self.pool.slot_rows()
+        key_rows.index_copy_(0, plan.slots, key_states.reshape(-1, self.num_heads, self.head_dim))
+        value_rows.index_copy_(0, plan.slots, value_states.reshape(-1, self.num_heads, self.value_dim))
         self.seen = group.num_tokens
         shape = (batch, self.num_heads, plan.kv_len)
         return (PagedKV(self, "k", (*shape, self.head_dim), self.dtype, self.device),

@@ -290,12 +290,12 @@ class MemoryMeter:
 
 
 def source_fingerprint(package) -> str:
-    """sha256 (12 hex digits) of the package's .py files as imported: which library code ran."""
+    """sha256 (12 hex digits) of the package's .py and .c files as imported: which library code ran."""
     import hashlib
 
     root = Path(package.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 

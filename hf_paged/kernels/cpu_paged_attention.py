@@ -38,19 +38,23 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
 
 _i64 = ctypes.c_int64
+_i64x3, _i64x4 = _i64 * 3, _i64 * 4
 _ptr = ctypes.c_void_p
+
+
+_NO_STRIDES = _i64x4()
 
 
 class _PagedArgs(ctypes.Structure):
     """Mirror of the C ``PagedArgs`` struct (field order matters)."""
 
     _fields_ = [
-        ("q", _ptr), ("q_stride", _i64 * 4),
-        ("k", _ptr), ("v", _ptr), ("k_stride", _i64 * 3), ("v_stride", _i64 * 3), ("kv_bf16", _i64),
+        ("q", _ptr), ("q_stride", _i64x4),
+        ("k", _ptr), ("v", _ptr), ("k_stride", _i64x3), ("v_stride", _i64x3), ("kv_bf16", _i64),
         ("table", _ptr), ("page_pos", _ptr), ("q_pos", _ptr),
         ("B", _i64), ("Hq", _i64), ("Hkv", _i64), ("Q", _i64), ("D", _i64), ("S", _i64), ("N", _i64),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", _i64),
-        ("mask", _ptr), ("mask_stride", _i64 * 4), ("mask_offset", _i64), ("mask_len", _i64),
+        ("mask", _ptr), ("mask_stride", _i64x4), ("mask_offset", _i64), ("mask_len", _i64),
         ("mask_per_head", _i64),
         ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr),
         ("splits", _i64), ("threads", _i64), ("partial", _ptr), ("entry_stats", _ptr),
@@ -167,15 +171,14 @@ def paged_attention_cpu(
     table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     page_mass = torch.zeros(B, Hq, N, dtype=torch.float32) if return_page_mass else None
-    no_mask = (0, (_i64 * 4)(), 0, 0, 0)
     args = _PagedArgs(
-        q32.data_ptr(), (_i64 * 4)(*q32.stride()),
-        k_pool.data_ptr(), v_pool.data_ptr(), (_i64 * 3)(*k_pool.stride()[:3]), (_i64 * 3)(*v_pool.stride()[:3]),
+        q32.data_ptr(), _i64x4(*q32.stride()),
+        k_pool.data_ptr(), v_pool.data_ptr(), _i64x3(*k_pool.stride()[:3]), _i64x3(*v_pool.stride()[:3]),
         k_pool.dtype == torch.bfloat16,
         table.data_ptr(), first.data_ptr(), qpos.data_ptr(),
         B, Hq, Hkv, Q, D, S, N,
         scale, softcap or 0.0, sliding_window or 0,
-        *no_mask,
+        0, _NO_STRIDES, 0, 0, 0,  # no mask (set below)
         None, out.data_ptr(), None if page_mass is None else page_mass.data_ptr(),
         splits, threads,
     )
@@ -186,7 +189,7 @@ def paged_attention_cpu(
             raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
         mask_bytes = mask.view(torch.uint8)
         strides = [0 if mask.shape[i] == 1 and i < 2 else mask_bytes.stride(i) for i in range(4)]
-        args.mask, args.mask_stride = mask_bytes.data_ptr(), (_i64 * 4)(*strides)
+        args.mask, args.mask_stride = mask_bytes.data_ptr(), _i64x4(*strides)
         args.mask_offset, args.mask_len, args.mask_per_head = int(mask_offset), mask.shape[3], int(strides[1] != 0)
     if s_aux is not None:
         if s_aux.shape != (Hq,):
@@ -197,5 +200,6 @@ def paged_attention_cpu(
         kernel = library.paged_attention_bf16 if args.kv_bf16 else library.paged_attention_f32
         if kernel(ctypes.byref(args)) != 0:
             raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
-    out = out.to(query.dtype)
+    if query.dtype != torch.float32:
+        out = out.to(query.dtype)
     return (out, page_mass) if return_page_mass else out
