@@ -82,8 +82,8 @@ configurations:
 {chr(10).join(f'    context {c:>5}  batch {b}  {m:<8} page size {p}' for c, b, m, p in DEFAULT_SET)}
   i.e. greedy at every context with batch 1 and at 256/1k with batch 8, beam search (4 beams) and
   8 sampled returns at 1k batch 1, page size 128 at 4k. With --new-tokens 32 --repeats 3 it took
-  33 minutes on a 2-core machine shared with other jobs (--threads 1, load average 4-8); expect
-  roughly 10-15 minutes on 2 idle cores. Prefills dominate (1k x 8 rows and the 4k contexts).
+  8 minutes on 2 idle cores (torch's default of 2 threads), 33 minutes on a 2-core machine shared
+  with other jobs (--threads 1, load average 4-8). Prefills dominate (1k x 8 rows and the 4k contexts).
   On a busy machine pass --threads 1: torch's default of one thread per core then collapses
   (10x slower) under oversubscription.
   Giving some axis flags runs the cross product of the given lists, with the axes left out at

@@ -95,7 +95,10 @@ def _library() -> ctypes.CDLL | str:
             if result.returncode != 0:
                 return f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}"
             os.replace(built, target)
-    library = ctypes.CDLL(str(target))
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as error:  # e.g. a truncated file left by a crashed build elsewhere
+        return f"loading {target} failed ({error}); delete it to rebuild"
     for name in ("paged_attention_f32", "paged_attention_bf16"):
         getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs)]
         getattr(library, name).restype = ctypes.c_int
