@@ -260,7 +260,7 @@ def _(r):
                                   logits_processor=LogitsProcessorList([clock] if clock else []),
                                   **{hf_paged.CACHE_KWARG: cache_fn(model)})
 
-    backend = "triton" if DRY else None  # dry run: the interpreted kernel (auto = torch on the CPU)
+    backend = "triton" if DRY else None  # dry run: the interpreted Triton kernel (auto = the C kernel on the CPU)
     variants = {"paged": (paged, lambda m: hf_paged.PagedCache(page_size=16, config=m.config, backend=backend)),
                 "dynamic_sdpa": (ref, lambda m: DynamicCache(config=m.config))}
     seqs = {}

@@ -111,6 +111,18 @@ def test_missing_compiler_falls_back_to_torch_with_a_warning(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
 
 
+def test_unwritable_cache_dir_falls_back_with_a_reason(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    code = (
+        "from hf_paged.kernels import cpu_paged_attention as k\n"
+        "reason = k.unavailable_reason()\n"
+        "assert reason and 'HF_PAGED_CACHE_DIR' in reason, reason\n"
+    )
+    env = dict(os.environ, HF_PAGED_CACHE_DIR=str(blocker))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+
+
 def test_builds_into_a_fresh_cache_dir(tmp_path):
     code = (
         "from hf_paged.kernels import cpu_paged_attention as k\n"

@@ -87,14 +87,17 @@ def _library() -> ctypes.CDLL | str:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
     target = cache_dir() / "kernels" / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                return f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}"
-            os.replace(built, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
+                built = Path(tmp) / target.name
+                result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                                        capture_output=True, text=True)
+                if result.returncode != 0:
+                    return f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}"
+                os.replace(built, target)
+        except OSError as error:
+            return f"cannot build into {target.parent} ({error}); set HF_PAGED_CACHE_DIR to a writable folder"
     try:
         library = ctypes.CDLL(str(target))
     except OSError as error:  # e.g. a truncated file left by a crashed build elsewhere
