@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from hf_paged.kernels.reference import paged_attention_reference
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
@@ -133,3 +135,13 @@ KERNEL_CASES = {
                                              mask_per_head=True, mask_offset=2, softcap=3.0, sink=True,
                                              dtype=torch.float16),
 }
+
+
+def assert_matches_reference(case: dict, out: torch.Tensor, mass: torch.Tensor, mass_tol: float | None = None) -> None:
+    """A kernel's ``out`` and ``page_mass`` for ``case`` agree with the float64 reference (page mass within
+    ``mass_tol``, default the dtype's tolerance), and ``-1`` page-table entries get no mass."""
+    ref_out, ref_mass = paged_attention_reference(**case, return_page_mass=True)
+    tol = TOL[case["query"].dtype]
+    assert rel_err(out, ref_out) <= tol, rel_err(out, ref_out)
+    assert float((mass - ref_mass).abs().max()) <= (tol if mass_tol is None else mass_tol)
+    assert torch.all(mass.masked_select((case["page_table"] < 0)[:, None, :]) == 0)

@@ -4,11 +4,11 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 import hf_paged
 from page_checks import check_pages
-from tiny_models import left_padded_batch, make_config, make_pair
+from tiny_models import left_padded_batch, make_pair
 
 GEN = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False)
 

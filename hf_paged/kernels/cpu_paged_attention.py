@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..assets import cache_dir
+from .arguments import check_paged_args, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
@@ -153,12 +154,9 @@ def paged_attention_cpu(
     if isinstance(library, str):
         raise RuntimeError(f"The hf_paged CPU kernel is unavailable: {library}")
     B, Hq, Q, D = query.shape
-    P, S, Hkv, Dk = k_pool.shape
+    S, Hkv = k_pool.shape[1:3]
     N = page_table.shape[1]
-    if Dk != D or tuple(v_pool.shape) != tuple(k_pool.shape):
-        raise ValueError(f"k_pool/v_pool must be [P, S, Hkv, {D}], got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux)
     if k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype:
         raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
@@ -166,8 +164,6 @@ def paged_attention_cpu(
     if not (query.is_cpu and k_pool.is_cpu and v_pool.is_cpu and page_table.is_cpu and page_pos.is_cpu
             and q_pos.is_cpu):
         raise ValueError("paged_attention_cpu needs CPU tensors")
-    if page_table.shape != (B, N) or page_pos.shape != (B, N) or q_pos.shape != (B, Q):
-        raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
     threads = torch.get_num_threads()
     splits = num_splits or _choose_num_splits(B, N * S, threads)
     splits = max(1, min(int(splits), max(N, 1)))
@@ -189,17 +185,10 @@ def paged_attention_cpu(
         splits, threads,
     )
     if mask is not None:
-        if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be bool, got {mask.dtype}")
-        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, Hq) or mask.shape[2] != Q:
-            raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
-        mask_bytes = mask.view(torch.uint8)
-        strides = [0 if mask.shape[i] == 1 and i < 2 else mask_bytes.stride(i) for i in range(4)]
-        args.mask, args.mask_stride = mask_bytes.data_ptr(), _i64x4(*strides)
+        strides = mask_strides(mask)
+        args.mask, args.mask_stride = mask.data_ptr(), _i64x4(*strides)  # bool: one byte per element
         args.mask_offset, args.mask_len, args.mask_per_head = int(mask_offset), mask.shape[3], int(strides[1] != 0)
     if s_aux is not None:
-        if s_aux.shape != (Hq,):
-            raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
         sinks = s_aux.float().contiguous()
         args.sinks = sinks.data_ptr()
     if out.numel():

@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arguments import check_paged_args, mask_strides
+
 __all__ = ["paged_attention_triton"]
 
 # Smallest number of token slots worth giving to one split, and the most splits.
@@ -479,17 +481,12 @@ def paged_attention_triton(
         Every output element is written; a query with nothing to attend gets zeros.
     """
     B, Hq, Q, D = query.shape
-    P, S, Hkv, Dk = k_pool.shape
+    S, Hkv = k_pool.shape[1:3]
     N = page_table.shape[1]
     device = query.device
-    if Dk != D or tuple(v_pool.shape) != tuple(k_pool.shape):
-        raise ValueError(f"k_pool/v_pool must be [P, S, Hkv, {D}], got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux)
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"unsupported query dtype {query.dtype}")
-    if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
-        raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
     interpret = bool(triton.knobs.runtime.interpret)
     if device.type != "cuda" and not interpret:
         raise RuntimeError("paged_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
@@ -504,22 +501,10 @@ def paged_attention_triton(
         return (out, page_mass) if return_page_mass else out
 
     if mask is not None:
-        if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be bool, got {mask.dtype}")
-        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, Hq) or mask.shape[2] != Q:
-            raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
-        mask_arg = mask.view(torch.uint8)
-        mask_len = mask.shape[3]
-        sm = list(mask_arg.stride())
-        if mask.shape[0] == 1:
-            sm[0] = 0
-        if mask.shape[1] == 1:
-            sm[1] = 0
+        mask_arg, mask_len, sm = mask.view(torch.uint8), mask.shape[3], mask_strides(mask)
     else:
         mask_arg, mask_len, sm = q_pos, 0, [0, 0, 0, 0]  # dummy pointer, never read
     if s_aux is not None:
-        if s_aux.shape != (Hq,):
-            raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
         sink_arg = s_aux.contiguous()
     else:
         sink_arg = q_pos  # dummy
