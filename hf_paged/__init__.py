@@ -11,7 +11,9 @@ reads keys and values from pages in place.
 from .attention import paged_attention_forward, register
 from .block_manager import BlockManager
 from .cache import ATTN_IMPLEMENTATION, CACHE_KWARG, PagedCache
+from .continuous_batching import generate_many, stream_many
 from .errors import CacheUsageError, PagePoolExhausted
+from .ragged_cache import RaggedCache
 
 register()
 
@@ -22,6 +24,9 @@ __all__ = [
     "CacheUsageError",
     "PagePoolExhausted",
     "PagedCache",
+    "RaggedCache",
+    "generate_many",
+    "stream_many",
     "paged_attention_forward",
 ]
 __version__ = "0.1.0"

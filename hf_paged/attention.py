@@ -25,6 +25,7 @@ from transformers.masking_utils import sdpa_mask
 from .cache import ATTN_IMPLEMENTATION
 from .kernels import cpu_paged_attention as cpu_kernel
 from .paged_kv import PagedKV
+from .ragged_cache import RaggedKV, RaggedStep
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 # The CPU kernel reads each slot once for all of a step's queries, scalar-ish per query: it wins for
@@ -193,6 +194,47 @@ def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, slidi
                           softcap, s_aux)
 
 
+def _segment_attention(query, layer, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+    """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions)."""
+    total = segment.past + segment.length
+    pages = segment.pages.to(layer.device)
+    keys = layer.keys[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
+    values = layer.values[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+    mask = None
+    if segment.past or sliding_window:
+        k_pos = torch.arange(total, device=query.device)
+        q_pos = k_pos[segment.past:, None]
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask &= q_pos - k_pos < sliding_window
+    return attend(query, keys, values, mask, scaling, is_causal=mask is None, softcap=softcap, s_aux=s_aux)
+
+
+def _ragged_attention(query, key: RaggedKV, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+    """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
+    prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
+    layer, step = key.layer, key.step
+    step: RaggedStep
+    backend = resolve_backend(layer.backend, query.device)
+    kernel = None
+    if backend == "triton":
+        from .kernels.triton_paged_attention import paged_attention_triton as kernel
+    elif backend == "cpu" and layer.keys.dtype in cpu_kernel.SUPPORTED_DTYPES:
+        kernel = cpu_kernel.paged_attention_cpu
+    outs, first = [], 0
+    if kernel is not None and step.num_single:
+        first = step.num_single
+        table, page_pos, q_pos = step.kernel_index(query.device)
+        singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
+        out = kernel(singles, layer.keys, layer.values, table, page_pos, q_pos, scale=scaling,
+                     sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+        outs.append(out.transpose(0, 1))  # [1, R, Hq, D]
+    for segment in step.segments[first:]:
+        q = query[:, :, segment.start:segment.start + segment.length]
+        outs.append(_segment_attention(q, layer, segment, scaling, sliding_window, softcap, s_aux))
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
 def _attend_window(module, query, key, value, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
     """`attend` over ``key/value [B, Hkv, T, D]``, the last T tokens: the mask is aligned on its last column."""
     kv_len = key.shape[-2]
@@ -220,6 +262,8 @@ def paged_attention_forward(
         raise NotImplementedError("hf_paged attention is for inference: dropout is not supported.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if isinstance(key, RaggedKV):
+        return _ragged_attention(query, key, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):
         out = _paged_attention(module, query, key, attention_mask, scaling, sliding_window, softcap, s_aux)
         return out, None

@@ -1,0 +1,187 @@
+"""`generate_many` / `stream_many`: continuous batching over many prompts on a paged cache.
+
+Rows of different lengths share one page pool and advance independently: every step packs one
+token per decoding row and prefill chunks of new rows into a single forward (at most
+``max_batch_tokens`` tokens), a row that finishes (a stop token or its own ``max_new_tokens``)
+gives its pages back at once, and waiting prompts start in them. Shared prefixes (a system
+prompt, the samples of one prompt) are computed once. Greedy output equals per-prompt
+``model.generate`` token for token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .cache import ATTN_IMPLEMENTATION, CACHE_KWARG
+from .errors import CacheUsageError
+from .ragged_cache import RaggedCache
+from .scheduler import Request, Row, Scheduler
+
+
+def _as_token_lists(prompts, tokenizer) -> list[list[int]]:
+    if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+        raise CacheUsageError("prompts must be a list of token-id lists (or of strings, with tokenizer=).")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise CacheUsageError(f"prompt {i} is a string: pass tokenizer= to tokenize it.")
+            prompt = tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.reshape(-1).tolist()
+        out.append([int(t) for t in prompt])
+    return out
+
+
+def _per_prompt(name: str, value, count: int) -> list[int]:
+    values = [value] * count if isinstance(value, int) else list(value)
+    if len(values) != count:
+        raise CacheUsageError(f"{name} has {len(values)} entries for {count} prompts: give one int or one per prompt.")
+    return values
+
+
+def _check(prompts: list[list[int]], max_new: list[int], vocab_size: int, cache: RaggedCache) -> None:
+    """Refuse bad requests before any work starts, naming the prompt."""
+    limit = cache.manager.max_pages
+    for i, (prompt, new) in enumerate(zip(prompts, max_new)):
+        if not prompt:
+            raise CacheUsageError(f"prompt {i} is empty: every prompt needs at least one token.")
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise CacheUsageError(f"prompt {i}: max_new_tokens must be a positive int, got {new!r}.")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise CacheUsageError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}.")
+        pages = -(-(len(prompt) + new) // cache.page_size)
+        if limit is not None and pages > limit:
+            raise CacheUsageError(
+                f"prompt {i} needs {pages} pages ({len(prompt)} prompt + {new} new tokens) but max_pages={limit}: "
+                "raise max_pages or lower its max_new_tokens.")
+
+
+def _model_fingerprint(model) -> bytes:
+    """Root of the page-hash chain: pages are reused only by the model (config, dtype) that computed them."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    digest.update(str(model.dtype).encode())
+    digest.update(str(id(model)).encode())
+    return digest.digest()
+
+
+def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenizer=None, do_sample: bool = False,
+                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
+                page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
+                cache: RaggedCache | None = None, progress: bool = True) -> Iterator[tuple[int, int]]:
+    """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
+    sample ``j`` of prompt ``i``. Arguments as for `generate_many`."""
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        raise CacheUsageError("generate_many needs the model loaded with attn_implementation='hf_paged'.")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise CacheUsageError("generate_many supports decoder-only models.")
+    token_lists = _as_token_lists(prompts, tokenizer)
+    max_new = _per_prompt("max_new_tokens", max_new_tokens, len(token_lists))
+    cache = cache or RaggedCache(model.config, page_size, max_pages)
+    _check(token_lists, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
+    if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+        raise CacheUsageError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}.")
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    warp = LogitsProcessorList()
+    if do_sample:
+        if temperature != 1.0:
+            warp.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warp.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            warp.append(TopPLogitsWarper(top_p))
+    requests = [Request(i, p, n, num_return_sequences) for i, (p, n) in enumerate(zip(token_lists, max_new))]
+    scheduler = Scheduler(cache, requests, max_batch_tokens, _model_fingerprint(model))
+    generators = {}
+    if do_sample:
+        for i in range(len(requests) * num_return_sequences):
+            generators[i] = torch.Generator().manual_seed(seed + i)
+    device = model.device
+    bar = tqdm(total=len(requests) * num_return_sequences, unit="seq", disable=not progress, desc="generate_many")
+    try:
+        while not scheduler.done:
+            step = scheduler.schedule()
+            if not step:
+                raise CacheUsageError("generate_many cannot admit the next prompt: the page pool is too small.")
+            tokens = [t for row, n in step for t in row.tokens[row.computed:row.computed + n]]
+            positions = [p for row, n in step for p in range(row.computed, row.computed + n)]
+            emitting, last, start = [], [], 0
+            for row, n in step:
+                start += n
+                if row.computed + n == len(row.tokens):
+                    emitting.append(row)
+                    last.append(start - 1)
+            scheduler.plan(step)
+            try:
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([tokens], device=device),
+                                   position_ids=torch.tensor([positions], device=device),
+                                   logits_to_keep=torch.tensor(last, device=device), use_cache=True,
+                                   **{CACHE_KWARG: cache}).logits[0].float()
+            except BaseException:
+                cache.abort_step()
+                raise
+            scheduler.after_step(step)
+            for row, row_logits in zip(emitting, logits):
+                for sample in [row, *scheduler.fork_followers(row)]:
+                    token = _next_token(row_logits, warp, generators.get(sample.out_index), sample)
+                    sample.generated.append(token)
+                    sample.tokens.append(token)
+                    yield sample.out_index, token
+                    if token in stop or len(sample.generated) >= sample.request.max_new_tokens:
+                        scheduler.retire(sample)
+                        bar.update()
+    finally:
+        bar.close()
+        for row in list(scheduler.running):
+            scheduler.retire(row)
+
+
+def _next_token(logits: torch.Tensor, warp: LogitsProcessorList, generator, row: Row) -> int:
+    if generator is None:
+        return int(logits.argmax())
+    scores = warp(torch.tensor([row.tokens]), logits[None])[0]
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+
+
+def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenizer=None, do_sample: bool = False,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                  num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
+                  page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
+                  cache: RaggedCache | None = None, progress: bool = True) -> list[list[int]]:
+    """Generate for many prompts with continuous batching; the new tokens of every output, in input order.
+
+    Args:
+        prompts: token-id lists (or strings, with ``tokenizer=``), of any lengths; no padding.
+        max_new_tokens: one int, or one per prompt.
+        do_sample, temperature, top_k, top_p: sampling (greedy by default); output ``k`` samples with its
+            own generator seeded ``seed + k``, so results do not depend on batching.
+        num_return_sequences: samples per prompt (they share the prompt's pages).
+        eos_token_id: stop token(s); default the model's generation config.
+        page_size, max_pages: the page pool (``max_pages=None`` grows); prompts wait for pages when full.
+        max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
+        cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
+        progress: show a tqdm bar of finished sequences.
+    """
+    outputs = [[] for _ in range(len(prompts) * num_return_sequences)]
+    for index, token in stream_many(
+            model, prompts, max_new_tokens=max_new_tokens, tokenizer=tokenizer, do_sample=do_sample,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_return_sequences=num_return_sequences,
+            eos_token_id=eos_token_id, page_size=page_size, max_pages=max_pages, max_batch_tokens=max_batch_tokens,
+            cache=cache, progress=progress):
+        outputs[index].append(token)
+    return outputs

@@ -1,0 +1,264 @@
+"""`RaggedCache`: pages for sequences of different lengths that join and leave a running cache.
+
+Continuous batching packs the new tokens of every running sequence into one row,
+``input_ids [1, T]`` with each token's own position: decode tokens (one per sequence) first,
+then prefill chunks. `RaggedCache.begin_step` plans such a step once (pages for the new tokens,
+copy-on-write of shared partial pages, each token's slot, each sequence's page table); every
+layer then writes its keys/values into those slots and hands attention a `RaggedKV` view of the
+step. Sequences are independent: each has its own length, positions and pages; pages are shared
+(reference counted) between sequences that share a prefix, and a released sequence's hashed
+pages stay cached for reuse, as in `PagedCache`.
+
+Invariants between steps:
+- ``sequences[s].pages`` holds the pages of tokens ``[0, sequences[s].length)`` in order, one
+  reference each (every layer keeps every token; sliding windows are applied by the mask);
+- a page referenced by two sequences is full, or is copied before either writes into it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .block_manager import BlockManager
+from .cache import layer_windows
+from .cache_layer import PagePool
+from .errors import CacheUsageError
+
+
+@dataclass
+class Sequence:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose keys/values are written
+
+
+@dataclass
+class Segment:
+    """The new tokens of one sequence in a step: packed tokens ``[start, start + length)``."""
+
+    seq_id: int
+    start: int
+    length: int
+    past: int  # the sequence's tokens before this step
+    pages: torch.Tensor  # long [n]: the sequence's pages after this step
+
+
+@dataclass
+class RaggedStep:
+    """What every layer needs for one packed step; planned once, on the CPU.
+
+    ``segments[:num_single]`` have one token each (decode rows): attention reads them with one
+    paged-kernel call; the others (prefill chunks) attend over their gathered pages.
+    """
+
+    segments: list[Segment]
+    num_single: int
+    slots: torch.Tensor  # long [T]: flat slot (page * S + offset) of each packed token
+    copy_src: torch.Tensor | None  # long [C]: shared partial pages copied before writing
+    copy_dst: torch.Tensor | None
+    page_size: int
+    _kernel: dict = field(default_factory=dict)
+
+    def kernel_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page_table [R, N], page_pos [R, N], q_pos [R, 1]) of the single-token segments (-1 padded),
+        on ``device``, built once per step and device."""
+        if device not in self._kernel:
+            singles = self.segments[:self.num_single]
+            width = max(len(s.pages) for s in singles)
+            table = torch.full((len(singles), width), -1, dtype=torch.long)
+            for r, s in enumerate(singles):
+                table[r, :len(s.pages)] = s.pages
+            page_pos = (torch.arange(width) * self.page_size).expand(len(singles), -1)
+            q_pos = torch.tensor([[s.past] for s in singles])
+            table = table.int() if device.type == "cuda" else table
+            self._kernel[device] = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+        return self._kernel[device]
+
+
+class RaggedKV(torch.Tensor):
+    """What a `RaggedLayer.update` returns for keys (``which == "k"``) or values: a data-less tensor of
+    the packed shape ``[1, kv_heads, T, head_dim]`` whose ``layer`` and ``step`` the "hf_paged" attention
+    reads. Any other consumer gets a clear error: packed steps need the "hf_paged" attention."""
+
+    @staticmethod
+    def __new__(cls, layer: "RaggedLayer", step: RaggedStep, which: str, shape: tuple[int, ...]):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=layer.dtype, device=layer.device)
+        tensor.layer, tensor.step, tensor.which = layer, step, which
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise CacheUsageError(
+            "generate_many packs sequences of different lengths into one row: only the 'hf_paged' attention "
+            "can read them. Load the model with attn_implementation='hf_paged' (after `import hf_paged`).")
+
+
+class RaggedLayer(CacheLayerMixin):
+    """One decoder layer's page pools; writes the slots its cache planned."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "RaggedCache", layer_idx: int, sliding_window: int | None):
+        self.pool = PagePool()  # CacheLayerMixin.__init__ is not called: the pool holds the tensors
+        self.cache, self.layer_idx, self.backend = cache, layer_idx, cache.backend
+        self.sliding_window, self.is_sliding = sliding_window, sliding_window is not None
+        self.is_initialized = False
+
+    keys = property(lambda self: self.pool.keys)
+    values = property(lambda self: self.pool.values)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_heads, self.head_dim, self.value_dim = key_states.shape[1], key_states.shape[3], value_states.shape[3]
+        S = self.cache.page_size
+        self.pool.keys = key_states.new_zeros((0, S, self.num_heads, self.head_dim))
+        self.pool.values = value_states.new_zeros((0, S, self.num_heads, self.value_dim))
+        self.is_initialized = True
+
+    def _ensure_capacity(self, num_pages: int) -> None:
+        have = self.pool.keys.shape[0]
+        if have < num_pages:  # the manager grows geometrically, so this is amortised
+            for name in ("keys", "values"):
+                old = getattr(self.pool, name)
+                new = old.new_zeros((num_pages, *old.shape[1:]))
+                new[:have] = old
+                setattr(self.pool, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        step = self.cache.step
+        if step is None or key_states.shape[0] != 1 or key_states.shape[2] != step.slots.numel():
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: a RaggedCache takes the packed tokens of the step it planned "
+                f"([1, heads, {0 if step is None else step.slots.numel()}, dim]), got {tuple(key_states.shape)}; "
+                "it is driven by hf_paged.generate_many.")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._ensure_capacity(self.cache.manager.num_pages)
+        slots = step.slots.to(self.device)
+        if step.copy_src is not None:
+            src, dst = step.copy_src.to(self.device), step.copy_dst.to(self.device)
+            self.pool.keys[dst], self.pool.values[dst] = self.pool.keys[src], self.pool.values[src]
+        key_rows, value_rows = self.pool.slot_rows()
+        key_rows.index_copy_(0, slots, key_states[0].transpose(0, 1))
+        value_rows.index_copy_(0, slots, value_states[0].transpose(0, 1))
+        return (RaggedKV(self, step, "k", tuple(key_states.shape)),
+                RaggedKV(self, step, "v", tuple(value_states.shape)))
+
+    def get_seq_length(self) -> int:
+        return 0  # a packed step has no common past: positions come with the tokens
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return query_length, 0  # the mask transformers builds is not read: attention masks per segment
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass  # sequences are released through the cache
+
+
+class RaggedCache(Cache):
+    """Page pools and page tables for independent sequences (see the module docstring).
+
+    Args:
+        config: the model config (one layer per decoder layer; sliding windows from it).
+        page_size: tokens per page.
+        max_pages: pages in the pool (None: it grows); admission control keeps within it.
+        backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
+    """
+
+    def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None):
+        self.page_size, self.backend = page_size, backend
+        self.manager = BlockManager(page_size, max_pages)
+        super().__init__(layers=[RaggedLayer(self, i, w) for i, w in enumerate(layer_windows(config))])
+        self.sequences: dict[int, Sequence] = {}
+        self.step: RaggedStep | None = None
+        self._undo: list[tuple[int, list[int], int]] = []  # (seq_id, pages, length) before `step`
+        self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
+
+    # ------------------------------------------------------------ sequences
+    def add_sequence(self, seq_id: int, shared_pages: list[int] = (), length: int = 0) -> None:
+        """A new sequence starting with ``shared_pages`` (cached or live pages holding ``length`` tokens)."""
+        if seq_id in self.sequences:
+            raise CacheUsageError(f"sequence {seq_id} is already in the cache")
+        self.manager.share_row(list(shared_pages))
+        self.sequences[seq_id] = Sequence(list(shared_pages), length)
+        self.prefix_hits += len(shared_pages)
+
+    def fork_sequence(self, source: int, seq_id: int) -> None:
+        """``seq_id`` starts as a copy of ``source``, sharing all its pages (the last one copied on write)."""
+        if seq_id in self.sequences:
+            raise CacheUsageError(f"sequence {seq_id} is already in the cache")
+        src = self.sequences[source]
+        self.manager.share_row(src.pages)
+        self.sequences[seq_id] = Sequence(list(src.pages), src.length)
+
+    def release_sequence(self, seq_id: int) -> None:
+        """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse)."""
+        self.manager.release_row(self.sequences.pop(seq_id).pages)
+
+    def pages_needed(self, seq_id: int, new_tokens: int) -> int:
+        """Pages a sequence must allocate to hold ``new_tokens`` more (a shared partial page counts once)."""
+        seq, S = self.sequences[seq_id], self.page_size
+        cow = seq.length % S != 0 and self.manager.ref[seq.pages[-1]] > 1
+        return math.ceil((seq.length + new_tokens) / S) - len(seq.pages) + cow
+
+    # ----------------------------------------------------------------- steps
+    def begin_step(self, new_tokens: list[tuple[int, int]]) -> RaggedStep:
+        """Plan a step that appends ``n`` tokens to each ``(seq_id, n)``, in that packed order.
+
+        Segments of one token must come first. Raises `PagePoolExhausted` (changing nothing) when
+        the pool cannot hold them.
+        """
+        self.finish_step()
+        S, manager = self.page_size, self.manager
+        manager.require(sum(self.pages_needed(s, n) for s, n in new_tokens))
+        segments, slots, copies, start = [], [], [], 0
+        for seq_id, n in new_tokens:
+            seq = self.sequences[seq_id]
+            undo = (seq_id, list(seq.pages), seq.length)
+            if seq.length % S and manager.ref[seq.pages[-1]] > 1:  # shared partial page: copy on write
+                copies.append((seq.pages[-1], manager.allocate()))
+                manager.release(seq.pages[-1])
+                seq.pages[-1] = copies[-1][1]
+            while len(seq.pages) * S < seq.length + n:
+                seq.pages.append(manager.allocate())
+            self._undo.append(undo)
+            positions = torch.arange(seq.length, seq.length + n)
+            pages = torch.tensor(seq.pages)
+            slots.append(pages[positions // S] * S + positions % S)
+            segments.append(Segment(seq_id, start, n, seq.length, pages))
+            seq.length += n
+            start += n
+        num_single = next((i for i, s in enumerate(segments) if s.length != 1), len(segments))
+        if any(s.length == 1 for s in segments[num_single:]):
+            raise CacheUsageError("begin_step: one-token segments must come first")
+        src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
+        self.step = RaggedStep(segments, num_single, torch.cat(slots), src, dst, S)
+        return self.step
+
+    def finish_step(self) -> None:
+        """Make the planned step final (every layer wrote it)."""
+        self.step, self._undo = None, []
+
+    def abort_step(self) -> None:
+        """Undo the planned step: sequences get their pages and lengths back, new pages are released."""
+        for seq_id, old_pages, old_length in reversed(self._undo):
+            seq = self.sequences[seq_id]
+            self.manager.share_row([p for p in old_pages if p not in seq.pages])  # pages a copy-on-write replaced
+            self.manager.release_row([p for p in seq.pages if p not in old_pages])
+            seq.pages, seq.length = old_pages, old_length
+        self.finish_step()
+
+    # ------------------------------------------------------------ transformers
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0

@@ -1,0 +1,184 @@
+"""Which tokens of which requests the next continuous-batching step computes.
+
+A step holds at most ``max_batch_tokens`` tokens: one for every decoding row first, then
+prefill chunks of rows still reading their prompt, then new rows admitted in input order.
+A row is admitted only when the pool can hold everything it may still need (its prompt and all
+its new tokens, minus the pages it shares), so a running row never waits for a page and a
+bounded pool never fails mid-run: admission waits instead.
+
+Prefixes are computed once: a new row shares the cached pages of its prompt's leading full
+pages (content hashes chained from the cache's fingerprint), and waits while another running
+row is still computing the next of those pages. The samples of one prompt
+(``num_return_sequences``) are admitted together: one row reads the prompt, the others fork
+from it (sharing every page) when it is done.
+
+Invariants: ``reserved`` equals the sum over running rows of the pages they may still allocate;
+a row is in exactly one of ``waiting`` (via its request), ``running``, or finished.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from .prefix_cache import page_hashes
+from .ragged_cache import RaggedCache
+
+
+@dataclass
+class Request:
+    """One prompt and the rows (samples) generated from it."""
+
+    index: int  # position in the caller's prompt list
+    prompt: list[int]
+    max_new_tokens: int
+    num_rows: int = 1
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full pages
+
+
+@dataclass
+class Row:
+    """One generated sequence: output index, tokens fed to the model, tokens generated."""
+
+    out_index: int
+    request: Request
+    tokens: list[int]  # prompt, then generated tokens as they are fed back
+    computed: int = 0  # tokens whose keys/values are in the cache
+    generated: list[int] = field(default_factory=list)
+    reserve: int = 0  # pages this row may still allocate
+    hashed: int = 0  # leading full pages registered with the block manager
+    followers: list["Row"] = field(default_factory=list)  # samples forking from this row after its prompt
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.request.prompt)
+
+
+class Scheduler:
+    def __init__(self, cache: RaggedCache, requests: list[Request], max_batch_tokens: int, root: bytes):
+        self.cache, self.max_batch_tokens, self.root = cache, max_batch_tokens, root
+        self.S = cache.page_size
+        self.waiting = deque(requests)
+        self.running: list[Row] = []
+        self.reserved = 0
+        self.computing: dict[bytes, Row] = {}  # hash of a prompt page -> the row computing it
+        for r in requests:
+            r.hashes = page_hashes(r.prompt, [1] * len(r.prompt), self.S, 0, root)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def pages_for(self, request: Request, shared: int) -> int:
+        """Worst case: every row of ``request`` runs to ``max_new_tokens`` (forks copy their partial page)."""
+        total = math.ceil((len(request.prompt) + request.max_new_tokens) / self.S)
+        return total - shared + (request.num_rows - 1) * (total - len(request.prompt) // self.S)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> list[tuple[Row, int]]:
+        """The next step: ``(row, number of new tokens)``, one-token rows first; admits what fits."""
+        step = [(row, 1) for row in self.running if not row.prefilling]
+        budget = self.max_batch_tokens - len(step)
+        for row in self.running:
+            if row.prefilling and budget > 0:
+                step.append((row, min(budget, len(row.tokens) - row.computed)))
+                budget -= step[-1][1]
+        skipped = deque()
+        while self.waiting and budget > 0:
+            request = self.waiting.popleft()
+            row = self._admit(request)
+            if row is None:
+                skipped.append(request)
+                if self.cache.manager.max_pages is not None and not self._waits_for_prefix(request):
+                    break  # out of pages: later requests wait too (input order)
+                continue
+            step.append((row, min(budget, len(row.tokens) - row.computed)))
+            budget -= step[-1][1]
+        self.waiting.extendleft(reversed(skipped))
+        step.sort(key=lambda item: item[1] != 1)  # stable: one-token segments first
+        return step
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        shared = self._cached_pages(request)
+        return shared < len(request.hashes) and request.hashes[shared] in self.computing
+
+    def _cached_pages(self, request: Request) -> int:
+        """Leading prompt pages in the cache (at least one prompt token is always computed)."""
+        limit, n = (len(request.prompt) - 1) // self.S, 0
+        while n < limit and self.cache.manager.lookup(request.hashes[n]) is not None:
+            n += 1
+        return n
+
+    def _admit(self, request: Request) -> Row | None:
+        """A running row for ``request`` (its samples follow it), or None if it must wait."""
+        if self._waits_for_prefix(request):
+            return None
+        manager = self.cache.manager
+        shared = [manager.lookup(h) for h in request.hashes[:self._cached_pages(request)]]
+        need = self.pages_for(request, len(shared)) + sum(manager.ref[p] == 0 for p in shared)
+        if manager.available() - self.reserved < need:
+            return None
+        rows = [Row(request.index * request.num_rows + j, request, list(request.prompt))
+                for j in range(request.num_rows)]
+        leader = rows[0]
+        self.cache.add_sequence(leader.out_index, shared, len(shared) * self.S)
+        leader.computed, leader.hashed = len(shared) * self.S, len(shared)
+        leader.followers = rows[1:]
+        leader.reserve = self.pages_for(request, len(shared))  # the followers' share moves to them at fork
+        self.reserved += leader.reserve
+        for h in request.hashes[len(shared):]:
+            self.computing.setdefault(h, leader)
+        self.running.append(leader)
+        return leader
+
+    # --------------------------------------------------------------- advance
+    def plan(self, step: list[tuple[Row, int]]):
+        """Plan ``step`` in the cache (pages come out of the rows' reservations); returns the `RaggedStep`."""
+        allocations = [self.cache.pages_needed(row.out_index, n) for row, n in step]
+        planned = self.cache.begin_step([(row.out_index, n) for row, n in step])
+        for (row, _), pages in zip(step, allocations):
+            row.reserve -= pages
+            self.reserved -= pages
+        return planned
+
+    def after_step(self, step: list[tuple[Row, int]]) -> None:
+        """The step was computed: advance the rows and hash their newly full pages."""
+        self.cache.finish_step()
+        for row, n in step:
+            row.computed += n
+            self._hash_full_pages(row)
+
+    def _hash_full_pages(self, row: Row) -> None:
+        pages = self.cache.sequences[row.out_index].pages
+        full = row.computed // self.S
+        if full <= row.hashed:
+            return
+        hashes = row.request.hashes if full <= len(row.request.hashes) else page_hashes(
+            row.tokens[:full * self.S], [1] * (full * self.S), self.S, 0, self.root)
+        for i in range(row.hashed, full):
+            self.cache.manager.set_hash(pages[i], hashes[i])
+            if self.computing.get(hashes[i]) is row:
+                del self.computing[hashes[i]]
+        row.hashed = full
+
+    def fork_followers(self, leader: Row) -> list[Row]:
+        """The leader read its prompt: its samples start from its pages (copy on write)."""
+        followers, leader.followers = leader.followers, []
+        for row in followers:
+            self.cache.fork_sequence(leader.out_index, row.out_index)
+            row.computed, row.hashed = leader.computed, leader.hashed
+            row.reserve = math.ceil((len(row.request.prompt) + row.request.max_new_tokens) / self.S) - (
+                len(row.request.prompt) // self.S)
+            leader.reserve -= row.reserve
+            self.running.append(row)
+        return followers
+
+    def retire(self, row: Row) -> None:
+        """A finished row gives its pages back at once (hashed ones stay cached) and its reservation."""
+        self.cache.release_sequence(row.out_index)
+        self.reserved -= row.reserve
+        row.reserve = 0
+        self.running.remove(row)
+        for h in [h for h, r in self.computing.items() if r is row]:
+            del self.computing[h]
