@@ -53,14 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16, help="prompts to generate (dataset: the first N rows)")
     p.add_argument("--min-words", type=int, default=20, help="Britannica prompts: shortest prompt, in words")
     p.add_argument("--max-words", type=int, default=120, help="Britannica prompts: longest prompt, in words")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call, per process")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per continuous-batching step, per process")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-pages", type=int, default=None, help="bound each process' page pool (default: grows)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0, help="prompt selection; sampling seed (+ batch number)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="prompt selection; sampling seed (+ prompt index)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present (gloo)")
     p.add_argument("--out", default="results/distributed_generate.jsonl", help="JSONL output path")
     p.add_argument("--no-progress", action="store_true")
@@ -99,7 +100,9 @@ def main(argv=None) -> int:
             gen["temperature"] = args.temperature
         if args.top_p is not None:
             gen["top_p"] = args.top_p
-    result = generate_distributed(model, tokenizer, prompts, batch_size=args.batch_size,
+        if args.top_k is not None:
+            gen["top_k"] = args.top_k
+    result = generate_distributed(model, tokenizer, prompts, max_batch_tokens=args.max_batch_tokens,
                                   max_new_tokens=args.max_new_tokens, page_size=args.page_size,
                                   max_pages=args.max_pages, state=state, progress=not args.no_progress,
                                   seed=args.seed, **gen)

@@ -77,8 +77,8 @@ def _model_fingerprint(model) -> bytes:
 
 
 def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenizer=None, do_sample: bool = False,
-                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
+                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                 page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
@@ -108,8 +108,12 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
     scheduler = Scheduler(cache, requests, max_batch_tokens, _model_fingerprint(model))
     generators = {}
     if do_sample:
-        for i in range(len(requests) * num_return_sequences):
-            generators[i] = torch.Generator().manual_seed(seed + i)
+        seeds = [seed + i * num_return_sequences for i in range(len(requests))] if isinstance(seed, int) else list(seed)
+        if len(seeds) != len(requests):
+            raise CacheUsageError(f"seed has {len(seeds)} entries for {len(requests)} prompts: one int or one per prompt.")
+        for i, first in enumerate(seeds):
+            for j in range(num_return_sequences):
+                generators[i * num_return_sequences + j] = torch.Generator().manual_seed(first + j)
     device = model.device
     bar = tqdm(total=len(requests) * num_return_sequences, unit="seq", disable=not progress, desc="generate_many")
     try:
@@ -130,7 +134,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 with torch.no_grad():
                     logits = model(input_ids=torch.tensor([tokens], device=device),
                                    position_ids=torch.tensor([positions], device=device),
-                                   logits_to_keep=torch.tensor(last, device=device), use_cache=True,
+                                   logits_to_keep=torch.tensor(last, dtype=torch.long, device=device), use_cache=True,
                                    **{CACHE_KWARG: cache}).logits[0].float()
             except BaseException:
                 cache.abort_step()
@@ -159,8 +163,8 @@ def _next_token(logits: torch.Tensor, warp: LogitsProcessorList, generator, row:
 
 
 def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenizer=None, do_sample: bool = False,
-                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                   page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
                   cache: RaggedCache | None = None, progress: bool = True) -> list[list[int]]:
     """Generate for many prompts with continuous batching; the new tokens of every output, in input order.
@@ -168,8 +172,9 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
     Args:
         prompts: token-id lists (or strings, with ``tokenizer=``), of any lengths; no padding.
         max_new_tokens: one int, or one per prompt.
-        do_sample, temperature, top_k, top_p: sampling (greedy by default); output ``k`` samples with its
-            own generator seeded ``seed + k``, so results do not depend on batching.
+        do_sample, temperature, top_k, top_p: sampling (greedy by default); every output samples with its
+            own generator, so results do not depend on batching: sample ``j`` of prompt ``i`` is seeded
+            ``seed + i * num_return_sequences + j``, or ``seed[i] + j`` when ``seed`` has one int per prompt.
         num_return_sequences: samples per prompt (they share the prompt's pages).
         eos_token_id: stop token(s); default the model's generation config.
         page_size, max_pages: the page pool (``max_pages=None`` grows); prompts wait for pages when full.

@@ -1,20 +1,21 @@
-"""Data-parallel generation over a prompt set with accelerate: one model and one `PagedCache` per process.
+"""Data-parallel generation over a prompt set with accelerate: one model and one page pool per process.
 
 Launch a script that calls :func:`generate_distributed` with ``accelerate launch`` (or ``torchrun``):
 every process loads the model on its own device (``state.device``), generates its share of the
 prompts and all processes exchange the results with ``accelerate.utils.gather_object``, so every
 rank returns every prompt's completion, in input order.
 
-How the work is split, and why a run on N processes gives the same greedy output as a run on one:
+How the work is split, and why a run on N processes gives the same output as a run on one:
 
-1. every prompt is tokenized once and the prompts are sorted by length (longest first), then cut
-   into batches of ``batch_size``: batches hold prompts of similar length, so little padding;
-2. the *batches* (not the prompts) are dealt to the processes in snake order (see :func:`deal`), through
+1. every prompt is tokenized once and the prompts are sorted by length (longest first);
+2. the prompts are dealt to the processes in snake order (see :func:`deal`), through
    ``PartialState.split_between_processes`` (without ``apply_padding``, which would repeat the last
-   item on the short ranks); a prompt is therefore generated in the same batch, with the same
-   padding and the same neighbours, whatever the number of processes: the numbers are the same;
-3. each process reuses one `PagedCache` for its batches (``cache.reset()`` in between), so its KV
-   pool is allocated once and grows to the largest batch only.
+   item on the short ranks), so every process gets a share of similar total length, and every
+   process gets prompts whenever there are at least as many prompts as processes;
+3. each process runs continuous batching (:func:`hf_paged.generate_many`) over its share: rows of
+   different lengths share one page pool, finished rows free their pages at once, and no prompt is
+   padded, so a prompt's greedy tokens are those of ``model.generate`` on it alone, whatever the
+   number of processes; sampled outputs are seeded per prompt (``seed + prompt index``).
 
 On a machine without GPUs, ``PartialState()`` sees no accelerator and treats each launched
 process as a lone process (each would generate *every* prompt): :func:`make_state` passes
@@ -36,7 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CACHE_KWARG, PagedCache
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +86,6 @@ def make_state(cpu: bool | None = None):
     return state
 
 
-def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Prompt indices sorted by length, longest first (ties: input order), cut into batches."""
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
 def deal(items: Sequence, num_processes: int) -> list:
     """Reorder ``items`` so that ``split_between_processes``' contiguous chunks deal them out in snake order.
 
@@ -138,13 +130,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def _trim(ids: list[int], eos: set[int]) -> list[int]:
-    for n, t in enumerate(ids):
-        if t in eos:
-            return ids[: n + 1]
-    return ids
-
-
 def _input_device(model) -> torch.device:
     """Where inputs go: the input embeddings' device (the first device of a ``device_map``)."""
     try:
@@ -158,88 +143,61 @@ def generate_distributed(
     tokenizer,
     prompts: Sequence[str],
     *,
-    batch_size: int = 8,
     max_new_tokens: int = 32,
+    max_batch_tokens: int = 256,
     page_size: int = 16,
     max_pages: int | None = None,
     state=None,
     progress: bool = True,
     seed: int = 0,
-    **generate_kwargs,
+    **sampling,
 ) -> DistributedGeneration:
     """Generate a completion for every prompt, the prompts spread over the launched processes.
 
     Call it on every process, with the same ``prompts``; each process passes its own ``model``
-    (already on ``state.device``, or placed with a ``device_map``). Greedy unless
-    ``generate_kwargs`` says otherwise (``do_sample=True, temperature=...``); with sampling, the
-    RNG is seeded with ``seed + batch number`` before each batch, so the output does not depend on
-    the number of processes either.
+    (loaded with ``attn_implementation="hf_paged"``, on ``state.device``). Greedy unless ``sampling``
+    says otherwise (``do_sample=True, temperature=..., top_k=..., top_p=...``, as for `generate_many`).
 
     Returns, on every rank, a :class:`DistributedGeneration` whose ``summary`` holds
-    ``num_processes``, ``ranks`` (per rank: prompts, batches, new_tokens, seconds, tokens_per_s,
-    device, pid and ``kv``: the rank's `PagedCache` figures, peaks over its batches) and ``total``
-    (new_tokens, wall seconds from the first to the last process, tokens_per_s, summed KV bytes).
+    ``num_processes``, ``ranks`` (per rank: prompts, new_tokens, seconds, tokens_per_s, device, pid and
+    ``kv``: the rank's page pool figures, peaks over its run) and ``total`` (new_tokens, wall seconds
+    from the first to the last process, tokens_per_s, summed KV bytes).
     """
     from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
+
+    from .continuous_batching import stream_many
+    from .ragged_cache import RaggedCache
 
     state = state if state is not None else make_state()
     prompts = list(prompts)
-    if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer needs a pad token (e.g. tokenizer.pad_token = tokenizer.eos_token)")
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]] if prompts else []
-    batches = plan_batches(lengths, batch_size)
-    numbered = list(enumerate(batches))  # global batch number: seeds sampling, independent of ranks
-    with state.split_between_processes(deal(numbered, state.num_processes)) as mine:
+    token_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"] if prompts else []
+    order = sorted(range(len(prompts)), key=lambda i: (-len(token_ids[i]), i))
+    with state.split_between_processes(deal(order, state.num_processes)) as mine:
         mine = list(mine)
 
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    gen.update(generate_kwargs)
     eos = _eos_ids(model, tokenizer)
-    device = _input_device(model)
-    cache = PagedCache(page_size=page_size, max_pages=max_pages, config=model.config)
-    kv = dict(page_size=page_size, pages_total=0, pool_bytes=0, peak_pages_used=0, peak_tokens_stored=0,
-              peak_kv_bytes=0, evictions=0, prefix_hits=0)
-    records: list[dict] = []
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # decoder-only batched generation
-    bar = tqdm(total=sum(len(b) for _, b in mine), unit="prompt", disable=not (progress and state.is_main_process),
-               desc=f"rank 0/{state.num_processes}")
+    cache = RaggedCache(model.config, page_size=page_size, max_pages=max_pages)
+    new = {i: [] for i in mine}
+    peak_used = 0
     state.wait_for_everyone()
     wall_start = time.time()
     start = time.perf_counter()
-    try:
-        for number, batch in mine:
-            enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True).to(device)
-            if gen.get("do_sample"):
-                torch.manual_seed(seed + number)
-            out = model.generate(**enc, **{CACHE_KWARG: cache}, **gen)
-            width = enc["input_ids"].shape[1]
-            new = out[:, width:].tolist()
-            for row, i in enumerate(batch):
-                ids = _trim(new[row], eos)
-                records.append(dict(index=i, prompt=prompts[i],
-                                    completion=tokenizer.decode(ids, skip_special_tokens=True),
-                                    tokens=len(ids), prompt_tokens=lengths[i]))
-            s = cache.stats()
-            kv["peak_pages_used"] = max(kv["peak_pages_used"], s["pages_used"])
-            kv["peak_tokens_stored"] = max(kv["peak_tokens_stored"], s["tokens_stored"])
-            kv["peak_kv_bytes"] = max(kv["peak_kv_bytes"], s["kv_bytes"])
-            cache.reset()
-            bar.update(len(batch))
-    finally:
-        tokenizer.padding_side = padding_side
-        bar.close()
+    stream = stream_many(model, [token_ids[i] for i in mine], max_new_tokens=max_new_tokens, eos_token_id=sorted(eos),
+                         max_batch_tokens=max_batch_tokens, cache=cache, seed=[seed + i for i in mine],
+                         progress=progress and state.is_main_process, **sampling)
+    for local, token in stream:
+        new[mine[local]].append(token)
+        peak_used = max(peak_used, cache.manager.num_used)
     seconds = time.perf_counter() - start
     wall_end = time.time()
-    s = cache.stats()
-    kv.update(pages_total=s["pages_total"], pool_bytes=s["pool_bytes"], evictions=s["evictions"],
-              prefix_hits=s["prefix_hits"])
+    records = [dict(index=i, prompt=prompts[i], completion=tokenizer.decode(new[i], skip_special_tokens=True),
+                    tokens=len(new[i]), prompt_tokens=len(token_ids[i])) for i in mine]
+    page_bytes = cache.page_bytes()
+    kv = dict(page_size=page_size, pages_total=cache.manager.num_pages, pool_bytes=cache.manager.num_pages * page_bytes,
+              peak_pages_used=peak_used, peak_kv_bytes=peak_used * page_bytes, prefix_hits=cache.prefix_hits)
     new_tokens = sum(r["tokens"] for r in records)
-    rank = dict(rank=state.process_index, pid=os.getpid(), device=str(device), prompts=len(records),
-                batches=len(mine), new_tokens=new_tokens,
-                padded_prompt_tokens=sum(len(b) * lengths[b[0]] for _, b in mine),
-                prompt_tokens=sum(r["prompt_tokens"] for r in records),
+    rank = dict(rank=state.process_index, pid=os.getpid(), device=str(_input_device(model)), prompts=len(records),
+                new_tokens=new_tokens, prompt_tokens=sum(r["prompt_tokens"] for r in records),
                 seconds=seconds, tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0,
                 kv=kv, wall=(wall_start, wall_end))
 
@@ -263,18 +221,16 @@ def generate_distributed(
         distributed_type=str(state.distributed_type).split(".")[-1],
         backend=state.backend,
         num_prompts=len(prompts),
-        num_batches=len(batches),
-        batch_size=batch_size,
+        max_batch_tokens=max_batch_tokens,
         max_new_tokens=max_new_tokens,
         page_size=page_size,
-        greedy=not gen.get("do_sample", False),
+        greedy=not sampling.get("do_sample", False),
         ranks=sorted(ranks, key=lambda r: r["rank"]),
         total=dict(
             new_tokens=total_tokens,
             seconds=wall,
             tokens_per_s=total_tokens / wall if wall > 0 else 0.0,
             prompt_tokens=sum(r["prompt_tokens"] for r in ranks),
-            padded_prompt_tokens=sum(r["padded_prompt_tokens"] for r in ranks),
             peak_kv_bytes=sum(r["kv"]["peak_kv_bytes"] for r in ranks),
             pool_bytes=sum(r["kv"]["pool_bytes"] for r in ranks),
         ),
@@ -285,18 +241,16 @@ def generate_distributed(
 def format_summary(summary: dict) -> str:
     """A few lines for humans: one per rank, then the total."""
     mib = 1 / 2**20
-    lines = [f"{summary['num_prompts']} prompts in {summary['num_batches']} batches of <= {summary['batch_size']}, "
+    lines = [f"{summary['num_prompts']} prompts, continuous batching (<= {summary['max_batch_tokens']} tokens a step), "
              f"{summary['num_processes']} process(es), {summary['distributed_type']} "
              f"(backend {summary['backend']}), page_size {summary['page_size']}"]
     for r in summary["ranks"]:
         kv = r["kv"]
         lines.append(
-            f"  rank {r['rank']} ({r['device']}, pid {r['pid']}): {r['prompts']:4d} prompts {r['batches']:3d} batches "
+            f"  rank {r['rank']} ({r['device']}, pid {r['pid']}): {r['prompts']:4d} prompts "
             f"{r['new_tokens']:6d} new tokens in {r['seconds']:7.2f} s = {r['tokens_per_s']:8.1f} tok/s | KV peak "
             f"{kv['peak_pages_used']} pages, {kv['peak_kv_bytes'] * mib:.1f} MiB, pool {kv['pool_bytes'] * mib:.1f} MiB")
     t = summary["total"]
-    pad = 1 - t["prompt_tokens"] / t["padded_prompt_tokens"] if t["padded_prompt_tokens"] else 0.0
     lines.append(f"  total: {t['new_tokens']} new tokens in {t['seconds']:.2f} s = {t['tokens_per_s']:.1f} tok/s | "
-                 f"KV peak {t['peak_kv_bytes'] * mib:.1f} MiB, pools {t['pool_bytes'] * mib:.1f} MiB | "
-                 f"prompt padding {100 * pad:.1f}%")
+                 f"KV peak {t['peak_kv_bytes'] * mib:.1f} MiB, pools {t['pool_bytes'] * mib:.1f} MiB")
     return "\n".join(lines)

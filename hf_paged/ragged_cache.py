@@ -231,7 +231,7 @@ class RaggedCache(Cache):
                 seq.pages.append(manager.allocate())
             self._undo.append(undo)
             positions = torch.arange(seq.length, seq.length + n)
-            pages = torch.tensor(seq.pages)
+            pages = torch.tensor(seq.pages, dtype=torch.long)
             slots.append(pages[positions // S] * S + positions % S)
             segments.append(Segment(seq_id, start, n, seq.length, pages))
             seq.length += n
@@ -255,6 +255,11 @@ class RaggedCache(Cache):
             self.manager.release_row([p for p in seq.pages if p not in old_pages])
             seq.pages, seq.length = old_pages, old_length
         self.finish_step()
+
+    def page_bytes(self) -> int:
+        """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
+        return sum(t[0].numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self, layer_idx: int = 0) -> int:

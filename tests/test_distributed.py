@@ -19,7 +19,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import hf_paged  # noqa: E402
 from hf_paged import assets  # noqa: E402
-from hf_paged.distributed import deal, generate_distributed, make_state, plan_batches  # noqa: E402
+from hf_paged.distributed import deal, generate_distributed, make_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "distributed_generate.py"
@@ -105,15 +105,6 @@ def test_split_with_apply_padding_would_duplicate():
     assert padded[1] == [4, 5, 6, 6]
 
 
-def test_plan_batches_sorts_by_length_longest_first():
-    lengths = [5, 9, 1, 9, 3, 7, 2]
-    batches = plan_batches(lengths, 3)
-    assert batches == [[1, 3, 5], [0, 4, 6], [2]]
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    with pytest.raises(ValueError):
-        plan_batches(lengths, 0)
-
-
 # ------------------------------------------------------------------------- launched runs
 def _run(cmd, tmp_path):
     env = {k: v for k, v in os.environ.items()
@@ -127,7 +118,7 @@ def _run(cmd, tmp_path):
 
 def _generate_args(model_dir, out):
     return ["--model", str(model_dir), "--num-prompts", "7", "--min-words", "3", "--max-words", "30",
-            "--batch-size", "2", "--max-new-tokens", "6", "--page-size", "4", "--out", str(out)]
+            "--max-batch-tokens", "16", "--max-new-tokens", "6", "--page-size", "4", "--out", str(out)]
 
 
 def test_two_cpu_processes_match_one_process(tiny_model_dir, tmp_path):
@@ -143,7 +134,7 @@ def test_two_cpu_processes_match_one_process(tiny_model_dir, tmp_path):
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert len({r["pid"] for r in ranks} | {os.getpid()}) == 3
-    assert [r["prompts"] for r in ranks] == [3, 4]  # batches of 2, 2, 2, 1 prompts: rank 0 gets the 1st and 4th
+    assert [r["prompts"] for r in ranks] == [4, 3]  # snake order over 7 prompts: ranks 0 1 1 0 0 1 0
     assert all(r["new_tokens"] > 0 and r["kv"]["peak_pages_used"] > 0 for r in ranks)
     assert summary["total"]["new_tokens"] == sum(r["new_tokens"] for r in ranks)
     assert "rank 1 (cpu" in proc.stdout
@@ -167,20 +158,19 @@ def test_generate_distributed_single_process_and_empty(tiny_model_dir):
     state = make_state()
     assert state.num_processes == 1
     prompts = assets.britannica_prompts(5, 3, 30, seed=1)
-    got = generate_distributed(model, tokenizer, prompts, batch_size=2, max_new_tokens=5, page_size=4, state=state,
-                               progress=False)
+    got = generate_distributed(model, tokenizer, prompts, max_batch_tokens=8, max_new_tokens=5, page_size=4,
+                               state=state, progress=False)
     assert [r["index"] for r in got.results] == list(range(5))
-    # each batch alone, left padded, with a fresh DynamicCache: the same tokens
-    for batch in plan_batches([r["prompt_tokens"] for r in got.results], 2):
-        enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True)
+    # each prompt alone with a fresh DynamicCache: the same tokens (stopping at and including EOS)
+    for i, prompt in enumerate(prompts):
+        enc = tokenizer([prompt], return_tensors="pt")
         ref = model.generate(**enc, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        for row, i in enumerate(batch):
-            ids = ref[row, enc["input_ids"].shape[1]:].tolist()
-            assert got.results[i]["completion"] == tokenizer.decode(ids[:got.results[i]["tokens"]],
-                                                                    skip_special_tokens=True)
+        ids = ref[0, enc["input_ids"].shape[1]:].tolist()
+        assert got.results[i]["tokens"] == len(ids)
+        assert got.results[i]["completion"] == tokenizer.decode(ids, skip_special_tokens=True)
     rank = got.summary["ranks"][0]
-    assert rank["batches"] == 3 and rank["prompts"] == 5 and rank["kv"]["page_size"] == 4
-    assert rank["kv"]["pool_bytes"] > 0 and rank["kv"]["peak_tokens_stored"] > 0
+    assert rank["prompts"] == 5 and rank["kv"]["page_size"] == 4
+    assert rank["kv"]["pool_bytes"] > 0 and rank["kv"]["peak_pages_used"] > 0
 
     empty = generate_distributed(model, tokenizer, [], state=state, progress=False)
     assert empty.results == [] and empty.summary["total"]["new_tokens"] == 0
@@ -237,7 +227,7 @@ def test_device_map_pools_on_each_layers_device_and_dtype(tiny_model_dir, dtype)
     model.generate(**enc, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     _check_pools_follow_layers(model, cache, dtype)
     # the data-parallel helper sends inputs to the first device of the map
-    got = generate_distributed(model, tokenizer, ["Shakespeare was born", "The plays"], batch_size=2,
+    got = generate_distributed(model, tokenizer, ["Shakespeare was born", "The plays"],
                                max_new_tokens=4, state=make_state(), progress=False)
     assert [r["index"] for r in got.results] == [0, 1]
 

@@ -42,7 +42,7 @@ def llama():
 
 
 @pytest.mark.parametrize("name", sorted(set(ARCHITECTURES) - OWN_ATTENTION))
-@pytest.mark.parametrize("page_size,max_batch_tokens", [(1, 64), (3, 7), (16, 256)])
+@pytest.mark.parametrize("page_size,max_batch_tokens", [(1, 64), (3, 7), (16, 256), (4, 1)])
 def test_greedy_equals_generate_per_prompt(name, page_size, max_batch_tokens):
     ref, paged = make_pair(name)
     prompts = random_prompts()
