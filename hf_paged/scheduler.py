@@ -9,8 +9,8 @@ bounded pool never fails mid-run: admission waits instead.
 Prefixes are computed once: a new row shares the cached pages of its prompt's leading full
 pages (content hashes chained from the cache's fingerprint), and waits while another running
 row is still computing the next of those pages. The samples of one prompt
-(``num_return_sequences``) are admitted together: one row reads the prompt, the others fork
-from it (sharing every page) when it is done.
+(``num_return_sequences``) and the requests for an identical prompt are admitted together: one
+row reads the prompt, the others fork from it (sharing every page) when it is done.
 
 Invariants: ``reserved`` equals the sum over running rows of the pages they may still allocate;
 a row is in exactly one of ``waiting`` (via its request), ``running``, or finished.
@@ -35,6 +35,11 @@ class Request:
     max_new_tokens: int
     num_rows: int = 1
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full pages
+    duplicates: list["Request"] = field(default_factory=list)  # later requests for the same prompt
+
+    def total_pages(self, page_size: int) -> int:
+        """Pages one row holds at the end if it generates all of ``max_new_tokens``."""
+        return math.ceil((len(self.prompt) + self.max_new_tokens) / page_size)
 
 
 @dataclass
@@ -48,7 +53,7 @@ class Row:
     generated: list[int] = field(default_factory=list)
     reserve: int = 0  # pages this row may still allocate
     hashed: int = 0  # leading full pages registered with the block manager
-    followers: list["Row"] = field(default_factory=list)  # samples forking from this row after its prompt
+    followers: list["Row"] = field(default_factory=list)  # rows of the same prompt, forked after its prefill
 
     @property
     def prefilling(self) -> bool:
@@ -59,7 +64,12 @@ class Scheduler:
     def __init__(self, cache: RaggedCache, requests: list[Request], max_batch_tokens: int, root: bytes):
         self.cache, self.max_batch_tokens, self.root = cache, max_batch_tokens, root
         self.S = cache.page_size
-        self.waiting = deque(requests)
+        first: dict[tuple[int, ...], Request] = {}
+        for r in requests:  # an identical prompt is read once: its later requests fork from the first
+            leader = first.setdefault(tuple(r.prompt), r)
+            if leader is not r:
+                leader.duplicates.append(r)
+        self.waiting = deque(r for r in requests if first[tuple(r.prompt)] is r)
         self.running: list[Row] = []
         self.reserved = 0
         self.computing: dict[bytes, Row] = {}  # hash of a prompt page -> the row computing it
@@ -70,10 +80,15 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
+    def fork_pages(self, request: Request) -> int:
+        """Pages a row forked after ``request``'s prompt may allocate (its partial page is copied on write)."""
+        return request.total_pages(self.S) - len(request.prompt) // self.S
+
     def pages_for(self, request: Request, shared: int) -> int:
-        """Worst case: every row of ``request`` runs to ``max_new_tokens`` (forks copy their partial page)."""
-        total = math.ceil((len(request.prompt) + request.max_new_tokens) / self.S)
-        return total - shared + (request.num_rows - 1) * (total - len(request.prompt) // self.S)
+        """Worst case for ``request`` and its duplicates: every row runs to its ``max_new_tokens``."""
+        forks = (request.num_rows - 1) * self.fork_pages(request)
+        return request.total_pages(self.S) - shared + forks + sum(d.num_rows * self.fork_pages(d)
+                                                                   for d in request.duplicates)
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> list[tuple[Row, int]]:
@@ -119,8 +134,8 @@ class Scheduler:
         need = self.pages_for(request, len(shared)) + sum(manager.ref[p] == 0 for p in shared)
         if manager.available() - self.reserved < need:
             return None
-        rows = [Row(request.index * request.num_rows + j, request, list(request.prompt))
-                for j in range(request.num_rows)]
+        rows = [Row(r.index * r.num_rows + j, r, list(r.prompt))
+                for r in (request, *request.duplicates) for j in range(r.num_rows)]
         leader = rows[0]
         self.cache.add_sequence(leader.out_index, shared, len(shared) * self.S)
         leader.computed, leader.hashed = len(shared) * self.S, len(shared)
@@ -168,8 +183,7 @@ class Scheduler:
         for row in followers:
             self.cache.fork_sequence(leader.out_index, row.out_index)
             row.computed, row.hashed = leader.computed, leader.hashed
-            row.reserve = math.ceil((len(row.request.prompt) + row.request.max_new_tokens) / self.S) - (
-                len(row.request.prompt) // self.S)
+            row.reserve = self.fork_pages(row.request)
             leader.reserve -= row.reserve
             self.running.append(row)
         return followers

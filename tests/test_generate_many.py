@@ -176,3 +176,17 @@ def test_a_model_without_hf_paged_attention_is_refused(llama):
     ref, _ = llama
     with pytest.raises(hf_paged.CacheUsageError, match="attn_implementation='hf_paged'"):
         hf_paged.generate_many(ref, [[5, 6]], max_new_tokens=2, progress=False)
+
+
+def test_identical_prompts_are_read_once(llama):
+    ref, paged = llama
+    prompt, other = random_prompts((19, 7), seed=9)
+    prompts = [prompt, other, prompt, prompt]
+    news = [4, 6, 9, 2]
+    want = generate_each(ref, prompts, news, eos_token_id=None)
+    counter = CountingForward(paged)
+    cache = RaggedCache(paged.config, page_size=4, max_pages=40)
+    got = hf_paged.generate_many(paged, prompts, max_new_tokens=news, eos_token_id=[], cache=cache, progress=False)
+    assert got == want
+    assert counter.tokens == 19 + 7 + sum(n - 1 for n in news)  # each distinct prompt once, then one token a step
+    assert cache.manager.num_used == 0
