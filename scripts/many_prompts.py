@@ -122,10 +122,10 @@ def run_transformers_cb(model, prompts, wanted, args):
         ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True) for p, n in zip(prompts, wanted)]
         results = {}
         while len(results) < len(ids):
-            result = manager.get_result(timeout=60)
-            if result is None:
-                raise RuntimeError("transformers' continuous batching stopped answering")
-            if result.is_finished():
+            result = manager.get_result(timeout=1)
+            if result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before finishing every request")
+            if result is not None and result.is_finished():
                 results[result.request_id] = result
     elapsed = time.perf_counter() - start
     outputs = [results[i].generated_tokens for i in ids]
