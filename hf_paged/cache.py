@@ -130,20 +130,58 @@ class PagedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self._layer(layer_idx)
         group = layer.group
-        started = layer.seen == group.num_tokens
+        if layer.seen == group.num_tokens:  # the layer starts new tokens for its group
+            if group.step_open and not group.step_complete():
+                self.rollback()  # the group's last step never finished: a forward failed outside the cache
+            elif all(g.step_complete() for g in self.groups.values()):
+                self.commit()  # a new step of the whole cache: the last one is final
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:
-            if not started:  # a later layer failed mid-step: undo the whole step for the group
-                group.abort_step()
+            self.rollback()  # every group returns to the state before this step
             raise
 
     def commit(self) -> None:
-        """Finish the last step (or roll back a failed one) and hash newly filled pages."""
+        """Finish the last step (or roll back a failed one) and hash newly filled pages.
+
+        A step spans every group: it is final only when every layer of every group wrote it;
+        otherwise all groups roll back together.
+        """
+        if any(g.step_open and not g.step_complete() for g in self.groups.values()):
+            self.rollback()
+            return
         for group in self.groups.values():
-            group._finish_or_rollback()
+            group.commit()
             if self.token_log is not None:
                 group.register_hashes(self.token_log.hashes)
+
+    def rollback(self) -> None:
+        """Undo the open step of every group (and its tokens in the token log): the cache holds and
+        reports exactly what it held before the step."""
+        for group in self.groups.values():
+            group.abort_step()
+        if self.token_log is not None:
+            self.token_log.truncate(self._committed_tokens())
+
+    def _committed_tokens(self) -> int:
+        return next(iter(self.groups.values())).num_tokens if self.groups else 0
+
+    def _drop_failed_step(self, layer_idx: int) -> None:
+        """A query about a layer that already wrote an unfinished step comes from a new forward (a
+        layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
+        if layer_idx < len(self.layers):
+            layer = self.layers[layer_idx]
+            if layer.group.step_open and layer.seen == layer.group.num_tokens and not layer.group.step_complete():
+                self.rollback()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens processed by layer ``layer_idx`` (never tokens stored: positions stay right)."""
+        self._drop_failed_step(layer_idx)
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._drop_failed_step(layer_idx)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     # -------------------------------------------------------- prefix caching
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
@@ -230,10 +268,10 @@ class PagedCache(Cache):
             group.check_crop(-tokens_to_remove)
         for group in self.groups.values():
             group.crop(-tokens_to_remove)
-        if self.token_log is not None:
-            self.token_log.truncate(self.get_seq_length())
         for layer in self.layers:
             layer.seen = layer.group.num_tokens
+        if self.token_log is not None:
+            self.token_log.truncate(self.get_seq_length())
 
     def reset(self) -> None:
         """Release every row's pages (hashed pages stay cached for prefix reuse)."""

@@ -203,7 +203,9 @@ class PagedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self) -> int:
-        return self.group.num_tokens
+        """Tokens this layer has processed: mid-step, a layer that has not written yet still reports
+        the tokens before the step, as a `DynamicCache` layer does (Llama 4 asks before writing)."""
+        return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.group.mask_sizes(query_length)

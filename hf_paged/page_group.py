@@ -429,14 +429,23 @@ class PageGroup:
             return None
         return base, stride
 
+    @property
+    def step_open(self) -> bool:
+        """A step was planned and is not yet committed or rolled back."""
+        return self._undo is not None
+
+    def step_complete(self) -> bool:
+        """Every layer of the group wrote the tokens of the last planned step."""
+        return all(layer.seen == self.num_tokens for layer in self.layers)
+
     def _finish_or_rollback(self) -> None:
         """Commit the previous step, or roll it back if some layer of the group never wrote it."""
         if self._undo is None:
             return
-        if any(layer.seen != self.num_tokens for layer in self.layers):
-            self.abort_step()
-        else:
+        if self.step_complete():
             self.commit()
+        else:
+            self.abort_step()
 
     def commit(self) -> None:
         """Make the current step final: release the pages it replaced or trimmed."""

@@ -63,6 +63,9 @@ class TokenLog:
         self.hashes = [list(self.hashes[i]) for i in order]
 
     def truncate(self, num_tokens: int) -> None:
+        if num_tokens == 0:
+            self.clear()
+            return
         for b in range(len(self.tokens)):
             del self.tokens[b][num_tokens:], self.mask[b][num_tokens:]
             del self.hashes[b][num_tokens // self.page_size:]
@@ -81,6 +84,7 @@ def _prefix_hook(module, args, kwargs):
         return None
     attention_mask = kwargs.get("attention_mask")
     cache.commit()  # hash the pages filled by the previous step before this one can free them
+    cache.token_log.truncate(cache.get_seq_length())  # a forward that failed before any layer ran
     if cache.get_seq_length() == 0:
         reused = cache.reuse_prefix(input_ids, attention_mask)
         if reused:

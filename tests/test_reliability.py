@@ -226,3 +226,103 @@ def test_page_ids_are_checked_once_per_step_not_per_layer(monkeypatch):
                    **{hf_paged.CACHE_KWARG: cache})
     assert model.config.num_hidden_layers == 3 and len(calls) == new_tokens - 1  # decode steps, one group
     assert torch.is_tensor(cache.layers[0].keys)
+
+
+# ----------------------------------------------------------------------- 5: a failed step
+class Boom(RuntimeError):
+    pass
+
+
+def _decode(model, cache, batch, steps, fail_at=None, fail_in=None):
+    """Manual decode loop (prompt, then ``steps`` greedy tokens); step ``fail_at`` first fails once in
+    ``fail_in(model, cache)`` (a context manager), and the test checks the cache reports the state before it."""
+    import torch
+
+    import hf_paged
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = []
+    for step in range(steps + 1):
+        if step == fail_at:
+            before = (cache.get_seq_length(), [cache.get_mask_sizes(1, i) for i in range(len(cache.layers))],
+                      cache.stats()["tokens_stored"], cache.stats()["pages_used"])
+            with pytest.raises(Boom), fail_in(model, cache):
+                model(input_ids=ids, attention_mask=mask, **{hf_paged.CACHE_KWARG: cache})
+            after = (cache.get_seq_length(), [cache.get_mask_sizes(1, i) for i in range(len(cache.layers))],
+                     cache.stats()["tokens_stored"], cache.stats()["pages_used"])
+            assert after == before
+            if cache.token_log is not None:
+                assert all(len(row) == before[0] for row in cache.token_log.tokens)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, **{hf_paged.CACHE_KWARG: cache}).logits[:, -1]
+        logits.append(out)
+        ids = out.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return torch.stack(logits)
+
+
+class _fail_after_layer:
+    """Raise in the MLP of decoder layer ``index`` (after its attention wrote the cache), once."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def __call__(self, model, cache):
+        self.layer = model.model.layers[self.index].mlp
+        return self
+
+    def __enter__(self):
+        def hook(module, args):
+            self.handle.remove()
+            raise Boom("injected failure")
+
+        self.handle = self.layer.register_forward_pre_hook(hook)
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+class _fail_in_update:
+    """Raise inside `PagedCache.update` of layer ``index`` (its group already planned the step), once."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def __call__(self, model, cache):
+        self.layer = cache.layers[self.index]
+        return self
+
+    def __enter__(self):
+        real = self.layer.update
+
+        def update(*args, **kwargs):
+            real(*args, **kwargs)
+            raise Boom("injected failure")
+
+        self.layer.update = update
+
+    def __exit__(self, *exc):
+        del self.layer.update
+
+
+@pytest.mark.parametrize("bound", [False, True])
+@pytest.mark.parametrize("arch,fail", [("llama", _fail_after_layer(1)), ("llama", _fail_in_update(1)),
+                                       ("gemma3", _fail_after_layer(2)), ("gemma3", _fail_in_update(2))])
+def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, bound):
+    """After a layer raises mid-step the cache reports and holds the state before the step (both groups
+    of a hybrid model), and retrying gives the logits of a run without the failure."""
+    import torch
+
+    import hf_paged
+    from tiny_models import left_padded_batch, make_pair
+
+    _, model = make_pair(arch)
+    batch = left_padded_batch((9, 5))
+
+    def cache():
+        return hf_paged.PagedCache(page_size=4, **({"model": model} if bound else {"config": model.config}))
+
+    clean = _decode(model, cache(), batch, steps=4)
+    for fail_at in (1, 3):
+        retried = _decode(model, cache(), batch, steps=4, fail_at=fail_at, fail_in=fail)
+        torch.testing.assert_close(retried, clean, rtol=0, atol=1e-5)
