@@ -13,7 +13,7 @@ from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
 from .page_group import PageGroup
-from .prefix_cache import TokenLog, install_hook, page_hashes
+from .prefix_cache import TokenLog, install_hook, model_fingerprint, page_hashes
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
@@ -184,6 +184,11 @@ class PagedCache(Cache):
         return super().get_mask_sizes(query_length, layer_idx)
 
     # -------------------------------------------------------- prefix caching
+    def fingerprint(self, model) -> bytes:
+        """The root of this cache's page hashes when ``model`` computes its K/V (see `model_fingerprint`)."""
+        windows = [layer.group.sliding_window for layer in self.layers]
+        return model_fingerprint(model, self.page_size, windows)
+
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """On an empty bound cache: share the longest cached, page-aligned prefix of every row.
 
@@ -195,7 +200,8 @@ class PagedCache(Cache):
             return 0
         S, length = self.page_size, input_ids.shape[1]
         bits = attention_mask[:, -length:] if attention_mask is not None else torch.ones_like(input_ids)
-        rows = [page_hashes(ids, mask, S, 0, b"") for ids, mask in zip(input_ids.tolist(), bits.tolist())]
+        root = self.token_log.root
+        rows = [page_hashes(ids, mask, S, 0, root) for ids, mask in zip(input_ids.tolist(), bits.tolist())]
         pages = min((length - 1) // S, *(len(r) for r in rows))
         while pages > 0 and not all(g.can_restore(rows, pages) for g in self.groups.values()):
             pages -= 1

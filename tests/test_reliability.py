@@ -326,3 +326,49 @@ def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, bou
     for fail_at in (1, 3):
         retried = _decode(model, cache(), batch, steps=4, fail_at=fail_at, fail_in=fail)
         torch.testing.assert_close(retried, clean, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------- 4: prefix pages and their model
+def test_prefix_pages_are_never_reused_by_another_model():
+    """A cache bound to model A, reset, then used by model B (same shapes, other weights): B gets its own
+    K/V (logits of a fresh DynamicCache run of B), while A itself still reuses its pages."""
+    import torch
+    from transformers import DynamicCache
+
+    import hf_paged
+    from tiny_models import make_pair
+
+    _, model_a = make_pair("llama", seed=0)
+    ref_b, model_b = make_pair("llama", seed=1)
+    hf_paged.PagedCache(model=model_b)  # B is bound to a cache of its own: its prefix hook is installed
+    prompt = {"input_ids": torch.randint(3, 96, (1, 13), generator=torch.Generator().manual_seed(3))}
+    prompt["attention_mask"] = torch.ones_like(prompt["input_ids"])
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+    cache = hf_paged.PagedCache(page_size=4, model=model_a)
+    model_a.generate(**prompt, **kwargs, **{hf_paged.CACHE_KWARG: cache})
+    cache.reset()
+    out_b = model_b.generate(**prompt, **kwargs, **{hf_paged.CACHE_KWARG: cache})
+    assert cache.stats()["prefix_hits"] == 0
+    want = ref_b.generate(**prompt, **kwargs, **{hf_paged.CACHE_KWARG: DynamicCache(config=ref_b.config)})
+    assert torch.equal(out_b.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(out_b.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
+
+    cache.reset()  # the control: the model that computed the pages reuses them
+    model_a.generate(**prompt, **kwargs, **{hf_paged.CACHE_KWARG: cache})
+    assert cache.stats()["prefix_hits"] > 0
+
+
+def test_fingerprint_covers_weights_dtype_and_page_size():
+    import torch
+
+    import hf_paged
+    from tiny_models import make_pair
+
+    _, model = make_pair("llama", seed=0)
+    _, other = make_pair("llama", seed=1)
+    cache, coarse = hf_paged.PagedCache(page_size=4, model=model), hf_paged.PagedCache(page_size=8, model=model)
+    root = cache.fingerprint(model)
+    assert root == cache.fingerprint(model)
+    assert root != cache.fingerprint(other) and root != coarse.fingerprint(model)
+    assert root != cache.fingerprint(model.to(dtype=torch.bfloat16))
