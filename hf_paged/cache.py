@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .block_manager import BlockManager
@@ -28,12 +30,29 @@ def _cache_keyword() -> str:
 CACHE_KWARG = _cache_keyword()  # e.g. model.generate(**inputs, **{hf_paged.CACHE_KWARG: cache})
 
 
-def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False, most: int | None = None) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (most is not None and value > most):
         fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
+        fix += f" of at most {most}" if most is not None else ""
         raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
+
+
+def _check_arguments(config, model, lru_threshold) -> None:
+    """Types that would otherwise fail later with an AttributeError or TypeError."""
+    if isinstance(lru_threshold, bool) or not isinstance(lru_threshold, (int, float)):
+        raise CacheUsageError(f"lru_threshold must be a number in [0, 1] (a share of attention mass), "
+                              f"got {lru_threshold!r}.")
+    if config is not None and not isinstance(config, PretrainedConfig):
+        raise CacheUsageError(f"config must be a transformers model config (model.config), got {type(config).__name__}.")
+    if model is not None and not (isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
+                                                                                    PretrainedConfig)):
+        raise CacheUsageError(f"model must be a transformers model (a torch.nn.Module with a .config), "
+                              f"got {type(model).__name__}.")
 
 
 def layer_windows(config) -> list[int | None]:
@@ -80,8 +99,9 @@ class PagedCache(Cache):
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str = "lru", sink_pages: int = 1, recent_pages: int = 1,
                  lru_threshold: float = 0.5):
-        _check_positive_int("page_size", page_size)
+        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
+        _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
@@ -90,6 +110,8 @@ class PagedCache(Cache):
         self.page_size = page_size
         self.max_pages = max_pages
         self.groups: dict[int | None, PageGroup] = {}
+        self._owner: int | None = None  # the thread whose tokens the cache holds (None: free, after reset())
+        self._claim = threading.Lock()
         self.config = None
         self.token_log: TokenLog | None = None
         if model is not None:
@@ -101,11 +123,19 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------- structure
     def bind_config(self, config) -> None:
-        """Create one layer per decoder layer, grouped by sliding window."""
+        """Create one layer per decoder layer, grouped by sliding window (on an empty cache: also to
+        serve another model after ``reset()``)."""
+        _check_arguments(config, None, self.policy.threshold)
+        if getattr(config, "is_encoder_decoder", False):
+            raise CacheUsageError(
+                f"PagedCache supports decoder-only models; {type(config).__name__} is an encoder-decoder model "
+                "(its cross-attention keys would share the cache). Use transformers' own cache for it.")
         if self.layers and self.get_seq_length() > 0:
             raise CacheUsageError("bind_config() needs an empty cache: call reset() first.")
         self.config = config
-        self.layers = [PagedLayer(self._group(w), i, self.backend) for i, w in enumerate(layer_windows(config))]
+        windows = layer_windows(config)
+        self.layers = [PagedLayer(self._group(w), i, self.backend) for i, w in enumerate(windows)]
+        self.groups = {w: g for w, g in self.groups.items() if w in windows}  # another model's groups go
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             import logging
@@ -128,6 +158,7 @@ class PagedCache(Cache):
 
     # ----------------------------------------------------------------- steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_thread()
         layer = self._layer(layer_idx)
         group = layer.group
         if layer.seen == group.num_tokens:  # the layer starts new tokens for its group
@@ -147,6 +178,8 @@ class PagedCache(Cache):
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.
         """
+        if any(g.step_open for g in self.groups.values()):
+            self._check_thread()  # another thread must not finish (or undo) this thread's step
         if any(g.step_open and not g.step_complete() for g in self.groups.values()):
             self.rollback()
             return
@@ -169,10 +202,29 @@ class PagedCache(Cache):
     def _drop_failed_step(self, layer_idx: int) -> None:
         """A query about a layer that already wrote an unfinished step comes from a new forward (a
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
-        if layer_idx < len(self.layers):
+        if layer_idx < len(self.layers) and self._owner in (None, threading.get_ident()):
             layer = self.layers[layer_idx]
             if layer.group.step_open and layer.seen == layer.group.num_tokens and not layer.group.step_complete():
                 self.rollback()
+
+    def _check_thread(self) -> None:
+        """Claim the cache for this thread, or raise if another thread holds its tokens.
+
+        A cache serves one thread: rows of two threads' steps would mix. It is free when new, after
+        ``reset()`` (by the thread that used it) and as a fresh ``fork()``.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            return
+        with self._claim:
+            if self._owner is None:
+                self._owner = me
+                return
+        raise CacheUsageError(
+            f"this PagedCache holds the tokens of thread {self._owner} and is now used by thread {me}: a cache "
+            "serves one thread (concurrent steps would mix their rows). Give each thread its own cache "
+            "(cache.fork() shares the prompt's pages), or call cache.reset() in the thread that used it before "
+            "handing it over.")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed by layer ``layer_idx`` (never tokens stored: positions stay right)."""
@@ -236,6 +288,12 @@ class PagedCache(Cache):
     def __deepcopy__(self, memo) -> "PagedCache":
         return self.fork()
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "A PagedCache cannot be pickled or saved with torch.save: its pages live in pools shared with its "
+            "forks. In this process, copy it with cache.fork() or copy.deepcopy(cache) (pages shared, copy on "
+            "write); across processes, keep the token ids and recompute the cache.")
+
     # ------------------------------------------------------- row operations
     def _remap_rows(self, rows_for) -> None:
         """Replace every group's rows by ``rows_for(old_rows)``, sharing pages (no K/V copy)."""
@@ -280,7 +338,10 @@ class PagedCache(Cache):
             self.token_log.truncate(self.get_seq_length())
 
     def reset(self) -> None:
-        """Release every row's pages (hashed pages stay cached for prefix reuse)."""
+        """Release every row's pages (hashed pages stay cached for prefix reuse); any thread may then use
+        the cache."""
+        if self._owner is not None:
+            self._check_thread()
         self.commit()
         for group in self.groups.values():
             group.clear()
@@ -288,6 +349,7 @@ class PagedCache(Cache):
             layer.reset()
         if self.token_log is not None:
             self.token_log.clear()
+        self._owner = None
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
