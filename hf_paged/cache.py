@@ -56,13 +56,19 @@ def _check_arguments(config, model, lru_threshold) -> None:
 
 
 def layer_windows(config) -> list[int | None]:
-    """Per decoder layer: its sliding window, or None for a layer that keeps every token."""
+    """Per decoder layer: how many recent tokens it may attend (None: every token).
+
+    A ``chunked_attention`` layer (Llama 4) attends within its chunk of ``attention_chunk_size``
+    tokens, so, as transformers' own caches do, it keeps a window of that size; the mask (built by
+    transformers) restricts it to the chunk.
+    """
     text_config = config.get_text_config(decoder=True)
     num_layers = text_config.num_hidden_layers
     layer_types = getattr(text_config, "layer_types", None)
     window = getattr(text_config, "sliding_window", None)
+    chunk = getattr(text_config, "attention_chunk_size", None)
     if layer_types is None:
-        return [window] * num_layers
+        return [window or chunk] * num_layers
     unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention",
                                                                "chunked_attention")})
     if unsupported:
@@ -70,7 +76,8 @@ def layer_windows(config) -> list[int | None]:
             f"PagedCache supports attention layers only; this model has layer types {unsupported}. "
             "Use transformers' DynamicCache for it."
         )
-    return [window if t == "sliding_attention" else None for t in layer_types]
+    by_type = {"sliding_attention": window, "chunked_attention": chunk}
+    return [by_type.get(t) for t in layer_types]
 
 
 class PagedCache(Cache):
