@@ -125,7 +125,7 @@ def _resolve(choice: str, device_type: str) -> str:
 def _kernel_attention(kernel, query, layer, attention_mask, scaling, sliding_window, softcap, s_aux):
     """A paged kernel walks the page table (holes included); the mask is aligned on its last column."""
     plan = layer.group.step.on(layer.device)
-    page_table, page_pos, q_pos = plan.kernel_index(layer.device)
+    page_table, page_pos, q_pos = plan.kernel_index(layer.device, layer.keys.shape[0])
     mask_offset = 0
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:

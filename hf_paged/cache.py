@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .block_manager import BlockManager
@@ -13,7 +15,7 @@ from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
 from .page_group import PageGroup
-from .prefix_cache import TokenLog, install_hook, page_hashes
+from .prefix_cache import TokenLog, install_hook, model_fingerprint, page_hashes
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
@@ -28,22 +30,45 @@ def _cache_keyword() -> str:
 CACHE_KWARG = _cache_keyword()  # e.g. model.generate(**inputs, **{hf_paged.CACHE_KWARG: cache})
 
 
-def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False, most: int | None = None) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (most is not None and value > most):
         fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
+        fix += f" of at most {most}" if most is not None else ""
         raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
 
 
+def _check_arguments(config, model, lru_threshold) -> None:
+    """Types that would otherwise fail later with an AttributeError or TypeError."""
+    if isinstance(lru_threshold, bool) or not isinstance(lru_threshold, (int, float)):
+        raise CacheUsageError(f"lru_threshold must be a number in [0, 1] (a share of attention mass), "
+                              f"got {lru_threshold!r}.")
+    if config is not None and not isinstance(config, PretrainedConfig):
+        raise CacheUsageError(f"config must be a transformers model config (model.config), got {type(config).__name__}.")
+    if model is not None and not (isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
+                                                                                    PretrainedConfig)):
+        raise CacheUsageError(f"model must be a transformers model (a torch.nn.Module with a .config), "
+                              f"got {type(model).__name__}.")
+
+
 def layer_windows(config) -> list[int | None]:
-    """Per decoder layer: its sliding window, or None for a layer that keeps every token."""
+    """Per decoder layer: how many recent tokens it may attend (None: every token).
+
+    A ``chunked_attention`` layer (Llama 4) attends within its chunk of ``attention_chunk_size``
+    tokens, so, as transformers' own caches do, it keeps a window of that size; the mask (built by
+    transformers) restricts it to the chunk.
+    """
     text_config = config.get_text_config(decoder=True)
     num_layers = text_config.num_hidden_layers
     layer_types = getattr(text_config, "layer_types", None)
     window = getattr(text_config, "sliding_window", None)
+    chunk = getattr(text_config, "attention_chunk_size", None)
     if layer_types is None:
-        return [window] * num_layers
+        return [window or chunk] * num_layers
     unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention",
                                                                "chunked_attention")})
     if unsupported:
@@ -51,7 +76,8 @@ def layer_windows(config) -> list[int | None]:
             f"PagedCache supports attention layers only; this model has layer types {unsupported}. "
             "Use transformers' DynamicCache for it."
         )
-    return [window if t == "sliding_attention" else None for t in layer_types]
+    by_type = {"sliding_attention": window, "chunked_attention": chunk}
+    return [by_type.get(t) for t in layer_types]
 
 
 class PagedCache(Cache):
@@ -80,8 +106,9 @@ class PagedCache(Cache):
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str = "lru", sink_pages: int = 1, recent_pages: int = 1,
                  lru_threshold: float = 0.5):
-        _check_positive_int("page_size", page_size)
+        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
+        _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
@@ -90,6 +117,8 @@ class PagedCache(Cache):
         self.page_size = page_size
         self.max_pages = max_pages
         self.groups: dict[int | None, PageGroup] = {}
+        self._owner: int | None = None  # the thread whose tokens the cache holds (None: free, after reset())
+        self._claim = threading.Lock()
         self.config = None
         self.token_log: TokenLog | None = None
         if model is not None:
@@ -101,11 +130,19 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------- structure
     def bind_config(self, config) -> None:
-        """Create one layer per decoder layer, grouped by sliding window."""
+        """Create one layer per decoder layer, grouped by sliding window (on an empty cache: also to
+        serve another model after ``reset()``)."""
+        _check_arguments(config, None, self.policy.threshold)
+        if getattr(config, "is_encoder_decoder", False):
+            raise CacheUsageError(
+                f"PagedCache supports decoder-only models; {type(config).__name__} is an encoder-decoder model "
+                "(its cross-attention keys would share the cache). Use transformers' own cache for it.")
         if self.layers and self.get_seq_length() > 0:
             raise CacheUsageError("bind_config() needs an empty cache: call reset() first.")
         self.config = config
-        self.layers = [PagedLayer(self._group(w), i, self.backend) for i, w in enumerate(layer_windows(config))]
+        windows = layer_windows(config)
+        self.layers = [PagedLayer(self._group(w), i, self.backend) for i, w in enumerate(windows)]
+        self.groups = {w: g for w, g in self.groups.items() if w in windows}  # another model's groups go
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             import logging
@@ -128,24 +165,89 @@ class PagedCache(Cache):
 
     # ----------------------------------------------------------------- steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_thread()
         layer = self._layer(layer_idx)
         group = layer.group
-        started = layer.seen == group.num_tokens
+        if layer.seen == group.num_tokens:  # the layer starts new tokens for its group
+            if group.step_open and not group.step_complete():
+                self.rollback()  # the group's last step never finished: a forward failed outside the cache
+            elif all(g.step_complete() for g in self.groups.values()):
+                self.commit()  # a new step of the whole cache: the last one is final
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:
-            if not started:  # a later layer failed mid-step: undo the whole step for the group
-                group.abort_step()
+            self.rollback()  # every group returns to the state before this step
             raise
 
     def commit(self) -> None:
-        """Finish the last step (or roll back a failed one) and hash newly filled pages."""
+        """Finish the last step (or roll back a failed one) and hash newly filled pages.
+
+        A step spans every group: it is final only when every layer of every group wrote it;
+        otherwise all groups roll back together.
+        """
+        if any(g.step_open for g in self.groups.values()):
+            self._check_thread()  # another thread must not finish (or undo) this thread's step
+        if any(g.step_open and not g.step_complete() for g in self.groups.values()):
+            self.rollback()
+            return
         for group in self.groups.values():
-            group._finish_or_rollback()
+            group.commit()
             if self.token_log is not None:
                 group.register_hashes(self.token_log.hashes)
 
+    def rollback(self) -> None:
+        """Undo the open step of every group (and its tokens in the token log): the cache holds and
+        reports exactly what it held before the step."""
+        for group in self.groups.values():
+            group.abort_step()
+        if self.token_log is not None:
+            self.token_log.truncate(self._committed_tokens())
+
+    def _committed_tokens(self) -> int:
+        return next(iter(self.groups.values())).num_tokens if self.groups else 0
+
+    def _drop_failed_step(self, layer_idx: int) -> None:
+        """A query about a layer that already wrote an unfinished step comes from a new forward (a
+        layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
+        if layer_idx < len(self.layers) and self._owner in (None, threading.get_ident()):
+            layer = self.layers[layer_idx]
+            if layer.group.step_open and layer.seen == layer.group.num_tokens and not layer.group.step_complete():
+                self.rollback()
+
+    def _check_thread(self) -> None:
+        """Claim the cache for this thread, or raise if another thread holds its tokens.
+
+        A cache serves one thread: rows of two threads' steps would mix. It is free when new, after
+        ``reset()`` (by the thread that used it) and as a fresh ``fork()``.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            return
+        with self._claim:
+            if self._owner is None:
+                self._owner = me
+                return
+        raise CacheUsageError(
+            f"this PagedCache holds the tokens of thread {self._owner} and is now used by thread {me}: a cache "
+            "serves one thread (concurrent steps would mix their rows). Give each thread its own cache "
+            "(cache.fork() shares the prompt's pages), or call cache.reset() in the thread that used it before "
+            "handing it over.")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens processed by layer ``layer_idx`` (never tokens stored: positions stay right)."""
+        self._drop_failed_step(layer_idx)
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._drop_failed_step(layer_idx)
+        return super().get_mask_sizes(query_length, layer_idx)
+
     # -------------------------------------------------------- prefix caching
+    def fingerprint(self, model) -> bytes:
+        """The root of this cache's page hashes when ``model`` computes its K/V (see `model_fingerprint`)."""
+        windows = [layer.group.sliding_window for layer in self.layers]
+        return model_fingerprint(model, self.page_size, windows)
+
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """On an empty bound cache: share the longest cached, page-aligned prefix of every row.
 
@@ -157,7 +259,8 @@ class PagedCache(Cache):
             return 0
         S, length = self.page_size, input_ids.shape[1]
         bits = attention_mask[:, -length:] if attention_mask is not None else torch.ones_like(input_ids)
-        rows = [page_hashes(ids, mask, S, 0, b"") for ids, mask in zip(input_ids.tolist(), bits.tolist())]
+        root = self.token_log.root
+        rows = [page_hashes(ids, mask, S, 0, root) for ids, mask in zip(input_ids.tolist(), bits.tolist())]
         pages = min((length - 1) // S, *(len(r) for r in rows))
         while pages > 0 and not all(g.can_restore(rows, pages) for g in self.groups.values()):
             pages -= 1
@@ -191,6 +294,12 @@ class PagedCache(Cache):
 
     def __deepcopy__(self, memo) -> "PagedCache":
         return self.fork()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "A PagedCache cannot be pickled or saved with torch.save: its pages live in pools shared with its "
+            "forks. In this process, copy it with cache.fork() or copy.deepcopy(cache) (pages shared, copy on "
+            "write); across processes, keep the token ids and recompute the cache.")
 
     # ------------------------------------------------------- row operations
     def _remap_rows(self, rows_for) -> None:
@@ -230,13 +339,16 @@ class PagedCache(Cache):
             group.check_crop(-tokens_to_remove)
         for group in self.groups.values():
             group.crop(-tokens_to_remove)
-        if self.token_log is not None:
-            self.token_log.truncate(self.get_seq_length())
         for layer in self.layers:
             layer.seen = layer.group.num_tokens
+        if self.token_log is not None:
+            self.token_log.truncate(self.get_seq_length())
 
     def reset(self) -> None:
-        """Release every row's pages (hashed pages stay cached for prefix reuse)."""
+        """Release every row's pages (hashed pages stay cached for prefix reuse); any thread may then use
+        the cache."""
+        if self._owner is not None:
+            self._check_thread()
         self.commit()
         for group in self.groups.values():
             group.clear()
@@ -244,6 +356,7 @@ class PagedCache(Cache):
             layer.reset()
         if self.token_log is not None:
             self.token_log.clear()
+        self._owner = None
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:

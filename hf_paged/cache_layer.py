@@ -104,7 +104,9 @@ class PagedLayer(CacheLayerMixin):
             raise CacheUsageError(
                 f"layer {self.layer_idx} received {q_len} token(s) for a batch of {batch}, but its group "
                 f"planned a step of {group.step.q_len if group.step else 0} token(s) for "
-                f"{group.batch_size} row(s): every layer must see the same tokens in the same step."
+                f"{group.batch_size} row(s): every layer must see the same tokens in the same step. (An "
+                "encoder-decoder model such as T5 or BART gives the cache its cross-attention keys too: PagedCache "
+                "supports decoder-only models only.)"
             )
         if group.step.same_as is not None:
             self._check_identical_rows(key_states, value_states)
@@ -154,11 +156,14 @@ class PagedLayer(CacheLayerMixin):
             names = ("kv heads", "key head dim", "value head dim", "key dtype", "value dtype", "key device",
                      "value device")
             diffs = ", ".join(f"{n} {g} (pool has {w})" for n, g, w in zip(names, got, want) if g != w)
-            raise CacheUsageError(
-                f"layer {self.layer_idx}: new keys/values do not match this layer's page pool: {diffs}. "
-                "A PagedCache serves one model in one dtype and device placement; call cache.reset() or "
-                "use a new cache for another model, or cast the model instead of the cache."
-            )
+            fix = ("This cache holds no tokens: call cache.bind_config(model.config) to serve the new model with it "
+                   "(reset() keeps the pools of the model it served), or use a new cache."
+                   if self.group.num_tokens == 0 and not self.group.rows else
+                   "A PagedCache serves one model in one dtype and device placement: call cache.reset() and then "
+                   "cache.bind_config(model.config), or use a new cache for another model, or cast the model "
+                   "instead of the cache.")
+            raise CacheUsageError(f"layer {self.layer_idx}: new keys/values do not match this layer's page pool: "
+                                  f"{diffs}. {fix}")
 
     def _ensure_capacity(self, num_pages: int) -> None:
         """Grow the pools to ``num_pages`` (the manager grows geometrically, so this is amortised)."""
@@ -203,7 +208,9 @@ class PagedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self) -> int:
-        return self.group.num_tokens
+        """Tokens this layer has processed: mid-step, a layer that has not written yet still reports
+        the tokens before the step, as a `DynamicCache` layer does (Llama 4 asks before writing)."""
+        return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.group.mask_sizes(query_length)

@@ -23,6 +23,7 @@ import torch
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy, warn_first_eviction
+from .kernels.arguments import mark_checked
 
 
 @dataclass
@@ -50,15 +51,19 @@ class StepPlan:
     def kv_len(self) -> int:
         return self.num_tokens - self.first_pos
 
-    def kernel_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) for the paged kernels, contiguous, once per
-        device: int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type)."""
+        device: int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type). The page ids are
+        checked here, once per step and device, against pools of ``num_pages`` pages (the kernels
+        read pools unchecked)."""
         key = ("kernel", device)
         if key not in self._on_device:
             table, page_pos = self.live_pages()
             q_pos = torch.arange(self.past, self.num_tokens).expand(table.shape[0], -1)
             table = table.int() if device.type == "cuda" else table.long()
-            self._on_device[key] = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+            mark_checked(*index, num_pages)
+            self._on_device[key] = index
         return self._on_device[key]
 
     def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,14 +429,23 @@ class PageGroup:
             return None
         return base, stride
 
+    @property
+    def step_open(self) -> bool:
+        """A step was planned and is not yet committed or rolled back."""
+        return self._undo is not None
+
+    def step_complete(self) -> bool:
+        """Every layer of the group wrote the tokens of the last planned step."""
+        return all(layer.seen == self.num_tokens for layer in self.layers)
+
     def _finish_or_rollback(self) -> None:
         """Commit the previous step, or roll it back if some layer of the group never wrote it."""
         if self._undo is None:
             return
-        if any(layer.seen != self.num_tokens for layer in self.layers):
-            self.abort_step()
-        else:
+        if self.step_complete():
             self.commit()
+        else:
+            self.abort_step()
 
     def commit(self) -> None:
         """Make the current step final: release the pages it replaced or trimmed."""

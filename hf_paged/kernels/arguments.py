@@ -1,13 +1,20 @@
-"""The argument contract shared by the paged-attention kernels (Triton, CPU): shape checks and the
-mask's broadcast strides. Layout and semantics: :mod:`hf_paged.kernels.reference`."""
+"""The argument contract shared by the paged-attention kernels (Triton, CPU): shape, type, device and
+index checks, and the mask's broadcast strides. Layout and semantics: :mod:`hf_paged.kernels.reference`.
+
+The kernels read the pools at the page ids of ``page_table`` without bounds checks, so no call reaches
+them unless every id is a hole (-1) or a page of the pools. Checking ids costs a reduction over the
+table; a `PagedCache` step does it once per step and device (`mark_checked`), not once per layer.
+"""
 
 from __future__ import annotations
 
 import torch
 
+_CHECKED = "_hf_paged_checked_pages"  # attribute of a page table: the pool size its ids were checked against
+
 
 def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux) -> None:
-    """Raise ValueError/TypeError unless the arguments have the shapes of the contract."""
+    """Raise ValueError/TypeError (naming the argument) unless the arguments meet the contract."""
     B, Hq, Q, D = query.shape
     Hkv, Dk = k_pool.shape[2:]
     N = page_table.shape[1]
@@ -17,6 +24,10 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
+    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
+                         ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask), ("s_aux", s_aux)):
+        if tensor is not None and tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's device")
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be bool, got {mask.dtype}")
@@ -24,6 +35,31 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
             raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
     if s_aux is not None and s_aux.shape != (Hq,):
         raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
+    checked = getattr(page_table, _CHECKED, None)
+    if checked is None or checked > k_pool.shape[0]:
+        check_index(page_table, page_pos, q_pos, k_pool.shape[0])
+
+
+def check_index(page_table, page_pos, q_pos, num_pages: int) -> None:
+    """Raise ValueError unless the index tensors are integers and every page id is -1 (a hole) or
+    in ``[0, num_pages)``."""
+    for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos)):
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got {tensor.dtype}")
+    if page_table.numel() == 0:
+        return
+    low, high = (int(x) for x in page_table.aminmax())
+    if low < -1 or high >= num_pages:
+        bad = low if low < -1 else high
+        raise ValueError(f"page_table holds page id {bad}, but ids must be -1 (a hole) or a page of the pools, "
+                         f"0 <= id < {num_pages}" + (" (the pools are empty)" if num_pages == 0 else ""))
+
+
+def mark_checked(page_table: torch.Tensor, page_pos, q_pos, num_pages: int) -> None:
+    """Check the index once and remember it: later kernel calls on pools of at least ``num_pages``
+    pages skip the reduction."""
+    check_index(page_table, page_pos, q_pos, num_pages)
+    setattr(page_table, _CHECKED, num_pages)
 
 
 def mask_strides(mask: torch.Tensor) -> list[int]:

@@ -8,7 +8,8 @@ pages, where SDPA's CPU kernel on the strided page view runs several times slowe
 The C source (``cpu_paged_attention.c``) is compiled on first use with the system C compiler
 (``$CC``, default ``cc``; ``-O3 -march=native -fopenmp``) into ``$HF_PAGED_CACHE_DIR/kernels``
 (default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and loaded
-with ctypes. :func:`unavailable_reason` says why it cannot be used (no compiler, build error);
+with ctypes only after :mod:`hf_paged.kernels.library_cache` verified it (private folder, owner,
+checksum); a folder others can write is replaced by a private temporary one, with a warning. :func:`unavailable_reason` says why it cannot be used (no compiler, build error);
 the attention then falls back to the torch path.
 """
 
@@ -23,11 +24,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
 from ..assets import cache_dir
+from . import library_cache
 from .arguments import check_paged_args, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
@@ -36,6 +39,7 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SYMBOLS = ("paged_attention_f32", "paged_attention_bf16")
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
 
 _i64 = ctypes.c_int64
@@ -77,7 +81,7 @@ def _compiler() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | str:
-    """The loaded kernel library, or a string saying why it cannot be built."""
+    """The loaded kernel library, or a string saying why it cannot be built or loaded."""
     compiler = _compiler()
     if compiler is None:
         return f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r}; set $CC)"
@@ -86,27 +90,46 @@ def _library() -> ctypes.CDLL | str:
     except (OSError, subprocess.CalledProcessError) as error:
         return f"the C compiler {compiler} does not run: {error}"
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
-    target = cache_dir() / "kernels" / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
-                built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                                        capture_output=True, text=True)
-                if result.returncode != 0:
-                    return f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}"
-                os.replace(built, target)
-        except OSError as error:
-            return f"cannot build into {target.parent} ({error}); set HF_PAGED_CACHE_DIR to a writable folder"
     try:
-        library = ctypes.CDLL(str(target))
-    except OSError as error:  # e.g. a truncated file left by a crashed build elsewhere
-        return f"loading {target} failed ({error}); delete it to rebuild"
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
+        folder, refused = library_cache.private_folder(cache_dir() / "kernels")
+    except OSError as error:
+        return f"no private folder to build into ({error}); set HF_PAGED_CACHE_DIR to a folder only you can write"
+    if refused:
+        warnings.warn(f"hf_paged: not using the kernel cache because {refused}; building the CPU kernel into the "
+                      f"private folder {folder} instead. Set HF_PAGED_CACHE_DIR to a folder only you can write.",
+                      stacklevel=2)
+    target = folder / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
+    try:
+        library = _load_or_build(compiler, target)
+    except library_cache.Unusable as error:
+        return f"{error}; delete it to rebuild"
+    except (library_cache.Rejected, RuntimeError) as error:
+        return str(error)
+    for name in SYMBOLS:
         getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs)]
         getattr(library, name).restype = ctypes.c_int
     return library
+
+
+def _load_or_build(compiler: str, target: Path) -> ctypes.CDLL:
+    """The verified library at ``target``; (re)built first when missing or rejected."""
+    try:
+        return library_cache.load(target, SYMBOLS)
+    except library_cache.Rejected as error:
+        if target.exists() or target.is_symlink():
+            warnings.warn(f"hf_paged: rebuilding the CPU kernel: {error}.", stacklevel=3)
+    try:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}")
+            library_cache.publish(built, target)
+    except OSError as error:
+        raise RuntimeError(f"cannot build into {target.parent} ({error}); set HF_PAGED_CACHE_DIR to a folder "
+                           "only you can write") from None
+    return library_cache.load(target, SYMBOLS)
 
 
 def unavailable_reason() -> str | None:
