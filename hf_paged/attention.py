@@ -224,7 +224,7 @@ def _ragged_attention(query, key: RaggedKV, scaling, sliding_window, softcap, s_
     outs, first = [], 0
     if kernel is not None and step.num_single:
         first = step.num_single
-        table, page_pos, q_pos = step.kernel_index(query.device)
+        table, page_pos, q_pos = step.kernel_index(query.device, layer.keys.shape[0])
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
         out = kernel(singles, layer.keys, layer.values, table, page_pos, q_pos, scale=scaling,
                      sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)

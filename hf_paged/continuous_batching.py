@@ -10,7 +10,6 @@ prompt, the samples of one prompt) are computed once. Greedy output equals per-p
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -24,6 +23,7 @@ from transformers.generation.logits_process import (
 
 from .cache import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
+from .prefix_cache import model_fingerprint
 from .ragged_cache import RaggedCache
 from .scheduler import Request, Row, Scheduler
 
@@ -68,14 +68,6 @@ def _check(prompts: list[list[int]], max_new: list[int], vocab_size: int, cache:
                 "raise max_pages or lower its max_new_tokens.")
 
 
-def _model_fingerprint(model) -> bytes:
-    """Root of the page-hash chain: pages are reused only by the model (config, dtype) that computed them."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    digest.update(str(model.dtype).encode())
-    digest.update(str(id(model)).encode())
-    return digest.digest()
-
-
 def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenizer=None, do_sample: bool = False,
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
@@ -105,7 +97,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
         if top_p is not None and top_p < 1.0:
             warp.append(TopPLogitsWarper(top_p))
     requests = [Request(i, p, n, num_return_sequences) for i, (p, n) in enumerate(zip(token_lists, max_new))]
-    scheduler = Scheduler(cache, requests, max_batch_tokens, _model_fingerprint(model))
+    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers])
+    scheduler = Scheduler(cache, requests, max_batch_tokens, root)
     generators = {}
     if do_sample:
         seeds = [seed + i * num_return_sequences for i in range(len(requests))] if isinstance(seed, int) else list(seed)

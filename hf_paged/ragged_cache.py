@@ -27,6 +27,7 @@ from .block_manager import BlockManager
 from .cache import layer_windows
 from .cache_layer import PagePool
 from .errors import CacheUsageError
+from .kernels.arguments import mark_checked
 
 
 @dataclass
@@ -62,9 +63,9 @@ class RaggedStep:
     page_size: int
     _kernel: dict = field(default_factory=dict)
 
-    def kernel_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(page_table [R, N], page_pos [R, N], q_pos [R, 1]) of the single-token segments (-1 padded),
-        on ``device``, built once per step and device."""
+        on ``device``, built and checked against pools of ``num_pages`` pages once per step and device."""
         if device not in self._kernel:
             singles = self.segments[:self.num_single]
             width = max(len(s.pages) for s in singles)
@@ -74,7 +75,9 @@ class RaggedStep:
             page_pos = (torch.arange(width) * self.page_size).expand(len(singles), -1)
             q_pos = torch.tensor([[s.past] for s in singles])
             table = table.int() if device.type == "cuda" else table
-            self._kernel[device] = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+            mark_checked(*index, num_pages)
+            self._kernel[device] = index
         return self._kernel[device]
 
 
