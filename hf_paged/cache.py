@@ -48,7 +48,8 @@ def _check_arguments(config, model, lru_threshold) -> None:
         raise CacheUsageError(f"lru_threshold must be a number in [0, 1] (a share of attention mass), "
                               f"got {lru_threshold!r}.")
     if config is not None and not isinstance(config, PretrainedConfig):
-        raise CacheUsageError(f"config must be a transformers model config (model.config), got {type(config).__name__}.")
+        raise CacheUsageError(
+            f"config must be a transformers model config (model.config), got {type(config).__name__}.")
     if model is not None and not (isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                                     PretrainedConfig)):
         raise CacheUsageError(f"model must be a transformers model (a torch.nn.Module with a .config), "

@@ -27,7 +27,8 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
     for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
                          ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask), ("s_aux", s_aux)):
         if tensor is not None and tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's device")
+            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
+                             "device")
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be bool, got {mask.dtype}")

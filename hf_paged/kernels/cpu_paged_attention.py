@@ -9,8 +9,9 @@ The C source (``cpu_paged_attention.c``) is compiled on first use with the syste
 (``$CC``, default ``cc``; ``-O3 -march=native -fopenmp``) into ``$HF_PAGED_CACHE_DIR/kernels``
 (default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and loaded
 with ctypes only after :mod:`hf_paged.kernels.library_cache` verified it (private folder, owner,
-checksum); a folder others can write is replaced by a private temporary one, with a warning. :func:`unavailable_reason` says why it cannot be used (no compiler, build error);
-the attention then falls back to the torch path.
+checksum); a folder others can write is replaced by a private temporary one, with a warning.
+:func:`unavailable_reason` says why it cannot be used (no compiler, build error); the attention then
+falls back to the torch path.
 """
 
 from __future__ import annotations
