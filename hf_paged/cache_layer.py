@@ -78,14 +78,15 @@ class PagedLayer(CacheLayerMixin):
         return f"PagedLayer({self.layer_idx}{window})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
-        self.value_dim = value_states.shape[3]
+        """Allocate the pools for these keys, or adopt the pools a fork made before the first step allocated."""
+        if self.keys is None:
+            S = self.group.page_size
+            self.keys = key_states.new_empty((0, S, key_states.shape[1], key_states.shape[3]))
+            self.values = value_states.new_empty((0, S, value_states.shape[1], value_states.shape[3]))
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+        self.num_heads, self.head_dim, self.value_dim = self.keys.shape[2], self.keys.shape[3], self.values.shape[3]
         self._signature = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device,
                            self.device)  # what every later update must match
-        S = self.group.page_size
-        self.keys = key_states.new_empty((0, S, self.num_heads, self.head_dim))
-        self.values = value_states.new_empty((0, S, self.num_heads, self.value_dim))
         self.is_initialized = True
 
     # ------------------------------------------------------------------ write

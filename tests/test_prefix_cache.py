@@ -68,16 +68,18 @@ def test_prefix_cache_reuses_pages_after_reset(name):
 
 def test_page_hashes_are_stable_across_processes():
     tokens, mask = list(range(3, 43)), [0, 0] + [1] * 38
-    here = [h.hex() for h in page_hashes(tokens, mask, 8, 0, b"")]
+    here = [h.hex() for h in page_hashes(tokens, mask, list(range(40)), 8, 0, b"")]
     assert len(here) == 5 and len(set(here)) == 5
     # load the module by path: importing the package (transformers) would take most of the time
     code = ("import importlib.util, sys; "
             f"spec = importlib.util.spec_from_file_location('pc', {hf_paged.prefix_cache.__file__!r}); "
             "pc = importlib.util.module_from_spec(spec); spec.loader.exec_module(pc); "
-            f"print(','.join(h.hex() for h in pc.page_hashes({tokens}, {mask}, 8, 0, b'')))")
+            f"print(','.join(h.hex() for h in pc.page_hashes({tokens}, {mask}, list(range(40)), 8, 0, b'')))")
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
     env = {**os.environ, "PYTHONHASHSEED": seed}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().split(",") == here
-    assert page_hashes(tokens, [1] * 40, 8, 0, b"")[0].hex() != here[0]  # the mask is part of the content
+    assert page_hashes(tokens, [1] * 40, list(range(40)), 8, 0, b"")[0].hex() != here[0]  # the mask is content
+    assert page_hashes(tokens, mask, list(range(1, 41)), 8, 0, b"")[0].hex() != here[0]  # so are positions
+    assert page_hashes(tokens, mask, list(range(40)), 8, 0, b"x")[0].hex() != here[0]  # and the parent
 
