@@ -98,11 +98,12 @@ class PrefixMachine(RuleBasedStateMachine):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
         return got.sequences
 
-    def _bound(self, input_ids: torch.Tensor) -> int:
-        """Most pages a prompt may reuse: every row's longest prefix computed before, short of its last token."""
+    def _bound(self, input_ids: torch.Tensor, expand: int) -> int:
+        """Most pages a prompt may reuse: every row's longest prefix computed before, short of its last token,
+        for each of the ``expand`` rows generate makes of a prompt row (beams, returned sequences)."""
         rows = input_ids.tolist()
         tokens = min(max([common_prefix(r, s) for s in self.computed] + [0]) for r in rows)
-        return len(rows) * (min(tokens, input_ids.shape[1] - 1) // self.S)
+        return len(rows) * expand * (min(tokens, input_ids.shape[1] - 1) // self.S)
 
     # ----------------------------------------------------------------------- rules
     @rule(data=st.data())
@@ -124,7 +125,7 @@ class PrefixMachine(RuleBasedStateMachine):
             gen.update(prompt_lookup_num_tokens=2)
         elif mode == "assistant":
             gen.update(assistant_model=self.assistant)
-        bound = self._bound(prompt)
+        bound = self._bound(prompt, gen.get("num_beams", gen.get("num_return_sequences", 1)))
         before = self.caches[cid].stats()["prefix_hits"]
         out = self._generate(cid, prompt, **gen)
         hits = self.caches[cid].stats()["prefix_hits"] - before
