@@ -236,10 +236,8 @@ def _ragged_attention(query, key: RaggedKV, scaling, sliding_window, softcap, s_
 
 
 def _attend_window(module, query, key, value, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
-    """`attend` over ``key/value [B, Hkv, T, D]``, the last T tokens: the mask is aligned on its last column."""
-    kv_len = key.shape[-2]
-    if attention_mask is not None and attention_mask.shape[-1] != kv_len:
-        attention_mask = attention_mask[..., -kv_len:]
+    """`attend` over ``key/value [B, Hkv, T, D]``; the mask covers exactly those T tokens (transformers sizes it
+    by the cache's ``get_mask_sizes``, which a paged layer answers with the window it reads)."""
     is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     return attend(query, key, value, attention_mask, scaling, is_causal=is_causal, softcap=softcap, s_aux=s_aux)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import threading
 
 import torch
@@ -15,7 +16,7 @@ from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
 from .page_group import PageGroup
-from .prefix_cache import TokenLog, install_hook, model_fingerprint, page_hashes
+from .prefix_cache import TokenLog, install_hook, model_fingerprint, page_hashes, step_inputs
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
@@ -181,7 +182,8 @@ class PagedCache(Cache):
             raise
 
     def commit(self) -> None:
-        """Finish the last step (or roll back a failed one) and hash newly filled pages.
+        """Finish the last step (or roll back a failed one) and hash newly filled pages (not those computed after an
+        eviction).
 
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.
@@ -193,8 +195,13 @@ class PagedCache(Cache):
             return
         for group in self.groups.values():
             group.commit()
-            if self.token_log is not None:
-                group.register_hashes(self.token_log.hashes)
+        if self.token_log is not None:
+            # after an eviction in any group, every layer's later K/V differ from a full forward's
+            exact = min(g.exact_tokens for g in self.groups.values()) if self.groups else math.inf
+            hashes = [h[:exact // self.page_size] for h in self.token_log.hashes] if exact < math.inf else \
+                self.token_log.hashes
+            for group in self.groups.values():
+                group.register_hashes(hashes)
 
     def rollback(self) -> None:
         """Undo the open step of every group (and its tokens in the token log): the cache holds and
@@ -249,20 +256,26 @@ class PagedCache(Cache):
         windows = [layer.group.sliding_window for layer in self.layers]
         return model_fingerprint(model, self.page_size, windows)
 
-    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0) -> int:
         """On an empty bound cache: share the longest cached, page-aligned prefix of every row.
 
-        Returns the number of tokens reused (the same for every row, and less than the prompt,
-        so at least one token is computed); the prefix hook trims the inputs by that much.
+        Returns the number of tokens reused: the same for every row, and small enough that the
+        tokens left to compute cover ``logits_to_keep`` (the last N; 0 = all, so nothing is reused;
+        or a tensor of indices), so a forward returns the logits it would return without reuse.
+        The prefix hook trims the inputs by that much.
         """
         self.commit()
         if self.get_seq_length() > 0 or not self.groups:
             return 0
         S, length = self.page_size, input_ids.shape[1]
-        bits = attention_mask[:, -length:] if attention_mask is not None else torch.ones_like(input_ids)
-        root = self.token_log.root
-        rows = [page_hashes(ids, mask, S, 0, root) for ids, mask in zip(input_ids.tolist(), bits.tolist())]
-        pages = min((length - 1) // S, *(len(r) for r in rows))
+        if torch.is_tensor(logits_to_keep):
+            first_kept = int(logits_to_keep.min()) % length if logits_to_keep.numel() else length
+        else:
+            first_kept = length - logits_to_keep if 0 < logits_to_keep <= length else 0
+        ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, 0)
+        rows = [page_hashes(*row, S, 0, self.token_log.root) for row in zip(ids, bits, positions)]
+        pages = min(min(first_kept, length - 1) // S, *(len(r) for r in rows))
         while pages > 0 and not all(g.can_restore(rows, pages) for g in self.groups.values()):
             pages -= 1
         if pages == 0:
@@ -272,8 +285,11 @@ class PagedCache(Cache):
         for layer in self.layers:
             layer.seen = pages * S
         self.token_log.clear()
-        self.token_log.extend(input_ids[:, :pages * S], None if attention_mask is None else bits[:, :pages * S])
-        return pages * S
+        keep = pages * S
+        self.token_log.extend(input_ids[:, :keep],
+                              None if attention_mask is None else attention_mask[:, -length:][:, :keep],
+                              None if position_ids is None else position_ids[..., -length:][..., :keep])
+        return keep
 
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":

@@ -55,7 +55,9 @@ class PagedLayer(CacheLayerMixin):
 
     def __init__(self, group: PageGroup, layer_idx: int, backend: str | None = None, pool: PagePool | None = None):
         self.pool = pool or PagePool()  # CacheLayerMixin.__init__ would reset a shared pool: not called
-        self.is_initialized = self.pool.keys is not None
+        self.is_initialized = False
+        if self.pool.keys is not None:
+            self._adopt_pool()
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self.layer_idx = layer_idx
@@ -68,9 +70,6 @@ class PagedLayer(CacheLayerMixin):
         """A layer of a forked cache: same pool tensors, the fork's own page tables."""
         twin = PagedLayer(group, self.layer_idx, self.backend, self.pool)
         twin.seen = self.seen
-        if self.is_initialized:
-            twin.dtype, twin.device, twin.num_heads = self.dtype, self.device, self.num_heads
-            twin.head_dim, twin.value_dim, twin._signature = self.head_dim, self.value_dim, self._signature
         return twin
 
     def __repr__(self) -> str:
@@ -78,14 +77,19 @@ class PagedLayer(CacheLayerMixin):
         return f"PagedLayer({self.layer_idx}{window})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
-        self.value_dim = value_states.shape[3]
+        """Allocate the pools for these keys, unless a fork of this cache already did (the pools are shared)."""
+        if self.keys is None:
+            S = self.group.page_size
+            self.keys = key_states.new_empty((0, S, key_states.shape[1], key_states.shape[3]))
+            self.values = value_states.new_empty((0, S, value_states.shape[1], value_states.shape[3]))
+        self._adopt_pool()
+
+    def _adopt_pool(self) -> None:
+        """Take dtype, device and shapes from the pools: every later update must match them."""
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+        self.num_heads, self.head_dim, self.value_dim = self.keys.shape[2], self.keys.shape[3], self.values.shape[3]
         self._signature = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device,
-                           self.device)  # what every later update must match
-        S = self.group.page_size
-        self.keys = key_states.new_empty((0, S, self.num_heads, self.head_dim))
-        self.values = value_states.new_empty((0, S, self.num_heads, self.value_dim))
+                           self.device)
         self.is_initialized = True
 
     # ------------------------------------------------------------------ write

@@ -119,6 +119,7 @@ class PageGroup:
         self.evictions = 0  # live pages dropped by a lossy eviction policy
         self.prefix_hits = 0  # pages reused from the prefix cache instead of recomputed
         self.hashed_pages = 0  # logical pages [0, hashed_pages) of every row carry content hashes
+        self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
 
     # ----------------------------------------------------------------- views
     def _window_page(self, past: int, first_page: int) -> int:
@@ -162,7 +163,7 @@ class PageGroup:
         for r in twin.rows:
             self.manager.share_row(r)
         twin.first_page, twin.num_tokens, twin.record_past = self.first_page, self.num_tokens, self.record_past
-        twin.hashed_pages = self.hashed_pages
+        twin.hashed_pages, twin.exact_tokens = self.hashed_pages, self.exact_tokens
         return twin
 
     # -------------------------------------------------------- prefix caching
@@ -198,6 +199,7 @@ class PageGroup:
         for r in self.rows:
             self.manager.release_row(r)
         self.rows, self.first_page, self.num_tokens, self.step, self.hashed_pages = [], 0, 0, None, 0
+        self.exact_tokens = math.inf
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise (changing nothing) if cropping would need tokens this group no longer holds."""
@@ -341,6 +343,7 @@ class PageGroup:
     def _evict(self, needed: int) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
         warn_first_eviction(self.policy, self.manager.max_pages)
+        self.exact_tokens = min(self.exact_tokens, self.num_tokens)  # later tokens see fewer: not reusable
         while self.manager.available() < needed:
             evicted = False
             for row in self.rows:

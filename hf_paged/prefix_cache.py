@@ -1,15 +1,17 @@
 """Prefix caching: content hashes of full pages, and the model hook that reuses them.
 
-A cache bound to a model (``PagedCache(model=model)``) sees every forward's ``input_ids`` and
-``attention_mask`` through a forward pre-hook. It logs them per row, so each full page gets a
-chained content hash: ``h_i = sha256(h_{i-1} || tokens_i || mask_i)`` (the mask is part of the
-content: it changes positions and what earlier tokens see), rooted at ``h_{-1}``, a fingerprint
-of what computed the K/V (`model_fingerprint`: model class, config, dtype, devices, sampled
-weights, page size, layer windows), so pages never match across models. The hash is stable across
-processes. When a forward starts on an empty cache, the hook looks the prompt's pages up,
-shares the longest page-aligned prefix found for every row of every layer group, and trims
-the inputs so that only the new tokens are computed: ``model.generate(**inputs, cache=cache)``
-stays one line.
+A cache bound to a model (``PagedCache(model=model)``) sees every forward's ``input_ids``,
+``attention_mask`` and ``position_ids`` through a forward pre-hook. It logs them per row, so each
+full page gets a chained content hash: ``h_i = sha256(h_{i-1} || tokens_i || positions_i || mask_i)``.
+A page's K/V depend on everything before it (the chain), on its tokens' positions (RoPE,
+learned position embeddings: left padding shifts them) and on the mask (what earlier tokens see).
+The chain is rooted at ``h_{-1}``, a fingerprint of what computed the K/V
+(`model_fingerprint`: model class, config, dtype, devices, sampled weights, page size, layer
+windows), so pages never match across models. The hash is stable across processes. When a forward starts on an empty cache, the hook looks the
+prompt's pages up, shares the longest page-aligned prefix found for every row of every layer
+group, and trims the inputs so that only the new tokens are computed, never more than leaves the
+logits the caller asked for (``logits_to_keep``): ``model.generate(**inputs, cache=cache)`` stays
+one line. Prefix caching needs 2D padding masks (a custom 4D mask is refused).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import torch
 _HOOKED = "_hf_paged_prefix_hook"
 
 
-def page_hashes(tokens: list[int], mask: list[int], page_size: int, start: int, parent: bytes) -> list[bytes]:
+def page_hashes(tokens: list[int], mask: list[int], positions: list[int], page_size: int, start: int,
+                parent: bytes) -> list[bytes]:
     """Chained hashes of the full pages of ``tokens`` from page ``start`` on (``parent``: the hash before)."""
     hashes = []
     for i in range(start, len(tokens) // page_size):
         sl = slice(i * page_size, (i + 1) * page_size)
         digest = hashlib.sha256(parent)
         digest.update(torch.tensor(tokens[sl], dtype=torch.int64).numpy().tobytes())
+        digest.update(torch.tensor(positions[sl], dtype=torch.int64).numpy().tobytes())
         digest.update(bytes(mask[sl]))
         parent = digest.digest()
         hashes.append(parent)
@@ -51,10 +55,35 @@ def model_fingerprint(model: torch.nn.Module, page_size: int, windows: list) -> 
     if samples:
         digest.update(torch.cat(samples).numpy().tobytes())
     return digest.digest()
+def check_hashable(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
+    """Raise unless a step's mask and positions are ones that page hashes describe."""
+    from .errors import CacheUsageError  # here: `page_hashes` stays importable without the package
+
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise CacheUsageError(
+            f"prefix caching (PagedCache(model=...)) needs a 2D padding mask [batch, tokens]; got a "
+            f"{attention_mask.dim()}D attention_mask, whose effect on the cached keys cannot be hashed. "
+            "Use a PagedCache without model= for custom masks.")
+    if position_ids is not None and position_ids.dim() > 2:
+        raise CacheUsageError(
+            f"prefix caching (PagedCache(model=...)) needs position_ids of shape [batch or 1, tokens], got "
+            f"{tuple(position_ids.shape)}. Use a PagedCache without model= for this model.")
+
+
+def step_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                past: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Per row: the step's tokens, mask bits (nonzero = attend, as transformers reads a 2D mask) and
+    positions (``position_ids``, else ``past, past + 1, ...`` as the models default to)."""
+    B, L = input_ids.shape
+    bits = (attention_mask[:, -L:] != 0).int() if attention_mask is not None else torch.ones_like(input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(past, past + L)
+    positions = position_ids.reshape(-1, position_ids.shape[-1])[..., -L:].expand(B, L)
+    return input_ids.tolist(), bits.tolist(), positions.tolist()
 
 
 class TokenLog:
-    """Per row: the tokens and mask bits processed so far, and the hashes of its full pages.
+    """Per row: the tokens, mask bits and positions processed so far, and the hashes of its full pages.
 
     Invariant: ``len(hashes[b]) == len(tokens[b]) // page_size`` after `extend` (hashes of pages
     that are full), chained from ``root`` (the fingerprint of the model that computes the rows).
@@ -65,23 +94,27 @@ class TokenLog:
         self.root = b""
         self.tokens: list[list[int]] = []
         self.mask: list[list[int]] = []
+        self.positions: list[list[int]] = []
         self.hashes: list[list[bytes]] = []
 
-    def extend(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        ids = input_ids.tolist()
-        bits = attention_mask[:, -input_ids.shape[1]:].tolist() if attention_mask is not None else [
-            [1] * len(r) for r in ids]
+    def extend(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> None:
+        past = len(self.tokens[0]) if self.tokens else 0
+        ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, past)
         if not self.tokens:
-            self.tokens, self.mask, self.hashes = [[] for _ in ids], [[] for _ in ids], [[] for _ in ids]
-        for b, (row, row_bits) in enumerate(zip(ids, bits)):
+            self.tokens, self.mask, self.positions, self.hashes = ([[] for _ in ids] for _ in range(4))
+        for b, (row, row_bits, row_pos) in enumerate(zip(ids, bits, positions)):
             self.tokens[b] += row
-            self.mask[b] += [int(x) for x in row_bits]
+            self.mask[b] += row_bits
+            self.positions[b] += row_pos
             parent = self.hashes[b][-1] if self.hashes[b] else self.root
-            self.hashes[b] += page_hashes(self.tokens[b], self.mask[b], self.page_size, len(self.hashes[b]), parent)
+            self.hashes[b] += page_hashes(self.tokens[b], self.mask[b], self.positions[b], self.page_size,
+                                          len(self.hashes[b]), parent)
 
     def remap(self, order: list[int]) -> None:
         self.tokens = [list(self.tokens[i]) for i in order]
         self.mask = [list(self.mask[i]) for i in order]
+        self.positions = [list(self.positions[i]) for i in order]
         self.hashes = [list(self.hashes[i]) for i in order]
 
     def truncate(self, num_tokens: int) -> None:
@@ -89,11 +122,11 @@ class TokenLog:
             self.clear()
             return
         for b in range(len(self.tokens)):
-            del self.tokens[b][num_tokens:], self.mask[b][num_tokens:]
+            del self.tokens[b][num_tokens:], self.mask[b][num_tokens:], self.positions[b][num_tokens:]
             del self.hashes[b][num_tokens // self.page_size:]
 
     def clear(self) -> None:
-        self.tokens, self.mask, self.hashes = [], [], []
+        self.tokens, self.mask, self.positions, self.hashes = [], [], [], []
 
 
 def _prefix_hook(module, args, kwargs):
@@ -104,20 +137,25 @@ def _prefix_hook(module, args, kwargs):
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(cache, PagedCache) or cache.token_log is None or input_ids is None:
         return None
-    attention_mask = kwargs.get("attention_mask")
+    attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    check_hashable(attention_mask, position_ids)  # before any change
     cache.commit()  # hash the pages filled by the previous step before this one can free them
     cache.token_log.truncate(cache.get_seq_length())  # a forward that failed before any layer ran
     if cache.get_seq_length() == 0:
         cache.token_log.root = cache.fingerprint(module)
-        reused = cache.reuse_prefix(input_ids, attention_mask)
+        logits_to_keep = kwargs.get("logits_to_keep", 0)
+        reused = cache.reuse_prefix(input_ids, attention_mask, position_ids, logits_to_keep)
         if reused:
-            kwargs["input_ids"] = input_ids = input_ids[:, reused:]
-            args = ()
+            kwargs["input_ids"], args = input_ids[:, reused:], ()
             for name in ("position_ids", "cache_position"):
                 value = kwargs.get(name)
-                if torch.is_tensor(value) and value.shape[-1] > input_ids.shape[1]:
+                if torch.is_tensor(value) and value.shape[-1] == input_ids.shape[1]:
                     kwargs[name] = value[..., reused:]
-    cache.token_log.extend(input_ids, attention_mask)
+            if torch.is_tensor(logits_to_keep):  # indices into the sequence: they shift with it
+                kwargs["logits_to_keep"] = logits_to_keep - reused
+            input_ids = input_ids[:, reused:]
+            position_ids = None if position_ids is None else position_ids[..., reused:]
+    cache.token_log.extend(input_ids, attention_mask, position_ids)
     return args, kwargs
 
 

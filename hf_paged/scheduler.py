@@ -74,7 +74,7 @@ class Scheduler:
         self.reserved = 0
         self.computing: dict[bytes, Row] = {}  # hash of a prompt page -> the row computing it
         for r in requests:
-            r.hashes = page_hashes(r.prompt, [1] * len(r.prompt), self.S, 0, root)
+            r.hashes = page_hashes(r.prompt, [1] * len(r.prompt), list(range(len(r.prompt))), self.S, 0, root)
 
     @property
     def done(self) -> bool:
@@ -170,7 +170,7 @@ class Scheduler:
         if full <= row.hashed:
             return
         hashes = row.request.hashes if full <= len(row.request.hashes) else page_hashes(
-            row.tokens[:full * self.S], [1] * (full * self.S), self.S, 0, self.root)
+            row.tokens[:full * self.S], [1] * (full * self.S), list(range(full * self.S)), self.S, 0, self.root)
         for i in range(row.hashed, full):
             self.cache.manager.set_hash(pages[i], hashes[i])
             if self.computing.get(hashes[i]) is row:

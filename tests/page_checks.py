@@ -20,3 +20,27 @@ def check_pages(*caches) -> None:
         manager.check_invariants()
         assert sum(manager.ref) == entries, f"{sum(manager.ref)} references for {entries} row entries"
         assert manager.num_used == len({p for p in range(manager.num_pages) if manager.ref[p] > 0})
+
+
+def check_all_given_back(manager, used: bool = True) -> None:
+    """No reference left: every page is free or cached (``used``: and the manager did hand out pages)."""
+    manager.check_invariants()
+    assert all(r == 0 for r in manager.ref), f"references left: {manager.ref}"
+    assert len(manager.free) + len(manager.cached) == manager.num_pages
+    assert manager.num_pages > 0 or not used
+
+
+def ref_counts(cache) -> dict:
+    """Per group: page -> reference count, for referenced pages."""
+    cache.commit()
+    return {w: {p: r for p, r in enumerate(g.manager.ref) if r} for w, g in cache.groups.items()}
+
+
+def held(cache) -> dict:
+    """What a cache holds (the pool's capacity may have grown meanwhile: not counted)."""
+    stats = cache.stats()
+    return {k: stats[k] for k in ("pages_used", "pages_cached", "tokens_stored", "kv_bytes")}
+
+
+def row_pages(cache) -> dict:
+    return {w: [list(r) for r in g.rows] for w, g in cache.groups.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import transformers
@@ -61,6 +62,20 @@ def make_pair(name: str, seed: int = 0):
     paged.load_state_dict(ref.state_dict())
     assert ref.config._attn_implementation == ref_attn and paged.config._attn_implementation == paged_attn
     return ref, paged.eval()
+
+
+def hybrid_cache_config(window: int, layer_types=("sliding_attention", "full_attention")):
+    """A config for a bare PagedCache (no model): one K/V head of size 2, the given layer types."""
+    return transformers.Gemma3TextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                                         sliding_window=window, num_attention_heads=1, num_key_value_heads=1,
+                                         head_dim=2, hidden_size=8, intermediate_size=8, vocab_size=96)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_pair(name: str):
+    """`make_pair` built once per test session, for tests that do not bind a cache to the model
+    (binding installs a forward hook: those tests build their own pair)."""
+    return make_pair(name)
 
 
 def left_padded_batch(lengths=(9, 5, 13), vocab=96, seed=0):
