@@ -340,7 +340,7 @@ def markdown(report: dict) -> str:
     s, r = report["settings"], report["result"]
     text = report["text"]
     lines = [f"# Perplexity ({s['mode']}): {s['model']}, {text['tokens']} tokens of {text['source']}", ""]
-    if s["quick"]:
+    if s.get("quick"):
         lines += ["**Smoke test (`--quick`): a short text and small budgets, to check that everything runs; "
                   "these numbers are not results.**", ""]
     if s["mode"] == "strided":
@@ -383,7 +383,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s, r = report["settings"], report["result"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     if s["mode"] == "strided":
         starts = [w["begin"] for w in r["windows"]]
         for kind, style in (("dynamic", "-o"), ("paged", "--x")):
@@ -395,26 +395,44 @@ def plot(report: dict, path: Path) -> None:
     else:
         rows = r["rows"]
         full, unb = rows[0], rows[1]
-        if full["status"] == "ok":
-            ax.axhline(full["perplexity"], color="black", lw=1.5, label=f"full cache ({full['perplexity']:.3f})")
-        if unb["status"] == "ok":
-            ax.axhline(unb["perplexity"], color="grey", lw=1, ls=":", label="PagedCache unbounded")
+        if full["status"] == unb["status"] == "ok" and r["parity"]["ok"]:  # one line, said to be both
+            ax.axhline(full["perplexity"], color="black", lw=1.5,
+                       label=f"full cache: DynamicCache = PagedCache unbounded ({full['perplexity']:.3f}, "
+                             f"rel. diff {r['parity']['relative_diff']:.0e})")
+        else:
+            for row, style in ((full, "-"), (unb, ":")):
+                if row["status"] == "ok":
+                    ax.axhline(row["perplexity"], color="black", lw=1.5, ls=style,
+                               label=f"{row['label']} ({row['perplexity']:.3f})")
         legend = {"lru": "lru", "fifo+sinks": f"fifo + {r['sink_pages']} sink page(s)", "fifo": "fifo, no sinks"}
-        for policy, marker, ls, size in zip(POLICIES, "osd", ("-", "--", ":"), (9, 6, 6)):
+        styles = {"lru": dict(marker="o", ls="-", color="tab:blue"), "fifo+sinks": dict(marker="s", ls="--", color="tab:orange"),
+                  "fifo": dict(marker="^", ls=":", color="tab:green")}
+        curves = {}
+        for i, policy in enumerate(POLICIES):
             pts = [(row["budget"], row["perplexity"]) for row in rows if row["policy"] == policy and row["status"] == "ok"]
-            if pts:  # lines that coincide stay visible: large hollow markers under small filled ones
-                ax.plot(*zip(*pts), marker=marker, ls=ls, ms=size, mfc="none" if size > 6 else None,
-                        label=legend[policy])
+            if pts:  # nudged sideways so that lines that coincide stay visible
+                curves[policy] = dict(pts)
+                ax.plot([b * 2 ** (0.04 * (i - 1)) for b, _ in pts], [y for _, y in pts], ms=7, label=legend[policy],
+                        **styles[policy])
+        near = [b for b in curves.get("lru", {}) if b in curves.get("fifo+sinks", {})]
+        if near:
+            gap = max(abs(curves["lru"][b] / curves["fifo+sinks"][b] - 1) for b in near)
+            if gap < 0.05:
+                top = max(curves["lru"][near[0]], curves["fifo+sinks"][near[0]])
+                ax.annotate(f"lru and fifo+sinks within {100 * gap:.1f}%\nof each other at every budget",
+                            (near[0], top), textcoords="offset points", xytext=(10, 18), fontsize=8,
+                            arrowprops=dict(arrowstyle="-", color="grey"))
         ax.set_xscale("log", base=2)
         ax.set_xticks(s["budgets"], [str(b) for b in s["budgets"]])
         ax.set_xlim(min(s["budgets"]) / 1.3, max(s["budgets"]) * 1.3)
         ax.set_xlabel("KV budget (tokens)")
         ax.set_ylabel("perplexity")
-        ax.set_title(f"Streaming perplexity, {report['text']['tokens']} tokens, chunk {s['chunk']}")
+        ax.set_title(("SMOKE TEST, not a result: " if s.get("quick") else "")
+                     + f"Streaming perplexity, {report['text']['tokens']} tokens, chunk {s['chunk']}")
         ys = [row["perplexity"] for row in rows if row["status"] == "ok"]
         if ys and max(ys) > 8 * min(ys):
             ax.set_yscale("log")
-    ax.legend()
+    ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
