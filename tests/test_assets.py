@@ -120,7 +120,7 @@ def test_missing_packages_name_the_install_line(monkeypatch, tmp_path):
     monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name))
     with pytest.raises(ModuleNotFoundError, match="gguf") as err:
         assets._convert_gguf(tmp_path)
-    assert assets.INSTALL_LINE in str(err.value) and "hf_paged[assets]" in assets.INSTALL_LINE
+    assert assets.INSTALL_LINE in str(err.value) and '".[assets]"' in assets.INSTALL_LINE
     with pytest.raises(ModuleNotFoundError, match="no_such_asset_package") as err:
         assets._package_dir("no_such_asset_package")
     assert assets.INSTALL_LINE in str(err.value)

@@ -1,7 +1,11 @@
-"""The scripts' shared module and structure (fast: nothing here loads a model)."""
+"""The scripts' shared module and structure (fast), and `compare.sh --quick` end to end (slow)."""
 
 import argparse
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,3 +43,35 @@ def test_common_dynamic_kv_bytes_counts_keys_and_values():
     for layer in range(2):
         cache.update(k, k.clone(), layer)
     assert common.dynamic_kv_bytes(cache) == 2 * 2 * k.numel() * k.element_size()
+
+
+def _git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], capture_output=True, text=True,
+                          check=True, cwd=ROOT).stdout
+
+
+@pytest.mark.slow
+def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
+    """`compare.sh --quick` (without installing) runs both parts into runs/<time>-quick and leaves git clean."""
+    runs = ROOT / "runs"
+    before_runs = set(runs.iterdir()) if runs.is_dir() else set()
+    before_status = _git_status()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "scripts/compare.sh", "--quick", "--no-install", "--threads", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    new = (set(runs.iterdir()) if runs.is_dir() else set()) - before_runs
+    try:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert len(new) == 1, new
+        out = new.pop()
+        assert out.name.endswith("-quick")
+        for part, stem in (("benchmark", "benchmark"), ("perplexity", "perplexity")):
+            assert {p.name for p in (out / part).iterdir()} >= {f"{stem}.md", f"{stem}.json", f"{stem}.png"}
+            assert "Smoke test" in (out / part / f"{stem}.md").read_text()
+        assert json.loads((out / "benchmark" / "benchmark.json").read_text())["environment"]["torch_threads"] == 1
+        assert json.loads((out / "perplexity" / "perplexity.json").read_text())["settings"]["quick"] is True
+        assert "torch threads 1" in proc.stdout and "smoke test" in proc.stdout
+        assert _git_status() == before_status  # runs/ is ignored; results/ untouched
+    finally:
+        for folder in new:
+            shutil.rmtree(folder)
