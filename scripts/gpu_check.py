@@ -94,18 +94,18 @@ class Check:
 
 
 # ----------------------------------------------------------------------------- a. copy bandwidth
-def copy_bandwidth(ctx: Check, r: dict) -> None:
-    n = (1 << 18) if ctx.dry else (1 << 28)  # float32: 1 MiB dry, 1 GiB real
-    src = torch.randn(n, device=ctx.dev)
-    dst = torch.empty(n, device=ctx.dev)
-    t = ctx.bench(lambda: dst.copy_(src))
+def copy_bandwidth(check: Check, r: dict) -> None:
+    n = (1 << 18) if check.dry else (1 << 28)  # float32: 1 MiB dry, 1 GiB real
+    src = torch.randn(n, device=check.dev)
+    dst = torch.empty(n, device=check.dev)
+    t = check.bench(lambda: dst.copy_(src))
     nbytes = 2 * n * src.element_size()  # read + written
     r.update(bytes_read_plus_written=nbytes, seconds=t, GBps=nbytes / t / 1e9)
     del src, dst
 
 
 # ------------------------------------------------------------- b/c. decode kernel vs SDPA / flash
-def decode_kernel(ctx: Check, r: dict) -> None:
+def decode_kernel(check: Check, r: dict) -> None:
     from hf_paged.kernels.triton_paged_attention import paged_attention_triton
 
     try:
@@ -115,14 +115,14 @@ def decode_kernel(ctx: Check, r: dict) -> None:
         r["flash_attn_package"] = f"unavailable: {type(e).__name__}: {e}"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if ctx.dry:
+    if check.dry:
         Hq, Hkv, D, S, dtype = 4, 2, 32, 16, torch.float32
         batches, contexts = (1, 2), (64, 128)
     else:
         Hq, Hkv, D, S, dtype = 32, 8, 128, 16, torch.bfloat16
         batches, contexts = (1, 8, 32), (1024, 8192, 32768)
     r.update(Hq=Hq, Hkv=Hkv, D=D, page_size=S, dtype=str(dtype), configs=[])
-    copy_gbps = ctx.results.get("copy_bandwidth", {}).get("GBps")
+    copy_gbps = check.results.get("copy_bandwidth", {}).get("GBps")
     scale = D ** -0.5
     g = torch.Generator(device="cpu").manual_seed(0)
     for B in batches:
@@ -135,24 +135,24 @@ def decode_kernel(ctx: Check, r: dict) -> None:
                 P = B * N
                 kv_bytes = 2 * P * S * Hkv * D * torch.tensor([], dtype=dtype).element_size()
                 c["kv_bytes"] = kv_bytes
-                if ctx.cuda:
+                if check.cuda:
                     free, _ = torch.cuda.mem_get_info()
                     if 2.6 * kv_bytes > free:  # pools + contiguous copies for SDPA + slack
                         c["skipped"] = f"needs ~{2.6 * kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
                         continue
-                k_pool = torch.randn(P, S, Hkv, D, device=ctx.dev, dtype=dtype)
-                v_pool = torch.randn(P, S, Hkv, D, device=ctx.dev, dtype=dtype)
+                k_pool = torch.randn(P, S, Hkv, D, device=check.dev, dtype=dtype)
+                v_pool = torch.randn(P, S, Hkv, D, device=check.dev, dtype=dtype)
                 perm = torch.randperm(P, generator=g).to(torch.int32)  # shuffled pages
-                page_table = perm.view(B, N).to(ctx.dev)
-                page_pos = (torch.arange(N, dtype=torch.int32) * S).expand(B, N).contiguous().to(ctx.dev)
-                q_pos = torch.full((B, 1), T - 1, dtype=torch.int32, device=ctx.dev)
-                q = torch.randn(B, Hq, 1, D, device=ctx.dev, dtype=dtype)
-                out = torch.empty(B, 1, Hq, D, device=ctx.dev, dtype=dtype)
+                page_table = perm.view(B, N).to(check.dev)
+                page_pos = (torch.arange(N, dtype=torch.int32) * S).expand(B, N).contiguous().to(check.dev)
+                q_pos = torch.full((B, 1), T - 1, dtype=torch.int32, device=check.dev)
+                q = torch.randn(B, Hq, 1, D, device=check.dev, dtype=dtype)
+                out = torch.empty(B, 1, Hq, D, device=check.dev, dtype=dtype)
 
                 def kern():
                     return paged_attention_triton(q, k_pool, v_pool, page_table, page_pos, q_pos, scale=scale, out=out)
 
-                t = ctx.bench(kern)
+                t = check.bench(kern)
                 c.update(kernel_s=t, kernel_GBps=kv_bytes / t / 1e9)
                 if copy_gbps:
                     c["kernel_fraction_of_copy_bw"] = kv_bytes / t / 1e9 / copy_gbps
@@ -165,17 +165,17 @@ def decode_kernel(ctx: Check, r: dict) -> None:
                 k_pool = v_pool = None  # free the pools before timing SDPA
                 try:
                     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # noqa: E731
-                    ts = ctx.bench(sdpa)
+                    ts = check.bench(sdpa)
                     c.update(sdpa_s=ts, sdpa_GBps=kv_bytes / ts / 1e9, kernel_speedup_vs_sdpa=ts / t,
                              max_abs_diff_vs_sdpa=(sdpa().float() - ko).abs().max().item())
                 except Exception as e:  # noqa: BLE001
                     c["sdpa_error"] = f"{type(e).__name__}: {e}"
-                if ctx.cuda:
+                if check.cuda:
                     try:
                         def sdpa_flash():
                             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                                 return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-                        tf = ctx.bench(sdpa_flash)
+                        tf = check.bench(sdpa_flash)
                         c.update(sdpa_flash_s=tf, kernel_speedup_vs_sdpa_flash=tf / t)
                     except Exception as e:  # noqa: BLE001
                         c["sdpa_flash_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -183,7 +183,7 @@ def decode_kernel(ctx: Check, r: dict) -> None:
                     try:
                         qf, kf, vf = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
                         fa = lambda: flash_attn_func(qf, kf, vf, softmax_scale=scale)  # noqa: E731
-                        tfa = ctx.bench(fa)
+                        tfa = check.bench(fa)
                         c.update(flash_attn_s=tfa, kernel_speedup_vs_flash_attn=tfa / t)
                         kf = vf = None
                     except Exception as e:  # noqa: BLE001
@@ -195,7 +195,7 @@ def decode_kernel(ctx: Check, r: dict) -> None:
                 c["traceback"] = traceback.format_exc(limit=6)
             finally:
                 k_pool = v_pool = k = v = None
-                if ctx.cuda:
+                if check.cuda:
                     torch.cuda.empty_cache()
             print(f"[decode_kernel] B={B} T={T}: " + ", ".join(
                 f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in c.items()
@@ -216,20 +216,20 @@ def count_kernel_calls():
     return calls, lambda: setattr(mod, "paged_attention_triton", orig)
 
 
-def end_to_end(ctx: Check, r: dict) -> None:
+def end_to_end(check: Check, r: dict) -> None:
     import hf_paged
     from transformers import DynamicCache
 
     from hf_paged.assets import britannica_text, load_model_and_tokenizer
 
-    ctx, new = (64, 5) if ctx.dry else (4096, 64)
-    dtype = torch.float32 if ctx.dry else torch.bfloat16
-    r.update(context=ctx, new_tokens=new, batch=1, dtype=str(dtype))
+    context, new = (64, 5) if check.dry else (4096, 64)
+    dtype = torch.float32 if check.dry else torch.bfloat16
+    r.update(context=context, new_tokens=new, batch=1, dtype=str(dtype))
     t0 = time.perf_counter()
-    paged, tok = load_model_and_tokenizer("smollm2", dtype=dtype, device=ctx.dev, attn_implementation="hf_paged")
-    ref, _ = load_model_and_tokenizer("smollm2", dtype=dtype, device=ctx.dev, attn_implementation="sdpa")
+    paged, tok = load_model_and_tokenizer("smollm2", dtype=dtype, device=check.dev, attn_implementation="hf_paged")
+    ref, _ = load_model_and_tokenizer("smollm2", dtype=dtype, device=check.dev, attn_implementation="sdpa")
     r["load_seconds"] = time.perf_counter() - t0
-    ids = tok(britannica_text(), return_tensors="pt").input_ids[:, :ctx].to(ctx.dev)
+    ids = tok(britannica_text(), return_tensors="pt").input_ids[:, :context].to(check.dev)
     r["prompt_tokens"] = ids.shape[1]
     mask = torch.ones_like(ids)
 
@@ -241,7 +241,7 @@ def end_to_end(ctx: Check, r: dict) -> None:
             self.t = []
 
         def __call__(self, input_ids, scores):
-            ctx.sync()
+            check.sync()
             self.t.append(time.perf_counter())
             return scores
 
@@ -252,11 +252,11 @@ def end_to_end(ctx: Check, r: dict) -> None:
                                   logits_processor=LogitsProcessorList([clock] if clock else []),
                                   **{hf_paged.CACHE_KWARG: cache_fn(model)})
 
-    backend = "triton" if ctx.dry else None  # dry run: the interpreted Triton kernel (auto = the C kernel on the CPU)
+    backend = "triton" if check.dry else None  # dry run: the interpreted Triton kernel (auto = the C kernel on the CPU)
     variants = {"paged": (paged, lambda m: hf_paged.PagedCache(page_size=16, config=m.config, backend=backend)),
                 "dynamic_sdpa": (ref, lambda m: DynamicCache(config=m.config))}
     seqs = {}
-    reps = 1 if ctx.dry else 3
+    reps = 1 if check.dry else 3
     calls, restore = count_kernel_calls()
     try:
         for name, (model, cache_fn) in variants.items():
@@ -265,10 +265,10 @@ def end_to_end(ctx: Check, r: dict) -> None:
             prefill, decode, total = [], [], []
             for _ in range(reps):
                 clock = StepClock()
-                ctx.sync()
+                check.sync()
                 t0 = time.perf_counter()
                 out = gen(model, cache_fn, new, clock)
-                ctx.sync()
+                check.sync()
                 total.append(time.perf_counter() - t0)
                 prefill.append(clock.t[0] - t0)  # prefill + first token
                 decode.append((len(clock.t) - 1) / (clock.t[-1] - clock.t[0]))  # tokens/s after the first
@@ -300,20 +300,20 @@ def layer_info(model):
     return info
 
 
-def split_model(ctx: Check, r: dict) -> None:
+def split_model(check: Check, r: dict) -> None:
     import hf_paged
     from transformers import AutoConfig, DynamicCache
 
     from hf_paged.assets import britannica_text, load_model_and_tokenizer, resolve_model_path
 
-    gpu = "cuda:0" if ctx.cuda else "cpu"  # dry run: both halves on the CPU, same code path
+    gpu = "cuda:0" if check.cuda else "cpu"  # dry run: both halves on the CPU, same code path
     n_layers = AutoConfig.from_pretrained(resolve_model_path("smollm2")).num_hidden_layers
     half = n_layers // 2
     # embed_tokens and lm_head are tied in SmolLM2: keep both on the first device
     device_map = {"model.embed_tokens": gpu, "lm_head": gpu, "model.rotary_emb": gpu, "model.norm": "cpu"}
     device_map.update({f"model.layers.{i}": gpu if i < half else "cpu" for i in range(n_layers)})
     r["device_map"] = {"layers_on_first_device": f"0..{half - 1} -> {gpu}", "rest": "cpu"}
-    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    dtype = torch.float32 if check.dry else torch.bfloat16
     new = 4
 
     def run(model, tok, cache):
@@ -353,7 +353,7 @@ def split_model(ctx: Check, r: dict) -> None:
     except Exception as e:  # noqa: BLE001
         acc["error"] = f"{type(e).__name__}: {e}"
         acc["traceback"] = traceback.format_exc(limit=8)
-    ctx.save()
+    check.save()
 
     # 2. manual split: layers really execute on the CPU; pre-hooks move inputs to each layer's device
     man = r["manual_split"] = {}
@@ -400,12 +400,12 @@ def fmt(x, spec=".3g"):
     return "-" if x is None else (format(x, spec) if isinstance(x, (int, float)) else str(x))
 
 
-def summary(ctx: Check) -> str:
+def summary(check: Check) -> str:
     """The results as a table for the log."""
-    lines = ["", "=" * 100, f"gpu_check summary ({'DRY RUN, cpu' if ctx.dry else ctx.results['gpu']})", "=" * 100]
-    cb = ctx.results.get("copy_bandwidth", {})
+    lines = ["", "=" * 100, f"gpu_check summary ({'DRY RUN, cpu' if check.dry else check.results['gpu']})", "=" * 100]
+    cb = check.results.get("copy_bandwidth", {})
     lines.append(f"copy bandwidth (read+write): {fmt(cb.get('GBps'), '.1f')} GB/s {cb.get('error', '')}")
-    dk = ctx.results.get("decode_kernel", {})
+    dk = check.results.get("decode_kernel", {})
     if "error" in dk:
         lines.append(f"decode kernel: ERROR {dk['error']}")
     lines.append(f"{'B':>3} {'ctx':>6} {'kernel GB/s':>11} {'%copy':>6} {'kern us':>9} {'sdpa us':>9} {'x sdpa':>7} "
@@ -422,18 +422,18 @@ def summary(ctx: Check) -> str:
                      f"{fmt(None if frac is None else 100 * frac, '.1f'):>6} {fmt(us(c.get('kernel_s')), '.1f'):>9} "
                      f"{fmt(us(c.get('sdpa_s')), '.1f'):>9} {fmt(c.get('kernel_speedup_vs_sdpa'), '.2f'):>7} "
                      f"{fmt(us(fl_s), '.1f'):>9} {fmt(fl_x, '.2f'):>7} {fmt(c.get('max_abs_diff_vs_sdpa'), '.2g'):>8}  {note}")
-    e2e = ctx.results.get("end_to_end", {})
+    e2e = check.results.get("end_to_end", {})
     if "error" in e2e:
         lines.append(f"end-to-end: ERROR {e2e['error']}")
     else:
         ratio = e2e.get("paged_over_dynamic_decode")
-        lines.append(f"end-to-end ctx={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
+        lines.append(f"end-to-end check={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
                      f"{fmt(e2e['paged']['decode_tokens_per_s'], '.1f')} tok/s (triton calls "
                      f"{e2e['paged']['triton_kernel_calls_per_generate']}), dynamic+sdpa "
                      f"{fmt(e2e['dynamic_sdpa']['decode_tokens_per_s'], '.1f')} tok/s, ratio {fmt(ratio, '.2f')} "
                      f"(target >=1.0: {'PASS' if ratio and ratio >= 1.0 else 'FAIL'}), tokens match: "
                      f"{e2e.get('tokens_match')} ({e2e.get('matching_prefix_tokens')}/{e2e.get('generated_tokens')})")
-    sp = ctx.results.get("split_model", {})
+    sp = check.results.get("split_model", {})
     if "error" in sp:
         lines.append(f"split model: ERROR {sp['error']}")
     for key in ("accelerate_device_map", "manual_split"):
@@ -445,7 +445,7 @@ def summary(ctx: Check) -> str:
                          f"tokens match DynamicCache: {s.get('tokens_match')}")
             if key == "accelerate_device_map":
                 lines.append(f"    accelerate layers: {s.get('layers')}")
-    lines.append(f"JSON: {ctx.out / 'gpu_check.json'}")
+    lines.append(f"JSON: {check.out / 'gpu_check.json'}")
     return "\n".join(lines)
 
 
@@ -458,10 +458,10 @@ def main(argv=None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (hf_paged's kernels)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ctx = Check(args)
+    check = Check(args)
     for part in PARTS:
-        ctx.run(part)
-    print(summary(ctx), flush=True)
+        check.run(part)
+    print(summary(check), flush=True)
 
 
 if __name__ == "__main__":
