@@ -427,7 +427,7 @@ def summary(check: Check) -> str:
         lines.append(f"end-to-end: ERROR {e2e['error']}")
     else:
         ratio = e2e.get("paged_over_dynamic_decode")
-        lines.append(f"end-to-end check={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
+        lines.append(f"end-to-end ctx={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
                      f"{fmt(e2e['paged']['decode_tokens_per_s'], '.1f')} tok/s (triton calls "
                      f"{e2e['paged']['triton_kernel_calls_per_generate']}), dynamic+sdpa "
                      f"{fmt(e2e['dynamic_sdpa']['decode_tokens_per_s'], '.1f')} tok/s, ratio {fmt(ratio, '.2f')} "
