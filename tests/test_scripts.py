@@ -75,3 +75,40 @@ def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
     finally:
         for folder in new:
             shutil.rmtree(folder)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script_for_tests", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_perplexity_defaults_are_the_readmes_and_quick_shortens_them():
+    ppl = _load("perplexity")
+    args = ppl.parse_args([])
+    assert (args.max_tokens, args.budgets, args.quick) == (2048, [128, 256, 512, 1024], False)
+    quick = ppl.parse_args(["--quick"])
+    assert quick.max_tokens < 2048 and max(quick.budgets) < 2048 and quick.quick
+    assert ppl.parse_args(["--quick", "--max-tokens", "512"]).max_tokens == 512  # a given flag wins
+
+
+def _config(dynamic: list[float], paged: list[float]) -> dict:
+    """A benchmark configuration entry with these decode speeds per repetition (other fields constant)."""
+    runs = lambda speeds: [dict(decode_tok_s=v, prefill_tok_s=100.0) for v in speeds]  # noqa: E731
+    med = lambda speeds: sorted(speeds)[len(speeds) // 2]  # noqa: E731
+    d, p = dict(runs=runs(dynamic), decode_tok_s=med(dynamic)), dict(runs=runs(paged), decode_tok_s=med(paged))
+    return dict(dynamic=d, paged=p, ratios=dict(decode_tok_s=p["decode_tok_s"] / d["decode_tok_s"], prefill_tok_s=1.0))
+
+
+def test_benchmark_prints_noisy_instead_of_a_ratio_when_repetitions_disagree():
+    bench = _load("benchmark")
+    steady = _config([10.0, 10.5, 9.8], [12.0, 12.2, 11.9])
+    assert bench.spread(steady, "dynamic", "decode_tok_s") == pytest.approx(0.7 / 10.0)
+    assert bench.noisy(steady, "decode_tok_s") is None
+    assert bench.ratio_text(steady, "decode_tok_s") == f"{12.0 / 10.0:.2f}"
+    shaky = _config([10.0, 10.1, 9.9], [12.0, 6.0, 12.1])  # one paged repetition at half speed
+    assert bench.noisy(shaky, "decode_tok_s") == pytest.approx(6.1 / 12.0)
+    assert bench.ratio_text(shaky, "decode_tok_s") == "noisy (51%)"
+    assert bench.spread(_config([10.0], [12.0]), "paged", "decode_tok_s") is None  # one repetition: no spread
