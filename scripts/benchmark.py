@@ -25,7 +25,7 @@ What is measured, per ``generate`` run (a LogitsProcessor is called once per for
 * tokens_match: the paged run produced exactly the dynamic run's tokens, in every repeat
   (sampling uses the same seed for both).
 
-Outputs: a markdown table on stdout and, in ``--out`` (default results/benchmark), benchmark.md,
+Outputs: a markdown table on stdout and, in ``--out`` (default runs/benchmark, git-ignored), benchmark.md,
 benchmark.json (every number, settings, versions) and benchmark.png (decode speed and peak KV
 memory as ratios against DynamicCache, by context). A speed ratio whose repetitions spread by more
 than 20% (either cache) is printed as "noisy", not as a result.
@@ -182,7 +182,8 @@ def parse_args(argv=None):
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for both caches)")
-    p.add_argument("--out", default="results/benchmark", help="output folder (default results/benchmark)")
+    p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
+                   "README's reference results are in results/benchmark)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="run nothing: rewrite benchmark.md/.png in --out from an earlier benchmark.json")

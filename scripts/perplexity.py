@@ -90,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the parity checks")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process; none: torch's default")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
-    p.add_argument("--out", default="results/perplexity", help="output folder")
+    p.add_argument("--out", default="runs/perplexity",
+                   help="output folder (git-ignored runs/; the README's reference results are in results/perplexity)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
