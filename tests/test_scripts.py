@@ -63,7 +63,7 @@ def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
     try:
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert len(new) == 1, new
-        out = new.pop()
+        out = next(iter(new))
         assert out.name.endswith("-quick")
         for part, stem in (("benchmark", "benchmark"), ("perplexity", "perplexity")):
             assert {p.name for p in (out / part).iterdir()} >= {f"{stem}.md", f"{stem}.json", f"{stem}.png"}
