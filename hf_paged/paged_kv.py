@@ -9,13 +9,23 @@ pages: the output stays correct, at the cost of one copy per step, and a warning
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch.utils._pytree import tree_map
+from transformers.utils import logging
 
-logger = logging.getLogger(__name__)
-_warned = False
+logger = logging.get_logger(__name__)
+
+
+def warn_gathered_pages() -> None:
+    """Say once per process that a PagedCache is read by another attention implementation.
+
+    Called where that is first known: `PagedCache.bind_config` (the config names another attention)
+    or the first read of a `PagedKV` by it; ``warning_once`` keeps it to one message for both.
+    """
+    logger.warning_once(
+        "A PagedCache is being read by an attention implementation other than 'hf_paged': its pages are "
+        "gathered every step, which is correct but slower. Load the model with attn_implementation='hf_paged' "
+        "(after `import hf_paged`) to read them in place.")
 
 
 class PagedKV(torch.Tensor):
@@ -46,14 +56,7 @@ class PagedKV(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        global _warned
-        if not _warned:
-            _warned = True
-            logger.warning(
-                "A PagedCache is being read by an attention implementation other than 'hf_paged': "
-                "its pages are gathered every step, which is correct but slower. Load the model with "
-                "attn_implementation='hf_paged' (after `import hf_paged`) to read them in place."
-            )
+        warn_gathered_pages()
         unwrap = lambda t: t.materialize() if isinstance(t, PagedKV) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 

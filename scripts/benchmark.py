@@ -25,9 +25,10 @@ What is measured, per ``generate`` run (a LogitsProcessor is called once per for
 * tokens_match: the paged run produced exactly the dynamic run's tokens, in every repeat
   (sampling uses the same seed for both).
 
-Outputs: a markdown table on stdout and, in ``--out`` (default results/benchmark), benchmark.md,
-benchmark.json (every number, settings, versions) and benchmark.png (decode tokens/s against
-context, one line per cache).
+Outputs: a markdown table on stdout and, in ``--out`` (default runs/benchmark, git-ignored), benchmark.md,
+benchmark.json (every number, settings, versions) and benchmark.png (decode speed and peak KV
+memory as ratios against DynamicCache, by context). A speed ratio whose repetitions spread by more
+than 20% (either cache) is printed as "noisy", not as a result.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from common import ATTN, dynamic_kv_bytes, int_list, make_cache, mib, use_attention  # noqa: E402
+
 CACHES = ("dynamic", "paged")
-ATTN = {"dynamic": "sdpa", "paged": "hf_paged"}
 
 # Axis values when an axis is not given on the command line.
 ALL_CONTEXTS = [256, 1024, 4096]
@@ -127,16 +129,6 @@ def parse_mode(mode: str) -> dict:
                             top_p=1.0), rows_per_prompt=n, deterministic=False)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _mode_list(text: str) -> list[str]:
     modes = [v.strip() for v in text.split(",") if v.strip()]
     for m in modes:
@@ -168,12 +160,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="benchmark.py", description=__doc__.split("\n\n")[0], epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--many-prompts", action="store_true", help="instead: generate_many against generate and "
+                   "transformers' continuous batching on many prompts (scripts/many_prompts.py; see its --help)")
     p.add_argument("--model", default=None, help="'smollm2' (default, the embedded SmolLM2-135M), a local path "
                    "or a hub id (the hub needs HF_HUB_OFFLINE=0)")
-    p.add_argument("--contexts", type=_int_list, default=None, help="prompt lengths in tokens, e.g. 256,1024,4096")
-    p.add_argument("--batch-sizes", type=_int_list, default=None, help="prompts per batch, e.g. 1,8")
+    p.add_argument("--contexts", type=int_list, default=None, help="prompt lengths in tokens, e.g. 256,1024,4096")
+    p.add_argument("--batch-sizes", type=int_list, default=None, help="prompts per batch, e.g. 1,8")
     p.add_argument("--modes", type=_mode_list, default=None, help="e.g. greedy,beam4,sample8")
-    p.add_argument("--page-sizes", type=_int_list, default=None, help="PagedCache page sizes, e.g. 16,128")
+    p.add_argument("--page-sizes", type=int_list, default=None, help="PagedCache page sizes, e.g. 16,128")
     p.add_argument("--full", action="store_true", help="cross product of all axis lists")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens generated per row (default {DEFAULTS['new_tokens']}; --quick {QUICK['new_tokens']})")
@@ -190,7 +184,8 @@ def parse_args(argv=None):
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for both caches)")
-    p.add_argument("--out", default="results/benchmark", help="output folder (default results/benchmark)")
+    p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
+                   "README's reference results are in results/benchmark)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="run nothing: rewrite benchmark.md/.png in --out from an earlier benchmark.json")
@@ -301,26 +296,6 @@ def source_fingerprint(package) -> str:
 
 
 # -------------------------------------------------------------------------------------- caches
-def dynamic_kv_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if t is not None and getattr(layer, "is_initialized", True):
-                total += t.numel() * t.element_size()
-    return total
-
-
-def make_cache(kind: str, model, page_size: int):
-    import transformers
-
-    import hf_paged
-
-    if kind == "dynamic":
-        return transformers.DynamicCache(config=model.config)
-    return hf_paged.PagedCache(page_size=page_size, config=model.config)
-
-
 def cache_memory(kind: str, cache) -> dict:
     if kind == "dynamic":
         kv = dynamic_kv_bytes(cache)
@@ -379,9 +354,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     import hf_paged
 
     mode = parse_mode(cfg.mode)
-    model.set_attn_implementation(ATTN[kind])
-    if model.config._attn_implementation != ATTN[kind]:
-        raise RuntimeError(f"could not switch the model to attn_implementation={ATTN[kind]!r}")
+    use_attention(model, kind)
     cache = make_cache(kind, model, cfg.page_size)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)
@@ -458,6 +431,28 @@ def summarize(cfg: Config, runs: dict[str, list[dict]], matches: list[bool], agr
 
 RATIO_KEYS = ("prefill_tok_s", "decode_tok_s", "kv_bytes_end", "kv_bytes_peak", "pool_bytes_peak",
               "peak_mem_growth_bytes")
+SPEED_KEYS = ("prefill_tok_s", "decode_tok_s")
+NOISE = 0.20  # repetitions whose (max - min) / median exceeds this make a speed ratio "noisy", not a result
+
+
+def spread(config: dict, kind: str, key: str) -> float | None:
+    """(max - min) / median of ``key`` over one cache's repetitions of a configuration; None with one repetition."""
+    values = [r[key] for r in config[kind]["runs"]]
+    if len(values) < 2:
+        return None
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def noisy(config: dict, key: str) -> float | None:
+    """The larger spread of the two caches' ``key`` when it exceeds NOISE, else None (the ratio stands)."""
+    worst = max((spread(config, kind, key) or 0.0) for kind in CACHES)
+    return worst if worst > NOISE else None
+
+
+def ratio_text(config: dict, key: str) -> str:
+    """The paged / dynamic ratio of ``key``, or "noisy (N%)" when the repetitions disagree by more than NOISE."""
+    worst = noisy(config, key)
+    return f"noisy ({100 * worst:.0f}%)" if worst is not None else f"{config['ratios'][key]:.2f}"
 
 
 def compare(a, b, prompt_len: int) -> tuple[bool, float]:
@@ -468,33 +463,34 @@ def compare(a, b, prompt_len: int) -> tuple[bool, float]:
 
 
 # --------------------------------------------------------------------------------------- output
-def _mib(b) -> str:
-    return f"{b / 2**20:.1f}"
-
-
 def markdown_table(configs: list[dict]) -> str:
     head = ("| context | batch | mode | rows | page | prefill tok/s dyn | paged | ratio | decode tok/s dyn | paged | "
-            "ratio | KV end MiB dyn | paged | KV peak MiB dyn | paged | paged pool peak MiB | peak mem growth MiB "
-            "dyn | paged | tokens match |")
+            "ratio | decode spread % dyn / paged | KV end MiB dyn | paged | KV peak MiB dyn | paged | paged pool peak "
+            "MiB | peak mem growth MiB dyn | paged | tokens match |")
     sep = "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"
     lines = [head, sep]
     for c in configs:
-        d, p, r = c["dynamic"], c["paged"], c["ratios"]
+        d, p = c["dynamic"], c["paged"]
+        spreads = [spread(c, kind, "decode_tok_s") for kind in CACHES]
+        spread_cell = "—" if None in spreads else " / ".join(f"{100 * v:.0f}" for v in spreads)
         lines.append(
             f"| {c['context']} | {c['batch']} | {c['mode']} | {c['rows']} | {c['page_size']} "
-            f"| {d['prefill_tok_s']:.1f} | {p['prefill_tok_s']:.1f} | {r['prefill_tok_s']:.2f} "
-            f"| {d['decode_tok_s']:.2f} | {p['decode_tok_s']:.2f} | {r['decode_tok_s']:.2f} "
-            f"| {_mib(d['kv_bytes_end'])} | {_mib(p['kv_bytes_end'])} | {_mib(d['kv_bytes_peak'])} "
-            f"| {_mib(p['kv_bytes_peak'])} | {_mib(p['pool_bytes_peak'])} | {_mib(d['peak_mem_growth_bytes'])} "
-            f"| {_mib(p['peak_mem_growth_bytes'])} | {'yes' if c['tokens_match'] else 'NO'} |")
+            f"| {d['prefill_tok_s']:.1f} | {p['prefill_tok_s']:.1f} | {ratio_text(c, 'prefill_tok_s')} "
+            f"| {d['decode_tok_s']:.2f} | {p['decode_tok_s']:.2f} | {ratio_text(c, 'decode_tok_s')} | {spread_cell} "
+            f"| {mib(d['kv_bytes_end'])} | {mib(p['kv_bytes_end'])} | {mib(d['kv_bytes_peak'])} "
+            f"| {mib(p['kv_bytes_peak'])} | {mib(p['pool_bytes_peak'])} | {mib(d['peak_mem_growth_bytes'])} "
+            f"| {mib(p['peak_mem_growth_bytes'])} | {'yes' if c['tokens_match'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def markdown_report(result: dict) -> str:
     s, e = result["settings"], result["environment"]
+    smoke = (["**Smoke test (`--quick`): tiny contexts, one repetition, a few tokens, to check that everything "
+              "runs; these speeds and ratios are not results.**", ""] if s.get("quick") else [])
     return "\n".join([
         "# hf_paged benchmark: PagedCache + hf_paged vs DynamicCache + sdpa",
         "",
+        *smoke,
         f"model `{s['model']}` ({e['model_class']}, {e['num_layers']} layers), dtype {s['dtype']}, device "
         f"{e['device']} ({e['device_name']}), torch threads {e['torch_threads']}, new tokens {s['new_tokens']}, "
         f"repeats {s['repeats']} (medians), warm-up {s['warmup']} {'full' if s['full_warmup'] else 'short'}.",
@@ -507,61 +503,81 @@ def markdown_report(result: dict) -> str:
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
-        "(used + cached pages); pool = allocated page pool. Peak KV is sampled after every forward step.",
+        "(used + cached pages); pool = allocated page pool. Peak KV is sampled after every forward step. "
+        f"spread = (max - min) / median over the repeats; a ratio whose repeats spread more than {100 * NOISE:.0f}% "
+        "(either cache) reads \"noisy\": rerun on a quieter machine or with --threads 1.",
         f"peak mem growth: {e['memory_method']}.",
         "",
     ])
 
 
+MODE_MARKERS = {"greedy": "o", "beam": "s", "sample": "^"}  # fixed meanings, the same in every run
+BATCH_COLORS = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:red", "tab:brown"]  # batch 1, 2, 4, 8, ...
+
+
+def series_style(batch: int, mode: str, page_size: int) -> dict:
+    """Marker by mode kind, colour by batch size, filled and solid for page size 16 (hollow, dashed otherwise)."""
+    kind = re.match(r"[a-z]+", mode).group(0)
+    color = BATCH_COLORS[min(max(batch, 1).bit_length() - 1, len(BATCH_COLORS) - 1)]
+    default_page = page_size == BASE["page_size"]
+    return dict(marker=MODE_MARKERS.get(kind, "D"), color=color, markersize=8, linestyle="-" if default_page else "--",
+                markerfacecolor=color if default_page else "white", markeredgewidth=1.5)
+
+
 def plot(result: dict, path: Path) -> None:
-    """Decode tokens/s (left) and peak KV MiB (right) against context: one line per cache for each
-    (batch, mode, page size) measured at several contexts, single markers for the others."""
+    """Two panels, each a ratio against DynamicCache + sdpa (= 1): decode speed and peak KV memory, against
+    context. One series per (batch, mode, page size), styled by :func:`series_style`; series sharing a
+    context are spread slightly sideways so that none hides another, and each point is labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     configs = result["configs"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    smoke = result["settings"].get("quick")
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(13, 5.5))
     groups = sorted({(c["batch"], c["mode"], c["page_size"]) for c in configs}, key=lambda g: (g[1] != "greedy", g))
-    colors = {"dynamic": "tab:blue", "paged": "tab:orange"}
-    styles = itertools.cycle(["-", "--", ":", "-."])
-    markers = itertools.cycle(["s", "^", "v", "D", "P", "X", "*"])
-    for batch, mode, page in groups:
-        pts = sorted(((c["context"], c) for c in configs if (c["batch"], c["mode"], c["page_size"]) == (batch, mode, page)),
-                     key=lambda t: t[0])
-        xs = [x for x, _ in pts]
-        line = len(set(xs)) > 1
-        style, marker = (next(styles), "o") if line else ("none", next(markers))
-        for kind in CACHES:
-            name = "DynamicCache + sdpa" if kind == "dynamic" else f"PagedCache(page_size={page}) + hf_paged"
-            kw = dict(linestyle=style, marker=marker, color=colors[kind], label=f"{name}, batch {batch}, {mode}")
-            ax.plot(xs, [c[kind]["decode_tok_s"] for _, c in pts], **kw)
-            ax2.plot(xs, [c[kind]["kv_bytes_peak"] / 2**20 for _, c in pts], **kw)
-            if kind == "paged":  # what the pool allocated (free pages included)
-                ax2.plot(xs, [c[kind]["pool_bytes_peak"] / 2**20 for _, c in pts], linestyle=":" if line else "none",
-                         marker=marker, markerfacecolor="none", color=colors[kind], alpha=0.6)
+    for i, (batch, mode, page) in enumerate(groups):
+        pts = sorted((c for c in configs if (c["batch"], c["mode"], c["page_size"]) == (batch, mode, page)),
+                     key=lambda c: c["context"])
+        dodge = 2 ** (0.08 * (i - (len(groups) - 1) / 2))
+        xs = [c["context"] * dodge for c in pts]
+        style = series_style(batch, mode, page)
+        label = f"batch {batch}, {mode}, page {page}"
+        for ax, key in ((speed, "decode_tok_s"), (memory, "kv_bytes_peak")):
+            ys = [c["ratios"][key] for c in pts]
+            ax.plot(xs, ys, label=label, **style)
+            for x, y, c in zip(xs, ys, pts):
+                if key in SPEED_KEYS and noisy(c, key) is not None:
+                    ax.annotate("noisy", (x, y), textcoords="offset points", xytext=(0, -14), ha="center",
+                                fontsize=7, color="red")
+                elif key == "kv_bytes_peak" and y < 0.9:
+                    ax.annotate(f"{y:.2f} ({1 / y:.1f}x less)", (x, y), textcoords="offset points", xytext=(8, -3),
+                                fontsize=8, color=style["color"])
+                elif key == "decode_tok_s":
+                    ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(8 if i % 2 else -8, -3),
+                                ha="left" if i % 2 else "right", fontsize=7, color=style["color"])  # alternate sides
     contexts = sorted({c["context"] for c in configs})
-    for a, ylabel in ((ax, "decode tokens/s (all rows)"), (ax2, "peak KV cache MiB")):
-        a.set_xscale("log", base=2)
-        a.set_xticks(contexts, [str(c) for c in contexts])
-        a.minorticks_off()
-        a.set_xlabel("context (tokens)")
-        a.set_ylabel(ylabel)
-        a.grid(True, alpha=0.3)
-    ax2.set_yscale("log")
-    ax2.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_title("decode speed (higher is better)")
-    ax2.set_title("peak KV cache memory (hollow, dotted: PagedCache pool allocated)")
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    for ax, title, ylabel in (
+            (speed, "decode speed (higher is better)", "decode tokens/s, PagedCache / DynamicCache"),
+            (memory, "peak KV memory (lower is better)", "peak KV bytes, PagedCache / DynamicCache")):
+        ax.axhline(1.0, color="black", lw=1, label="DynamicCache + sdpa (= 1)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlim(contexts[0] / 1.5, contexts[-1] * 1.5)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(("SMOKE TEST, not a result: " if smoke else "") + title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    memory.set_ylim(0, max(1.15, max(c["ratios"]["kv_bytes_peak"] for c in configs) * 1.1))
+    handles, labels = speed.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     e, s = result["environment"], result["settings"]
-    fig.suptitle(f"{s['model']} {s['dtype']} on {e['device']} ({e['torch_threads']} threads), "
-                 f"{s['new_tokens']} new tokens, median of {s['repeats']}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.022 * ((len(labels) + 1) // 2), 1, 1))
+    fig.suptitle(f"PagedCache + hf_paged vs DynamicCache + sdpa: {s['model']} {s['dtype']} on {e['device']} "
+                 f"({e['torch_threads']} threads), {s['new_tokens']} new tokens, median of {s['repeats']}. "
+                 "Marker: mode; colour: batch; hollow/dashed: page size other than 16", fontsize=9)
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) + 2) // 3), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -577,6 +593,12 @@ def write_outputs(result: dict, out: Path) -> str:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--many-prompts" in argv:  # the many-prompts configuration has its own script and flags
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from many_prompts import main as many_prompts_main
+
+        return many_prompts_main([a for a in argv if a != "--many-prompts"])
     args = parse_args(argv)
     if args.replot:
         result = json.loads(Path(args.replot).read_text(encoding="utf-8"))
@@ -662,7 +684,7 @@ def main(argv=None) -> dict:
             entry["wall_s"] = time.perf_counter() - cfg_start
             results.append(entry)
             tqdm.write(f"{cfg.name}: decode tok/s dynamic {entry['dynamic']['decode_tok_s']:.2f} paged "
-                       f"{entry['paged']['decode_tok_s']:.2f} (x{entry['ratios']['decode_tok_s']:.2f}), tokens "
+                       f"{entry['paged']['decode_tok_s']:.2f} (ratio {ratio_text(entry, 'decode_tok_s')}), tokens "
                        f"match {entry['tokens_match']}", file=sys.stderr)
 
     environment["load_avg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -1,11 +1,43 @@
 #!/usr/bin/env bash
-# The main job: install into .venv, then compare PagedCache with DynamicCache on the embedded
-# SmolLM2 model and Britannica text (speed and memory, then perplexity under page budgets).
-# Results (markdown, JSON, PNG) go to results/benchmark and results/perplexity.
+# The main job: install into .venv, then compare PagedCache with DynamicCache on the embedded SmolLM2
+# model and Britannica text: speed and memory (scripts/benchmark.py), perplexity under page budgets
+# (scripts/perplexity.py, 2048 tokens), then many prompts of different lengths (scripts/many_prompts.py:
+# generate_many against generate and transformers' continuous batching). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored);
+# nothing tracked changes unless --out names a tracked folder on purpose.
+#
+#   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install]
+#     --quick        smoke test of every part (about 2 minutes on 2 idle cores); its numbers are not results
+#     --threads N    torch threads for both parts (default: the idle cores, i.e. cores minus the load average,
+#                    at least 1; too many threads on a busy machine make every ratio noise)
+#     --out DIR      write DIR/benchmark and DIR/perplexity instead; --out results regenerates the README's
+#                    reference results
+#     --no-install   skip scripts/install.sh and use the `python` on PATH as it is
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
-. .venv/bin/activate
+QUICK=() THREADS="" OUT="" INSTALL=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=(--quick) ;;
+    --threads) THREADS=${2:?--threads needs a number}; shift ;;
+    --out) OUT=${2:?--out needs a folder}; shift ;;
+    --no-install) INSTALL="" ;;
+    *) echo "compare.sh: unknown argument '$1' (expected --quick, --threads N, --out DIR, --no-install)" >&2; exit 2 ;;
+  esac
+  shift
+done
+START=$(date +%s)
+if [ -n "$INSTALL" ]; then
+  bash scripts/install.sh
+  . .venv/bin/activate
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python scripts/benchmark.py --out results/benchmark "$@"
-python scripts/perplexity.py --mode streaming --out results/perplexity
+if [ -z "$THREADS" ]; then
+  THREADS=$(python -c "import os; print(max(1, os.cpu_count() - round(os.getloadavg()[0])))")
+fi
+OUT=${OUT:-runs/$(date -u +%Y%m%d-%H%M%S)${QUICK:+-quick}}
+echo "compare.sh: torch threads $THREADS ($(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)); writing $OUT/"
+[ ${#QUICK[@]} -eq 0 ] || echo "compare.sh: --quick is a smoke test: it checks that everything runs; its numbers are not results"
+python scripts/benchmark.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/benchmark"
+python scripts/perplexity.py --mode streaming "${QUICK[@]}" --threads "$THREADS" --out "$OUT/perplexity"
+python scripts/many_prompts.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/many_prompts"
+echo "compare.sh: done in $(( $(date +%s) - START )) s; results in $OUT/ (benchmark/, perplexity/, many_prompts/: .md, .json, .png)"

@@ -19,102 +19,93 @@ import time
 import traceback
 from pathlib import Path
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--out", required=True, help="folder for gpu_check.json")
-ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, kernel via TRITON_INTERPRET=1")
-ap.add_argument("--reps", type=int, default=20)
-ap.add_argument("--warmup", type=int, default=3)
-args = ap.parse_args()
-DRY = args.dry_run
-if DRY:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch  # (does not import triton: main() can still set TRITON_INTERPRET before hf_paged loads it)
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hf_paged  # noqa: E402
-
-CUDA = torch.cuda.is_available() and not DRY
-DEV = torch.device("cuda" if CUDA else "cpu")
-REPS, WARMUP = (2, 1) if DRY else (args.reps, args.warmup)
-OUT = Path(args.out)
-OUT.mkdir(parents=True, exist_ok=True)
-RESULTS: dict = {"dry_run": DRY, "device": str(DEV), "torch": torch.__version__,
-                 "gpu": torch.cuda.get_device_name(0) if CUDA else None,
-                 "targets": {"kernel_fraction_of_copy_bw_at_B32_ctx8k": 0.70, "e2e_paged_over_dynamic_sdpa_at_4k": 1.0}}
+TARGETS = {"kernel_fraction_of_copy_bw_at_B32_ctx8k": 0.70, "e2e_paged_over_dynamic_sdpa_at_4k": 1.0}
 
 
-def save() -> None:
-    (OUT / "gpu_check.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for gpu_check.json")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, kernel via TRITON_INTERPRET=1")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    return ap.parse_args(argv)
 
 
-def part(name):
-    """Run the decorated function now; store its dict (or the error text) under RESULTS[name]."""
-    def run(fn):
+class Check:
+    """One run's settings and results: ``results[part]`` is rewritten to ``out/gpu_check.json`` after every part."""
+
+    def __init__(self, args):
+        self.dry = args.dry_run
+        self.cuda = torch.cuda.is_available() and not self.dry
+        self.dev = torch.device("cuda" if self.cuda else "cpu")
+        self.reps, self.warmup = (2, 1) if self.dry else (args.reps, args.warmup)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {"dry_run": self.dry, "device": str(self.dev), "torch": torch.__version__,
+                              "gpu": torch.cuda.get_device_name(0) if self.cuda else None, "targets": TARGETS}
+
+    def save(self) -> None:
+        (self.out / "gpu_check.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+    def run(self, part) -> None:
+        """Run ``part(self, r)``; store its dict ``r`` (or the error text) under ``results[part.__name__]``."""
+        name = part.__name__
         t0 = time.perf_counter()
-        RESULTS[name] = {}
+        self.results[name] = {}
         try:
-            fn(RESULTS[name])
+            part(self, self.results[name])
         except Exception as e:  # noqa: BLE001 - record and go on with the next part
-            RESULTS[name]["error"] = f"{type(e).__name__}: {e}"
-            RESULTS[name]["traceback"] = traceback.format_exc(limit=8)
+            self.results[name]["error"] = f"{type(e).__name__}: {e}"
+            self.results[name]["traceback"] = traceback.format_exc(limit=8)
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
-        RESULTS[name]["part_seconds"] = round(time.perf_counter() - t0, 2)
-        if CUDA:
+        self.results[name]["part_seconds"] = round(time.perf_counter() - t0, 2)
+        if self.cuda:
             torch.cuda.empty_cache()
-        save()
-        return fn
-    return run
+        self.save()
 
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def bench(fn, reps=None, warmup=None) -> float:
-    """Median seconds of fn(); CUDA events on the GPU, perf_counter on the CPU."""
-    reps, warmup = reps or REPS, warmup or WARMUP
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        if CUDA:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+    def bench(self, fn, reps=None, warmup=None) -> float:
+        """Median seconds of fn(); CUDA events on the GPU, perf_counter on the CPU."""
+        reps, warmup = reps or self.reps, warmup or self.warmup
+        for _ in range(warmup):
             fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- a. copy bandwidth
-@part("copy_bandwidth")
-def _(r):
-    n = (1 << 18) if DRY else (1 << 28)  # float32: 1 MiB dry, 1 GiB real
-    src = torch.randn(n, device=DEV)
-    dst = torch.empty(n, device=DEV)
-    t = bench(lambda: dst.copy_(src))
+def copy_bandwidth(check: Check, r: dict) -> None:
+    n = (1 << 18) if check.dry else (1 << 28)  # float32: 1 MiB dry, 1 GiB real
+    src = torch.randn(n, device=check.dev)
+    dst = torch.empty(n, device=check.dev)
+    t = check.bench(lambda: dst.copy_(src))
     nbytes = 2 * n * src.element_size()  # read + written
     r.update(bytes_read_plus_written=nbytes, seconds=t, GBps=nbytes / t / 1e9)
     del src, dst
 
 
-COPY_GBPS = RESULTS["copy_bandwidth"].get("GBps")
-
-
 # ------------------------------------------------------------- b/c. decode kernel vs SDPA / flash
-@part("decode_kernel")
-def _(r):
+def decode_kernel(check: Check, r: dict) -> None:
     from hf_paged.kernels.triton_paged_attention import paged_attention_triton
 
     try:
@@ -124,13 +115,14 @@ def _(r):
         r["flash_attn_package"] = f"unavailable: {type(e).__name__}: {e}"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if DRY:
+    if check.dry:
         Hq, Hkv, D, S, dtype = 4, 2, 32, 16, torch.float32
         batches, contexts = (1, 2), (64, 128)
     else:
         Hq, Hkv, D, S, dtype = 32, 8, 128, 16, torch.bfloat16
         batches, contexts = (1, 8, 32), (1024, 8192, 32768)
     r.update(Hq=Hq, Hkv=Hkv, D=D, page_size=S, dtype=str(dtype), configs=[])
+    copy_gbps = check.results.get("copy_bandwidth", {}).get("GBps")
     scale = D ** -0.5
     g = torch.Generator(device="cpu").manual_seed(0)
     for B in batches:
@@ -143,27 +135,27 @@ def _(r):
                 P = B * N
                 kv_bytes = 2 * P * S * Hkv * D * torch.tensor([], dtype=dtype).element_size()
                 c["kv_bytes"] = kv_bytes
-                if CUDA:
+                if check.cuda:
                     free, _ = torch.cuda.mem_get_info()
                     if 2.6 * kv_bytes > free:  # pools + contiguous copies for SDPA + slack
                         c["skipped"] = f"needs ~{2.6 * kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
                         continue
-                k_pool = torch.randn(P, S, Hkv, D, device=DEV, dtype=dtype)
-                v_pool = torch.randn(P, S, Hkv, D, device=DEV, dtype=dtype)
+                k_pool = torch.randn(P, S, Hkv, D, device=check.dev, dtype=dtype)
+                v_pool = torch.randn(P, S, Hkv, D, device=check.dev, dtype=dtype)
                 perm = torch.randperm(P, generator=g).to(torch.int32)  # shuffled pages
-                page_table = perm.view(B, N).to(DEV)
-                page_pos = (torch.arange(N, dtype=torch.int32) * S).expand(B, N).contiguous().to(DEV)
-                q_pos = torch.full((B, 1), T - 1, dtype=torch.int32, device=DEV)
-                q = torch.randn(B, Hq, 1, D, device=DEV, dtype=dtype)
-                out = torch.empty(B, 1, Hq, D, device=DEV, dtype=dtype)
+                page_table = perm.view(B, N).to(check.dev)
+                page_pos = (torch.arange(N, dtype=torch.int32) * S).expand(B, N).contiguous().to(check.dev)
+                q_pos = torch.full((B, 1), T - 1, dtype=torch.int32, device=check.dev)
+                q = torch.randn(B, Hq, 1, D, device=check.dev, dtype=dtype)
+                out = torch.empty(B, 1, Hq, D, device=check.dev, dtype=dtype)
 
                 def kern():
                     return paged_attention_triton(q, k_pool, v_pool, page_table, page_pos, q_pos, scale=scale, out=out)
 
-                t = bench(kern)
+                t = check.bench(kern)
                 c.update(kernel_s=t, kernel_GBps=kv_bytes / t / 1e9)
-                if COPY_GBPS:
-                    c["kernel_fraction_of_copy_bw"] = kv_bytes / t / 1e9 / COPY_GBPS
+                if copy_gbps:
+                    c["kernel_fraction_of_copy_bw"] = kv_bytes / t / 1e9 / copy_gbps
                 ko = kern().transpose(1, 2).float()  # [B, Hq, 1, D]
 
                 # same K/V, contiguous [B, Hkv, T, D]
@@ -173,17 +165,17 @@ def _(r):
                 k_pool = v_pool = None  # free the pools before timing SDPA
                 try:
                     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # noqa: E731
-                    ts = bench(sdpa)
+                    ts = check.bench(sdpa)
                     c.update(sdpa_s=ts, sdpa_GBps=kv_bytes / ts / 1e9, kernel_speedup_vs_sdpa=ts / t,
                              max_abs_diff_vs_sdpa=(sdpa().float() - ko).abs().max().item())
                 except Exception as e:  # noqa: BLE001
                     c["sdpa_error"] = f"{type(e).__name__}: {e}"
-                if CUDA:
+                if check.cuda:
                     try:
                         def sdpa_flash():
                             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                                 return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-                        tf = bench(sdpa_flash)
+                        tf = check.bench(sdpa_flash)
                         c.update(sdpa_flash_s=tf, kernel_speedup_vs_sdpa_flash=tf / t)
                     except Exception as e:  # noqa: BLE001
                         c["sdpa_flash_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -191,7 +183,7 @@ def _(r):
                     try:
                         qf, kf, vf = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
                         fa = lambda: flash_attn_func(qf, kf, vf, softmax_scale=scale)  # noqa: E731
-                        tfa = bench(fa)
+                        tfa = check.bench(fa)
                         c.update(flash_attn_s=tfa, kernel_speedup_vs_flash_attn=tfa / t)
                         kf = vf = None
                     except Exception as e:  # noqa: BLE001
@@ -203,7 +195,7 @@ def _(r):
                 c["traceback"] = traceback.format_exc(limit=6)
             finally:
                 k_pool = v_pool = k = v = None
-                if CUDA:
+                if check.cuda:
                     torch.cuda.empty_cache()
             print(f"[decode_kernel] B={B} T={T}: " + ", ".join(
                 f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in c.items()
@@ -224,20 +216,20 @@ def count_kernel_calls():
     return calls, lambda: setattr(mod, "paged_attention_triton", orig)
 
 
-@part("end_to_end")
-def _(r):
+def end_to_end(check: Check, r: dict) -> None:
+    import hf_paged
     from transformers import DynamicCache
 
     from hf_paged.assets import britannica_text, load_model_and_tokenizer
 
-    ctx, new = (64, 5) if DRY else (4096, 64)
-    dtype = torch.float32 if DRY else torch.bfloat16
-    r.update(context=ctx, new_tokens=new, batch=1, dtype=str(dtype))
+    context, new = (64, 5) if check.dry else (4096, 64)
+    dtype = torch.float32 if check.dry else torch.bfloat16
+    r.update(context=context, new_tokens=new, batch=1, dtype=str(dtype))
     t0 = time.perf_counter()
-    paged, tok = load_model_and_tokenizer("smollm2", dtype=dtype, device=DEV, attn_implementation="hf_paged")
-    ref, _ = load_model_and_tokenizer("smollm2", dtype=dtype, device=DEV, attn_implementation="sdpa")
+    paged, tok = load_model_and_tokenizer("smollm2", dtype=dtype, device=check.dev, attn_implementation="hf_paged")
+    ref, _ = load_model_and_tokenizer("smollm2", dtype=dtype, device=check.dev, attn_implementation="sdpa")
     r["load_seconds"] = time.perf_counter() - t0
-    ids = tok(britannica_text(), return_tensors="pt").input_ids[:, :ctx].to(DEV)
+    ids = tok(britannica_text(), return_tensors="pt").input_ids[:, :context].to(check.dev)
     r["prompt_tokens"] = ids.shape[1]
     mask = torch.ones_like(ids)
 
@@ -249,7 +241,7 @@ def _(r):
             self.t = []
 
         def __call__(self, input_ids, scores):
-            sync()
+            check.sync()
             self.t.append(time.perf_counter())
             return scores
 
@@ -260,11 +252,11 @@ def _(r):
                                   logits_processor=LogitsProcessorList([clock] if clock else []),
                                   **{hf_paged.CACHE_KWARG: cache_fn(model)})
 
-    backend = "triton" if DRY else None  # dry run: the interpreted Triton kernel (auto = the C kernel on the CPU)
+    backend = "triton" if check.dry else None  # dry run: the interpreted Triton kernel (auto = the C kernel on the CPU)
     variants = {"paged": (paged, lambda m: hf_paged.PagedCache(page_size=16, config=m.config, backend=backend)),
                 "dynamic_sdpa": (ref, lambda m: DynamicCache(config=m.config))}
     seqs = {}
-    reps = 1 if DRY else 3
+    reps = 1 if check.dry else 3
     calls, restore = count_kernel_calls()
     try:
         for name, (model, cache_fn) in variants.items():
@@ -273,10 +265,10 @@ def _(r):
             prefill, decode, total = [], [], []
             for _ in range(reps):
                 clock = StepClock()
-                sync()
+                check.sync()
                 t0 = time.perf_counter()
                 out = gen(model, cache_fn, new, clock)
-                sync()
+                check.sync()
                 total.append(time.perf_counter() - t0)
                 prefill.append(clock.t[0] - t0)  # prefill + first token
                 decode.append((len(clock.t) - 1) / (clock.t[-1] - clock.t[0]))  # tokens/s after the first
@@ -308,20 +300,20 @@ def layer_info(model):
     return info
 
 
-@part("split_model")
-def _(r):
+def split_model(check: Check, r: dict) -> None:
+    import hf_paged
     from transformers import AutoConfig, DynamicCache
 
     from hf_paged.assets import britannica_text, load_model_and_tokenizer, resolve_model_path
 
-    gpu = "cuda:0" if CUDA else "cpu"  # dry run: both halves on the CPU, same code path
+    gpu = "cuda:0" if check.cuda else "cpu"  # dry run: both halves on the CPU, same code path
     n_layers = AutoConfig.from_pretrained(resolve_model_path("smollm2")).num_hidden_layers
     half = n_layers // 2
     # embed_tokens and lm_head are tied in SmolLM2: keep both on the first device
     device_map = {"model.embed_tokens": gpu, "lm_head": gpu, "model.rotary_emb": gpu, "model.norm": "cpu"}
     device_map.update({f"model.layers.{i}": gpu if i < half else "cpu" for i in range(n_layers)})
     r["device_map"] = {"layers_on_first_device": f"0..{half - 1} -> {gpu}", "rest": "cpu"}
-    dtype = torch.float32 if DRY else torch.bfloat16
+    dtype = torch.float32 if check.dry else torch.bfloat16
     new = 4
 
     def run(model, tok, cache):
@@ -361,7 +353,7 @@ def _(r):
     except Exception as e:  # noqa: BLE001
         acc["error"] = f"{type(e).__name__}: {e}"
         acc["traceback"] = traceback.format_exc(limit=8)
-    save()
+    check.save()
 
     # 2. manual split: layers really execute on the CPU; pre-hooks move inputs to each layer's device
     man = r["manual_split"] = {}
@@ -408,49 +400,69 @@ def fmt(x, spec=".3g"):
     return "-" if x is None else (format(x, spec) if isinstance(x, (int, float)) else str(x))
 
 
-lines = ["", "=" * 100, f"gpu_check summary ({'DRY RUN, cpu' if DRY else RESULTS['gpu']})", "=" * 100]
-cb = RESULTS.get("copy_bandwidth", {})
-lines.append(f"copy bandwidth (read+write): {fmt(cb.get('GBps'), '.1f')} GB/s {cb.get('error', '')}")
-dk = RESULTS.get("decode_kernel", {})
-if "error" in dk:
-    lines.append(f"decode kernel: ERROR {dk['error']}")
-lines.append(f"{'B':>3} {'ctx':>6} {'kernel GB/s':>11} {'%copy':>6} {'kern us':>9} {'sdpa us':>9} {'x sdpa':>7} "
-             f"{'flash us':>9} {'x flash':>7} {'maxdiff':>8}  note")
-for c in dk.get("configs", []):
-    fl_s = c.get("flash_attn_s", c.get("sdpa_flash_s"))
-    fl_x = c.get("kernel_speedup_vs_flash_attn", c.get("kernel_speedup_vs_sdpa_flash"))
-    frac = c.get("kernel_fraction_of_copy_bw")
-    note = c.get("skipped") or c.get("error") or ""
-    if c["batch"] == 32 and c["context"] == 8192:
-        note += f" target >=70% copy bw: {'PASS' if frac and frac >= 0.70 else 'FAIL'}"
-    us = lambda s: None if s is None else s * 1e6  # noqa: E731
-    lines.append(f"{c['batch']:>3} {c['context']:>6} {fmt(c.get('kernel_GBps'), '.1f'):>11} "
-                 f"{fmt(None if frac is None else 100 * frac, '.1f'):>6} {fmt(us(c.get('kernel_s')), '.1f'):>9} "
-                 f"{fmt(us(c.get('sdpa_s')), '.1f'):>9} {fmt(c.get('kernel_speedup_vs_sdpa'), '.2f'):>7} "
-                 f"{fmt(us(fl_s), '.1f'):>9} {fmt(fl_x, '.2f'):>7} {fmt(c.get('max_abs_diff_vs_sdpa'), '.2g'):>8}  {note}")
-e2e = RESULTS.get("end_to_end", {})
-if "error" in e2e:
-    lines.append(f"end-to-end: ERROR {e2e['error']}")
-else:
-    ratio = e2e.get("paged_over_dynamic_decode")
-    lines.append(f"end-to-end ctx={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
-                 f"{fmt(e2e['paged']['decode_tokens_per_s'], '.1f')} tok/s (triton calls "
-                 f"{e2e['paged']['triton_kernel_calls_per_generate']}), dynamic+sdpa "
-                 f"{fmt(e2e['dynamic_sdpa']['decode_tokens_per_s'], '.1f')} tok/s, ratio {fmt(ratio, '.2f')} "
-                 f"(target >=1.0: {'PASS' if ratio and ratio >= 1.0 else 'FAIL'}), tokens match: "
-                 f"{e2e.get('tokens_match')} ({e2e.get('matching_prefix_tokens')}/{e2e.get('generated_tokens')})")
-sp = RESULTS.get("split_model", {})
-if "error" in sp:
-    lines.append(f"split model: ERROR {sp['error']}")
-for key in ("accelerate_device_map", "manual_split"):
-    s = sp.get(key, {})
-    if "error" in s:
-        lines.append(f"split {key}: ERROR {s['error']}")
-    elif s:
-        lines.append(f"split {key}: paged keys per device {s.get('paged_cache_keys_device_per_layer')}; "
-                     f"tokens match DynamicCache: {s.get('tokens_match')}")
-        if key == "accelerate_device_map":
-            lines.append(f"    accelerate layers: {s.get('layers')}")
-lines.append(f"JSON: {OUT / 'gpu_check.json'}")
-print("\n".join(lines), flush=True)
-save()
+def summary(check: Check) -> str:
+    """The results as a table for the log."""
+    lines = ["", "=" * 100, f"gpu_check summary ({'DRY RUN, cpu' if check.dry else check.results['gpu']})", "=" * 100]
+    cb = check.results.get("copy_bandwidth", {})
+    lines.append(f"copy bandwidth (read+write): {fmt(cb.get('GBps'), '.1f')} GB/s {cb.get('error', '')}")
+    dk = check.results.get("decode_kernel", {})
+    if "error" in dk:
+        lines.append(f"decode kernel: ERROR {dk['error']}")
+    lines.append(f"{'B':>3} {'ctx':>6} {'kernel GB/s':>11} {'%copy':>6} {'kern us':>9} {'sdpa us':>9} {'x sdpa':>7} "
+                 f"{'flash us':>9} {'x flash':>7} {'maxdiff':>8}  note")
+    for c in dk.get("configs", []):
+        fl_s = c.get("flash_attn_s", c.get("sdpa_flash_s"))
+        fl_x = c.get("kernel_speedup_vs_flash_attn", c.get("kernel_speedup_vs_sdpa_flash"))
+        frac = c.get("kernel_fraction_of_copy_bw")
+        note = c.get("skipped") or c.get("error") or ""
+        if c["batch"] == 32 and c["context"] == 8192:
+            note += f" target >=70% copy bw: {'PASS' if frac and frac >= 0.70 else 'FAIL'}"
+        us = lambda s: None if s is None else s * 1e6  # noqa: E731
+        lines.append(f"{c['batch']:>3} {c['context']:>6} {fmt(c.get('kernel_GBps'), '.1f'):>11} "
+                     f"{fmt(None if frac is None else 100 * frac, '.1f'):>6} {fmt(us(c.get('kernel_s')), '.1f'):>9} "
+                     f"{fmt(us(c.get('sdpa_s')), '.1f'):>9} {fmt(c.get('kernel_speedup_vs_sdpa'), '.2f'):>7} "
+                     f"{fmt(us(fl_s), '.1f'):>9} {fmt(fl_x, '.2f'):>7} {fmt(c.get('max_abs_diff_vs_sdpa'), '.2g'):>8}  {note}")
+    e2e = check.results.get("end_to_end", {})
+    if "error" in e2e:
+        lines.append(f"end-to-end: ERROR {e2e['error']}")
+    else:
+        ratio = e2e.get("paged_over_dynamic_decode")
+        lines.append(f"end-to-end ctx={e2e.get('prompt_tokens')} +{e2e.get('new_tokens')}: paged "
+                     f"{fmt(e2e['paged']['decode_tokens_per_s'], '.1f')} tok/s (triton calls "
+                     f"{e2e['paged']['triton_kernel_calls_per_generate']}), dynamic+sdpa "
+                     f"{fmt(e2e['dynamic_sdpa']['decode_tokens_per_s'], '.1f')} tok/s, ratio {fmt(ratio, '.2f')} "
+                     f"(target >=1.0: {'PASS' if ratio and ratio >= 1.0 else 'FAIL'}), tokens match: "
+                     f"{e2e.get('tokens_match')} ({e2e.get('matching_prefix_tokens')}/{e2e.get('generated_tokens')})")
+    sp = check.results.get("split_model", {})
+    if "error" in sp:
+        lines.append(f"split model: ERROR {sp['error']}")
+    for key in ("accelerate_device_map", "manual_split"):
+        s = sp.get(key, {})
+        if "error" in s:
+            lines.append(f"split {key}: ERROR {s['error']}")
+        elif s:
+            lines.append(f"split {key}: paged keys per device {s.get('paged_cache_keys_device_per_layer')}; "
+                         f"tokens match DynamicCache: {s.get('tokens_match')}")
+            if key == "accelerate_device_map":
+                lines.append(f"    accelerate layers: {s.get('layers')}")
+    lines.append(f"JSON: {check.out / 'gpu_check.json'}")
+    return "\n".join(lines)
+
+
+PARTS = (copy_bandwidth, decode_kernel, end_to_end, split_model)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (hf_paged's kernels)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    check = Check(args)
+    for part in PARTS:
+        check.run(part)
+    print(summary(check), flush=True)
+
+
+if __name__ == "__main__":
+    main()

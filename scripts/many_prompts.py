@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.num_prompts, args.max_len, args.long_new, args.repeats = 4, 64, 16, 1
+        args.num_prompts, args.max_len, args.short_new, args.long_new, args.repeats = 4, 48, 4, 8, 1
         args.system_prompt = min(args.system_prompt, 32)
     return args
 
@@ -201,12 +201,13 @@ def markdown(result: dict) -> str:
              + (f" after a shared {s['system_prompt']}-token system prompt" if s["system_prompt"] else "")
              + f", {s['short_new']} or {s['long_new']} new tokens each, greedy; {result['threads']} thread(s), "
              f"load average {result['load_average']}, median of {s['repeats']}"
-             + (" (QUICK: a smoke test, not a measurement)" if s["quick"] else ""), "",
+             + (". Smoke test (--quick): checks that everything runs; its numbers are not results" if s["quick"] else ""),
+             "",
              "| system | tokens/s | vs dynamic | spread | time to first token | peak RSS growth | prefix pages "
              "reused | tokens equal to dynamic |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        noisy = " (noisy)" if r["spread"] > 0.2 else ""
-        lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} | {r['vs_dynamic']:.2f}x{noisy} | "
+        ratio = f"noisy ({r['spread']:.0%})" if r["spread"] > 0.2 else f"{r['vs_dynamic']:.2f}x"
+        lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} | {ratio} | "
                      f"{r['spread']:.0%} | {r['ttft_s']:.2f} s | {r['peak_mib']:+.0f} MiB | {r['prefix_hits']} | "
                      f"{r['equal_prompts']}/{s['num_prompts']} |")
     return "\n".join(lines) + "\n"

@@ -12,11 +12,11 @@ chunks of ``--chunk`` tokens (default: one page), with explicit ``position_ids``
 processed count; every next token is scored given what the cache still holds plus the chunk. Rows:
 DynamicCache (full), PagedCache unbounded (must equal full within ``--tolerance``), and for every
 ``--budgets`` value B (tokens, ``max_pages = B // page_size``): ``lru``, ``fifo+sinks``
-(``sink_pages`` = enough pages for 4 tokens) and ``fifo`` without sinks (``sink_pages=0``). Those
-rows need ``PagedCache(eviction=...)``; without it they read "n/a (eviction not available)".
+(``sink_pages`` = enough pages for 4 tokens) and ``fifo`` without sinks (``sink_pages=0``).
 
 Examples:
-    python scripts/perplexity.py --mode streaming                       # Britannica, 4096 tokens
+    python scripts/perplexity.py --mode streaming                       # Britannica, 2048 tokens (README)
+    python scripts/perplexity.py --quick                                # smoke test, 256 tokens
     python scripts/perplexity.py --mode strided --max-tokens 0          # the whole text
     python scripts/perplexity.py --dataset wikitext --config wikitext-2-raw-v1 --split test
     python scripts/perplexity.py --text-file notes.txt --model HuggingFaceTB/SmolLM2-360M
@@ -37,7 +37,6 @@ versions) and perplexity.png. Exit status 1 when a parity check fails or a row r
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -51,52 +50,53 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import hf_paged  # noqa: E402  (registers the "hf_paged" attention)
+from common import int_list, make_cache  # noqa: E402
 from hf_paged import assets  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NA_EVICTION = "n/a (eviction not available)"
 SINK_TOKENS = 4  # StreamingLLM keeps 4 attention-sink tokens
 POLICIES = ("lru", "fifo+sinks", "fifo")
+# What the README's table is made of, and what --quick shortens it to.
+DEFAULTS = dict(max_tokens=2048, budgets="128,256,512,1024")
+QUICK = dict(max_tokens=256, budgets="64,128")
 
 
 # ------------------------------------------------------------------------------------ arguments
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", choices=("strided", "streaming"), default="streaming")
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(assets.DTYPES), default="float32")
     p.add_argument("--dataset", default=None, help="datasets name or path; none: the embedded Britannica article")
     p.add_argument("--config", default=None, help="dataset config name")
     p.add_argument("--split", default="train")
     p.add_argument("--column", default="text")
     p.add_argument("--text-file", default=None, help="local text file, one document per paragraph")
-    p.add_argument("--max-tokens", type=int, default=4096, help="use the first N tokens of the text (0: all)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"use the first N tokens of the text (0: all; default {DEFAULTS['max_tokens']}, "
+                        f"--quick {QUICK['max_tokens']})")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--window", type=int, default=512, help="strided: tokens per window")
     p.add_argument("--stride", type=int, default=256, help="strided: window step (the scored tokens per window)")
     p.add_argument("--chunk", type=int, default=None, help="streaming: tokens per forward; none: one page")
-    p.add_argument("--budgets", type=_int_list, default="128,256,512,1024",
-                   help="streaming: KV budgets in tokens (max_pages = budget // page size)")
+    p.add_argument("--budgets", type=int_list, default=None,
+                   help=f"streaming: KV budgets in tokens, max_pages = budget // page size (default "
+                        f"{DEFAULTS['budgets']}, --quick {QUICK['budgets']})")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test (seconds, not a result): the --quick values of --max-tokens and --budgets")
     p.add_argument("--lru-threshold", type=float, default=None,
                    help="streaming: PagedCache(lru_threshold=...) for the lru rows; none: PagedCache's default")
     p.add_argument("--segment", type=int, default=512, help="streaming: also report perplexity per segment of N tokens")
     p.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the parity checks")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process; none: torch's default")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
-    p.add_argument("--out", default="results/perplexity", help="output folder")
+    p.add_argument("--out", default="runs/perplexity",
+                   help="output folder (git-ignored runs/; the README's reference results are in results/perplexity)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, int_list(value) if key == "budgets" else value)
     for name in ("page_size", "window", "stride", "segment"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -148,20 +148,8 @@ def load_token_ids(args, tokenizer) -> tuple[torch.Tensor, dict]:
 
 
 # ---------------------------------------------------------------------------------------- caches
-def eviction_available() -> bool:
-    return "eviction" in inspect.signature(hf_paged.PagedCache.__init__).parameters
-
-
 def sink_pages_for(page_size: int) -> int:
     return math.ceil(SINK_TOKENS / page_size)
-
-
-def make_cache(kind: str, model, page_size: int, max_pages=None, policy_kwargs=None):
-    if kind == "dynamic":
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config)
-    return hf_paged.PagedCache(page_size=page_size, max_pages=max_pages, config=model.config, **(policy_kwargs or {}))
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -244,7 +232,7 @@ def run_strided(args, state, models, ids, progress) -> dict:
 
 
 # ------------------------------------------------------------------------------------- streaming
-def streaming_configs(args, evict_ok: bool) -> list[dict]:
+def streaming_configs(args) -> list[dict]:
     configs = [
         dict(name="full", label="DynamicCache (full)", kind="dynamic", policy="full", budget=None, max_pages=None),
         dict(name="unbounded", label="PagedCache unbounded", kind="paged", policy="unbounded", budget=None,
@@ -254,14 +242,11 @@ def streaming_configs(args, evict_ok: bool) -> list[dict]:
     kwargs = {"lru": dict(eviction="lru", sink_pages=sinks), "fifo+sinks": dict(eviction="fifo", sink_pages=sinks),
               "fifo": dict(eviction="fifo", sink_pages=0)}
     if args.lru_threshold is not None:
-        if "lru_threshold" not in inspect.signature(hf_paged.PagedCache.__init__).parameters:
-            raise SystemExit("--lru-threshold: this PagedCache has no lru_threshold parameter")
         kwargs["lru"]["lru_threshold"] = args.lru_threshold
     for budget in args.budgets:
         for policy in POLICIES:
             configs.append(dict(name=f"{policy}@{budget}", label=f"PagedCache {policy}", kind="paged", policy=policy,
-                                budget=budget, max_pages=budget // args.page_size, policy_kwargs=kwargs[policy],
-                                available=evict_ok))
+                                budget=budget, max_pages=budget // args.page_size, policy_kwargs=kwargs[policy]))
     return configs
 
 
@@ -288,18 +273,17 @@ def run_streaming(args, state, models, ids, progress) -> dict:
 
     from hf_paged.distributed import deal
 
-    evict_ok = eviction_available()
-    configs = streaming_configs(args, evict_ok)
-    runnable = [(i, c) for i, c in enumerate(configs) if c.get("available", True)]
+    configs = streaming_configs(args)
     results = []
-    with state.split_between_processes(deal(runnable, state.num_processes)) as mine:  # round-robin
+    with state.split_between_processes(deal(list(enumerate(configs)), state.num_processes)) as mine:  # round-robin
         for idx, cfg in mine:
             res = dict(index=idx, rank=state.process_index)
             bar = progress(total=len(ids) - 1, desc=f"{cfg['name']} (rank {state.process_index})")
             t0 = time.perf_counter()
             try:
                 model = models[cfg["kind"]]
-                cache = make_cache(cfg["kind"], model, args.page_size, cfg["max_pages"], cfg.get("policy_kwargs"))
+                paged_kwargs = dict(max_pages=cfg["max_pages"], **cfg["policy_kwargs"]) if cfg["kind"] == "paged" else {}
+                cache = make_cache(cfg["kind"], model, args.page_size, **paged_kwargs)
                 nll = stream(model, cache, ids, args.chunk, state.device, bar)
             except Exception as exc:  # noqa: BLE001  a row that fails is reported, the others still run
                 res["error"] = f"{type(exc).__name__}: {exc}"
@@ -319,19 +303,16 @@ def run_streaming(args, state, models, ids, progress) -> dict:
     gathered = {r["index"]: r for r in gather_object(results)}
     rows = []
     for i, cfg in enumerate(configs):
-        row = {k: v for k, v in cfg.items() if k not in ("kind", "available")}
+        row = {k: v for k, v in cfg.items() if k != "kind"}
         row["cache"] = "DynamicCache" if cfg["kind"] == "dynamic" else "PagedCache"
         row["attn_implementation"] = "sdpa" if cfg["kind"] == "dynamic" else "hf_paged"
-        if not cfg.get("available", True):
-            row["status"] = NA_EVICTION
+        res = gathered[i]
+        row.update({k: v for k, v in res.items() if k != "index"})
+        if "error" in res:
+            row["status"] = "error"
         else:
-            res = gathered[i]
-            row.update({k: v for k, v in res.items() if k != "index"})
-            if "error" in res:
-                row["status"] = "error"
-            else:
-                row["status"] = "ok"
-                row["perplexity"] = ppl(res["nll_sum"], res["tokens"])
+            row["status"] = "ok"
+            row["perplexity"] = ppl(res["nll_sum"], res["tokens"])
         rows.append(row)
     full = rows[0].get("perplexity")
     for row in rows:
@@ -341,8 +322,7 @@ def run_streaming(args, state, models, ids, progress) -> dict:
     rel = relative_diff(unb, full) if unb is not None and full is not None else float("nan")
     parity = dict(compare="PagedCache unbounded vs DynamicCache (full)", relative_diff=rel,
                   tolerance=args.tolerance, ok=bool(rel <= args.tolerance))
-    return dict(rows=rows, parity=parity, eviction_available=evict_ok,
-                sink_pages=sink_pages_for(args.page_size))
+    return dict(rows=rows, parity=parity, sink_pages=sink_pages_for(args.page_size))
 
 
 def _tokens_held(cache) -> int:
@@ -361,6 +341,9 @@ def markdown(report: dict) -> str:
     s, r = report["settings"], report["result"]
     text = report["text"]
     lines = [f"# Perplexity ({s['mode']}): {s['model']}, {text['tokens']} tokens of {text['source']}", ""]
+    if s.get("quick"):
+        lines += ["**Smoke test (`--quick`): a short text and small budgets, to check that everything runs; "
+                  "these numbers are not results.**", ""]
     if s["mode"] == "strided":
         lines += [f"Window {s['window']}, stride {s['stride']} ({len(r['windows'])} windows, a fresh cache per "
                   f"window), page size {s['page_size']}, {s['dtype']}, {s['num_processes']} process(es).", "",
@@ -384,7 +367,7 @@ def markdown(report: dict) -> str:
                 ev = str(row["stats"]["evictions"]) if "stats" in row else "—"
                 held, wall = str(row["tokens_held"]), f"{row['wall_s']:.1f}"
             else:
-                value = NA_EVICTION if row["status"] == NA_EVICTION else f"error: {row['error']}"
+                value = f"error: {row['error']}"
                 vs = ev = held = wall = "—"
             lines.append(f"| {row['cache']} | {row['policy']} | {budget} | {pages} | {value} | {vs} | {ev} | "
                          f"{held} | {wall} |")
@@ -401,7 +384,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s, r = report["settings"], report["result"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     if s["mode"] == "strided":
         starts = [w["begin"] for w in r["windows"]]
         for kind, style in (("dynamic", "-o"), ("paged", "--x")):
@@ -413,28 +396,44 @@ def plot(report: dict, path: Path) -> None:
     else:
         rows = r["rows"]
         full, unb = rows[0], rows[1]
-        if full["status"] == "ok":
-            ax.axhline(full["perplexity"], color="black", lw=1.5, label=f"full cache ({full['perplexity']:.3f})")
-        if unb["status"] == "ok":
-            ax.axhline(unb["perplexity"], color="grey", lw=1, ls=":", label="PagedCache unbounded")
+        if full["status"] == unb["status"] == "ok" and r["parity"]["ok"]:  # one line, said to be both
+            ax.axhline(full["perplexity"], color="black", lw=1.5,
+                       label=f"full cache: DynamicCache = PagedCache unbounded ({full['perplexity']:.3f}, "
+                             f"rel. diff {r['parity']['relative_diff']:.0e})")
+        else:
+            for row, style in ((full, "-"), (unb, ":")):
+                if row["status"] == "ok":
+                    ax.axhline(row["perplexity"], color="black", lw=1.5, ls=style,
+                               label=f"{row['label']} ({row['perplexity']:.3f})")
         legend = {"lru": "lru", "fifo+sinks": f"fifo + {r['sink_pages']} sink page(s)", "fifo": "fifo, no sinks"}
-        for policy, marker, ls, size in zip(POLICIES, "osd", ("-", "--", ":"), (9, 6, 6)):
+        styles = {"lru": dict(marker="o", ls="-", color="tab:blue"), "fifo+sinks": dict(marker="s", ls="--", color="tab:orange"),
+                  "fifo": dict(marker="^", ls=":", color="tab:green")}
+        curves = {}
+        for i, policy in enumerate(POLICIES):
             pts = [(row["budget"], row["perplexity"]) for row in rows if row["policy"] == policy and row["status"] == "ok"]
-            if pts:  # lines that coincide stay visible: large hollow markers under small filled ones
-                ax.plot(*zip(*pts), marker=marker, ls=ls, ms=size, mfc="none" if size > 6 else None,
-                        label=legend[policy])
-        if not r["eviction_available"]:
-            ax.text(0.5, 0.3, NA_EVICTION, transform=ax.transAxes, ha="center", va="center", color="grey")
+            if pts:  # nudged sideways so that lines that coincide stay visible
+                curves[policy] = dict(pts)
+                ax.plot([b * 2 ** (0.04 * (i - 1)) for b, _ in pts], [y for _, y in pts], ms=7, label=legend[policy],
+                        **styles[policy])
+        near = [b for b in curves.get("lru", {}) if b in curves.get("fifo+sinks", {})]
+        if near:
+            gap = max(abs(curves["lru"][b] / curves["fifo+sinks"][b] - 1) for b in near)
+            if gap < 0.05:
+                top = max(curves["lru"][near[0]], curves["fifo+sinks"][near[0]])
+                ax.annotate(f"lru and fifo+sinks within {100 * gap:.1f}%\nof each other at every budget",
+                            (near[0], top), textcoords="offset points", xytext=(10, 18), fontsize=8,
+                            arrowprops=dict(arrowstyle="-", color="grey"))
         ax.set_xscale("log", base=2)
         ax.set_xticks(s["budgets"], [str(b) for b in s["budgets"]])
         ax.set_xlim(min(s["budgets"]) / 1.3, max(s["budgets"]) * 1.3)
         ax.set_xlabel("KV budget (tokens)")
         ax.set_ylabel("perplexity")
-        ax.set_title(f"Streaming perplexity, {report['text']['tokens']} tokens, chunk {s['chunk']}")
+        ax.set_title(("SMOKE TEST, not a result: " if s.get("quick") else "")
+                     + f"Streaming perplexity, {report['text']['tokens']} tokens, chunk {s['chunk']}")
         ys = [row["perplexity"] for row in rows if row["status"] == "ok"]
         if ys and max(ys) > 8 * min(ys):
             ax.set_yscale("log")
-    ax.legend()
+    ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -484,7 +483,7 @@ def main(argv=None) -> int:
         models, tokenizer = {}, None
         for kind, attn in (("dynamic", "sdpa"), ("paged", hf_paged.ATTN_IMPLEMENTATION)):
             models[kind], tokenizer = assets.load_model_and_tokenizer(
-                args.model, dtype=DTYPES[args.dtype], device=state.device, attn_implementation=attn)
+                args.model, dtype=assets.DTYPES[args.dtype], device=state.device, attn_implementation=attn)
         ids, text_info = load_token_ids(args, tokenizer)
     if len(ids) < 2:
         raise SystemExit(f"the text has {len(ids)} token(s): nothing to score")

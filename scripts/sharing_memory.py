@@ -38,7 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ATTN = {"dynamic": "sdpa", "paged": "hf_paged"}
+from common import ATTN, dynamic_kv_bytes, make_cache, mib, use_attention  # noqa: E402
+
 TARGETS = {"beam": 0.35, "sample": 0.2}
 
 
@@ -65,11 +66,6 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
-
-
-def dynamic_kv_bytes(cache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
-               if layer.is_initialized and layer.keys is not None)
 
 
 def kv_bytes(cache) -> tuple[int, int]:
@@ -109,27 +105,11 @@ def cache_rows(cache) -> int:
     return cache.layers[0].keys.shape[0]
 
 
-def make_cache(kind: str, model, page_size: int):
-    import transformers
-
-    import hf_paged
-
-    if kind == "dynamic":
-        return transformers.DynamicCache(config=model.config)
-    return hf_paged.PagedCache(page_size=page_size, config=model.config)
-
-
-def use(model, kind: str) -> None:
-    model.set_attn_implementation(ATTN[kind])
-    if model.config._attn_implementation != ATTN[kind]:
-        raise RuntimeError(f"could not switch the model to attn_implementation={ATTN[kind]!r}")
-
-
 def run_generate(model, kind, inputs, gen: dict, args, tqdm, label: str) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
-    use(model, kind)
+    use_attention(model, kind)
     cache = make_cache(kind, model, args.page_size)
     with tqdm(total=args.new_tokens, desc=f"{label} {kind}", disable=args.no_progress, leave=False,
               file=sys.stderr) as bar:
@@ -167,7 +147,7 @@ def scenario_fork(model, inputs, args) -> dict:
     mask = torch.cat([inputs["attention_mask"], torch.ones(rows, 1, dtype=torch.long)], 1)
     out, logits = {}, {}
     for kind in ATTN:
-        use(model, kind)
+        use_attention(model, kind)
         cache = make_cache(kind, model, args.page_size)
         with torch.no_grad():
             model(**inputs, cache=cache)
@@ -189,10 +169,6 @@ def scenario_fork(model, inputs, args) -> dict:
     return out
 
 
-def _mib(b) -> str:
-    return f"{b / 2**20:.2f}"
-
-
 def markdown_table(result: dict) -> str:
     s = result["settings"]
     head = ("| scenario | cache rows | DynamicCache KV MiB | PagedCache KV MiB | paged / dynamic | target "
@@ -205,9 +181,9 @@ def markdown_table(result: dict) -> str:
         for when in ("end", "peak"):
             ratio = r[f"ratio_{when}"]
             lines.append(
-                f"| {title}, {when} | {p['rows']} | {_mib(d[f'kv_bytes_{when}'])} | {_mib(p[f'kv_bytes_{when}'])} "
+                f"| {title}, {when} | {p['rows']} | {mib(d[f'kv_bytes_{when}'], 2)} | {mib(p[f'kv_bytes_{when}'], 2)} "
                 f"| {ratio:.3f} | <= {TARGETS[key]} | {'yes' if ratio <= TARGETS[key] else 'NO'} "
-                f"| {_mib(p[f'pool_bytes_{when}'])} | {'yes' if r['tokens_match'] else 'NO'} |")
+                f"| {mib(p[f'pool_bytes_{when}'], 2)} | {'yes' if r['tokens_match'] else 'NO'} |")
     f = result["fork"]
     target = f["target_bytes"]
     for when, title in (("extra_after_fork", "right after the fork"),
@@ -215,8 +191,8 @@ def markdown_table(result: dict) -> str:
         d, p = f["dynamic"][when], f["paged"][when]
         ratio = p / d if d else float("nan")
         lines.append(
-            f"| (c) fork of a {s['prompt_tokens']}-token prompt cache: extra KV {title} | {f['rows']} | {_mib(d)} "
-            f"(deepcopy) | {_mib(p)} (fork) | {ratio:.4f} | <= {f['rows']} page(s) = {target / 2**10:.0f} KiB "
+            f"| (c) fork of a {s['prompt_tokens']}-token prompt cache: extra KV {title} | {f['rows']} | {mib(d, 2)} "
+            f"(deepcopy) | {mib(p, 2)} (fork) | {ratio:.4f} | <= {f['rows']} page(s) = {target / 2**10:.0f} KiB "
             f"| {'yes' if p <= target else 'NO'} | - | {'yes' if f['logits_match'] else 'NO'} (logits) |")
     return "\n".join(lines)
 

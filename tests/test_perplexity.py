@@ -126,16 +126,10 @@ def test_streaming_unbounded_matches_full(streaming, reference):
     nll, count = direct_nll(model, ids)
     assert rel(full["perplexity"], math.exp(nll / count)) <= TOL
     assert set(rows) == {"full", "unbounded"} | {f"{p}@{b}" for p in ("lru", "fifo+sinks", "fifo") for b in (64, 128)}
-    if not report["result"]["eviction_available"]:
-        assert rc == 0
-        assert "n/a (eviction not available)" in (out / "perplexity.md").read_text()
 
 
-def test_streaming_eviction_policies(streaming, script):
+def test_streaming_eviction_policies(streaming):
     rc, out, report = streaming
-    if not script.eviction_available():
-        pytest.skip("eviction not available: PagedCache.__init__ has no `eviction` parameter yet")
-    assert report["result"]["eviction_available"]
     rows = [row for row in report["result"]["rows"] if row["budget"] is not None]
     assert len(rows) == 6
     errors = {row["name"]: row.get("error") for row in rows if row["status"] != "ok"}
@@ -160,10 +154,21 @@ def test_evaluate_metric_matches_dynamic_cache(reference):
     got = metric.compute(predictions=TEXTS, model_id="smollm2", page_size=16, batch_size=2)
     assert set(got) == {"perplexities", "mean_perplexity"}
     model, tok = reference
-    want = []
-    for text in TEXTS:
-        nll, count = direct_nll(model, tok(text, return_tensors="pt").input_ids[0])
-        want.append(math.exp(nll / count))
+
+    def want_ppl(start_token: bool) -> list[float]:
+        out = []
+        for text in TEXTS:
+            ids = tok(text, return_tensors="pt").input_ids[0]
+            if start_token:  # the default, as in evaluate's "perplexity": BOS first, every text token scored
+                ids = torch.cat([torch.tensor([tok.bos_token_id]), ids])
+            nll, count = direct_nll(model, ids)
+            out.append(math.exp(nll / count))
+        return out
+
+    no_start = metric.compute(predictions=TEXTS, page_size=16, batch_size=2, add_start_token=False)
+    for g, w in zip(no_start["perplexities"], want_ppl(False)):
+        assert rel(g, w) <= TOL
+    want = want_ppl(True)
     assert len(got["perplexities"]) == 2
     for g, w in zip(got["perplexities"], want):
         assert rel(g, w) <= TOL

@@ -8,8 +8,9 @@ must keep the folder's name), with hf_paged installed:
     metric.compute(predictions=["The first text.", "Another one."], model_id="smollm2")
     # {"perplexities": [...], "mean_perplexity": ...}
 
-Each text is tokenized on its own (the tokenizer's own special tokens; ``add_start_token=True``
-prepends BOS), cut to ``max_length`` tokens, and every token after the first is scored. Texts are
+Each text is tokenized on its own (the tokenizer's own special tokens; ``add_start_token=True``, the
+default as in evaluate's "perplexity" metric, prepends BOS so that the text's first token is scored
+too), cut to ``max_length`` tokens, and every token after the first is scored. Texts are
 batched ``batch_size`` at a time, right-padded (a real token never attends to a pad, so padding
 changes nothing), through one ``PagedCache(page_size, max_pages, eviction=...)`` per batch on a
 model loaded with ``attn_implementation="hf_paged"``:
@@ -48,7 +49,8 @@ Args:
     chunk_size (int or None): tokens per forward (None: the whole batch when unbounded, one page when bounded).
     batch_size (int): texts per forward (default 8).
     max_length (int or None): keep the first max_length tokens of each text (None: all).
-    add_start_token (bool): prepend the tokenizer's BOS token, so that the first real token is scored too.
+    add_start_token (bool): prepend the tokenizer's BOS token, so that the first real token is scored too
+        (default True, as in evaluate's "perplexity" metric; False for a tokenizer without BOS).
     device (str or None): default "cuda" when available, else "cpu".
     dtype (str): "float32" (default), "bfloat16" or "float16".
 Returns:
@@ -56,14 +58,13 @@ Returns:
     mean_perplexity (float): their mean.
 """
 _CITATION = ""
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODELS = {}
 
 
 def _load(model_id, device, dtype):
     key = (model_id, device, dtype)
     if key not in _MODELS:
-        _MODELS[key] = assets.load_model_and_tokenizer(model_id, dtype=_DTYPES[dtype], device=device,
+        _MODELS[key] = assets.load_model_and_tokenizer(model_id, dtype=assets.DTYPES[dtype], device=device,
                                                        attn_implementation=hf_paged.ATTN_IMPLEMENTATION)
     return _MODELS[key]
 
@@ -80,21 +81,14 @@ class PerplexityMetric(evaluate.Metric):
         )
 
     def _compute(self, predictions, model_id="smollm2", page_size=16, max_pages=None, eviction=None,
-                 batch_size=8, max_length=None, add_start_token=False, sink_pages=None, recent_pages=None,
+                 batch_size=8, max_length=None, add_start_token=True, sink_pages=None, recent_pages=None,
                  lru_threshold=None, chunk_size=None, device=None, dtype="float32"):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in assets.DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(assets.DTYPES)}, got {dtype!r}")
         policy = dict(eviction=eviction, sink_pages=sink_pages, recent_pages=recent_pages, lru_threshold=lru_threshold)
         policy = {k: v for k, v in policy.items() if v is not None}
-        if policy:
-            import inspect
-
-            accepted = inspect.signature(hf_paged.PagedCache.__init__).parameters
-            missing = [k for k in policy if k not in accepted]
-            if missing:
-                raise ValueError(f"this hf_paged's PagedCache does not accept {missing}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = _load(model_id, device, dtype)
 
@@ -103,7 +97,7 @@ class PerplexityMetric(evaluate.Metric):
             ids = tokenizer(text, verbose=False).input_ids
             if add_start_token:
                 if tokenizer.bos_token_id is None:
-                    raise ValueError("add_start_token=True but the tokenizer has no BOS token")
+                    raise ValueError("add_start_token=True but the tokenizer has no BOS token: pass add_start_token=False")
                 if not ids or ids[0] != tokenizer.bos_token_id:
                     ids = [tokenizer.bos_token_id] + ids
             if max_length is not None:
