@@ -10,9 +10,10 @@ reads keys and values from pages in place.
 
 from .attention import paged_attention_forward, register
 from .block_manager import BlockManager
-from .cache import ATTN_IMPLEMENTATION, CACHE_KWARG, PagedCache
+from .cache import PagedCache
 from .continuous_batching import generate_many, stream_many
 from .errors import CacheUsageError, PagePoolExhausted
+from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .ragged_cache import RaggedCache
 
 register()

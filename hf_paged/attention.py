@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from .cache import ATTN_IMPLEMENTATION
 from .kernels import cpu_paged_attention as cpu_kernel
+from .model_config import ATTN_IMPLEMENTATION
 from .paged_kv import PagedKV
 from .ragged_cache import RaggedKV, RaggedStep
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import threading
 
@@ -15,22 +14,11 @@ from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
+from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG, layer_windows
 from .page_group import PageGroup
 from .paged_kv import warn_gathered_pages
-from .prefix_cache import TokenLog, install_hook, model_fingerprint, page_hashes, step_inputs
-
-ATTN_IMPLEMENTATION = "hf_paged"
-
-
-def _cache_keyword() -> str:
-    """How `generate` and model forwards take a cache: ``cache=`` (transformers >= 5.2x), else ``past_key_values=``."""
-    from transformers.models.llama.modeling_llama import LlamaModel
-
-    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
-
-
-CACHE_KWARG = _cache_keyword()  # e.g. model.generate(**inputs, **{hf_paged.CACHE_KWARG: cache})
-
+from .prefix_cache import TokenLog, model_fingerprint, page_hashes, step_inputs
+from .prefix_hook import PrefixHook
 
 MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
 
@@ -56,31 +44,6 @@ def _check_arguments(config, model, lru_threshold) -> None:
                                                                                     PretrainedConfig)):
         raise CacheUsageError(f"model must be a transformers model (a torch.nn.Module with a .config), "
                               f"got {type(model).__name__}.")
-
-
-def layer_windows(config) -> list[int | None]:
-    """Per decoder layer: how many recent tokens it may attend (None: every token).
-
-    A ``chunked_attention`` layer (Llama 4) attends within its chunk of ``attention_chunk_size``
-    tokens, so, as transformers' own caches do, it keeps a window of that size; the mask (built by
-    transformers) restricts it to the chunk.
-    """
-    text_config = config.get_text_config(decoder=True)
-    num_layers = text_config.num_hidden_layers
-    layer_types = getattr(text_config, "layer_types", None)
-    window = getattr(text_config, "sliding_window", None)
-    chunk = getattr(text_config, "attention_chunk_size", None)
-    if layer_types is None:
-        return [window or chunk] * num_layers
-    unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention",
-                                                               "chunked_attention")})
-    if unsupported:
-        raise CacheUsageError(
-            f"PagedCache supports attention layers only; this model has layer types {unsupported}. "
-            "Use transformers' DynamicCache for it."
-        )
-    by_type = {"sliding_attention": window, "chunked_attention": chunk}
-    return [by_type.get(t) for t in layer_types]
 
 
 class PagedCache(Cache):
@@ -124,10 +87,11 @@ class PagedCache(Cache):
         self._claim = threading.Lock()
         self.config = None
         self.token_log: TokenLog | None = None
+        self.prefix_hook: PrefixHook | None = None
         if model is not None:
             config = config or model.config
             self.token_log = TokenLog(page_size)
-            install_hook(model)
+            self.prefix_hook = PrefixHook(self, model)
         if config is not None:
             self.bind_config(config)
 
@@ -302,9 +266,25 @@ class PagedCache(Cache):
         twin.config = self.config
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
+            twin.prefix_hook = PrefixHook(twin, self.prefix_hook.model())
         twin.groups = {w: g.fork() for w, g in self.groups.items()}
         twin.layers = [layer.fork(twin.groups[layer.group.sliding_window]) for layer in self.layers]
         return twin
+
+    def unbind(self) -> None:
+        """Stop prefix caching: the hook leaves the model, the token log goes; pages stay as they are."""
+        if self.prefix_hook is not None:
+            self.prefix_hook.remove()
+        self.prefix_hook = self.token_log = None
+
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Run ``model`` on a prompt with this bound cache, reusing its cached prefix pages explicitly:
+        only the tokens after the reused pages are computed, and the output holds the logits of the
+        last token (what ``generate`` asks for). Returns the model output."""
+        if self.prefix_hook is None or self.prefix_hook.model() is not model:
+            raise CacheUsageError("prefill() needs a cache bound to this model: PagedCache(model=model).")
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+                     **{CACHE_KWARG: self}, **kwargs)
 
     def __deepcopy__(self, memo) -> "PagedCache":
         return self.fork()
@@ -321,15 +301,8 @@ class PagedCache(Cache):
         self.commit()
         if self.token_log is not None and self.token_log.tokens:
             self.token_log.remap(rows_for(range(len(self.token_log.tokens))))
-        for group in (g for g in self.groups.values() if g.rows):  # an empty cache has no rows to remap
-            old = group.rows
-            new = [list(r) for r in rows_for(old)]
-            for r in new:
-                group.manager.share_row(r)
-            for r in old:
-                group.manager.release_row(r)
-            group.rows = new
-            group.step = None
+        for group in self.groups.values():
+            group.remap(rows_for)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b becomes old row ``beam_idx[b]``; pages are shared, copied on write."""
@@ -379,17 +352,6 @@ class PagedCache(Cache):
         out = dict(page_size=self.page_size, pages_total=0, pages_used=0, pages_free=0, pages_cached=0,
                    tokens_stored=0, kv_bytes=0, pool_bytes=0, evictions=0, prefix_hits=0)
         for group in self.groups.values():
-            m = group.manager
-            out["pages_total"] += m.num_pages
-            out["pages_used"] += m.num_used
-            out["pages_free"] += len(m.free)
-            out["pages_cached"] += len(m.cached)
-            out["tokens_stored"] += group.tokens_stored()
-            out["evictions"] += group.evictions
-            out["prefix_hits"] += group.prefix_hits
-            for layer in group.layers:
-                if layer.is_initialized:
-                    page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
-                    out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
-                    out["pool_bytes"] += page_bytes * layer.keys.shape[0]
+            for key, value in group.stats().items():
+                out[key] += value
         return out

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .cache import ATTN_IMPLEMENTATION, CACHE_KWARG
+from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .prefix_cache import model_fingerprint
 from .ragged_cache import RaggedCache

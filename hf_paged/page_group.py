@@ -14,6 +14,7 @@ Invariants between steps:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -87,11 +88,9 @@ class StepPlan:
         moved = self._on_device.get(device)
         if moved is None:
             move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-            moved = StepPlan(
-                self.batch_size, self.q_len, self.past, self.num_tokens, self.first_pos,
-                move(self.table), move(self.slots), move(self.copy_src), move(self.copy_dst), self.slab,
-                self.page_size, self.same_as, move(self.read_table), move(self.read_pos),
-            )
+            moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots), copy_src=move(self.copy_src),
+                                        copy_dst=move(self.copy_dst), read_table=move(self.read_table),
+                                        read_pos=move(self.read_pos), usage=None, _on_device={})
             self._on_device[device] = moved
         return moved
 
@@ -193,6 +192,31 @@ class PageGroup:
         self.prefix_hits += len(needed) * len(self.rows)
 
     # ------------------------------------------------------------- row edits
+    def remap(self, rows_for) -> None:
+        """Rows become ``rows_for(old rows)`` (reordered, repeated or selected), sharing pages (no K/V copy)."""
+        self.commit()
+        if not self.rows:  # an empty group has no rows to remap
+            return
+        new = [list(r) for r in rows_for(self.rows)]
+        for r in new:
+            self.manager.share_row(r)
+        for r in self.rows:
+            self.manager.release_row(r)
+        self.rows, self.step = new, None
+
+    def stats(self) -> dict:
+        """This group's page accounting, and the K/V bytes of its layers' used + cached pages and pools."""
+        m = self.manager
+        out = dict(pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free), pages_cached=len(m.cached),
+                   tokens_stored=self.tokens_stored(), kv_bytes=0, pool_bytes=0, evictions=self.evictions,
+                   prefix_hits=self.prefix_hits)
+        for layer in self.layers:
+            if layer.is_initialized:
+                page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
+                out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
+                out["pool_bytes"] += page_bytes * layer.keys.shape[0]
+        return out
+
     def clear(self) -> None:
         """Release every row (tail first); the group is empty afterwards."""
         self.commit()

@@ -1,7 +1,7 @@
 """Prefix caching: content hashes of full pages, and the model hook that reuses them.
 
 A cache bound to a model (``PagedCache(model=model)``) sees every forward's ``input_ids``,
-``attention_mask`` and ``position_ids`` through a forward pre-hook. It logs them per row, so each
+``attention_mask`` and ``position_ids`` through a forward pre-hook (`hf_paged.prefix_hook`). It logs them per row, so each
 full page gets a chained content hash: ``h_i = sha256(h_{i-1} || tokens_i || positions_i || mask_i)``.
 A page's K/V depend on everything before it (the chain), on its tokens' positions (RoPE,
 learned position embeddings: left padding shifts them) and on the mask (what earlier tokens see).
@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
-_HOOKED = "_hf_paged_prefix_hook"
 
 
 def page_hashes(tokens: list[int], mask: list[int], positions: list[int], page_size: int, start: int,
@@ -127,40 +125,3 @@ class TokenLog:
 
     def clear(self) -> None:
         self.tokens, self.mask, self.positions, self.hashes = [], [], [], []
-
-
-def _prefix_hook(module, args, kwargs):
-    """Forward pre-hook: log tokens for a bound PagedCache; reuse cached prefix pages on an empty one."""
-    from .cache import PagedCache
-
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(cache, PagedCache) or cache.token_log is None or input_ids is None:
-        return None
-    attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    check_hashable(attention_mask, position_ids)  # before any change
-    cache.commit()  # hash the pages filled by the previous step before this one can free them
-    cache.token_log.truncate(cache.get_seq_length())  # a forward that failed before any layer ran
-    if cache.get_seq_length() == 0:
-        cache.token_log.root = cache.fingerprint(module)
-        logits_to_keep = kwargs.get("logits_to_keep", 0)
-        reused = cache.reuse_prefix(input_ids, attention_mask, position_ids, logits_to_keep)
-        if reused:
-            kwargs["input_ids"], args = input_ids[:, reused:], ()
-            for name in ("position_ids", "cache_position"):
-                value = kwargs.get(name)
-                if torch.is_tensor(value) and value.shape[-1] == input_ids.shape[1]:
-                    kwargs[name] = value[..., reused:]
-            if torch.is_tensor(logits_to_keep):  # indices into the sequence: they shift with it
-                kwargs["logits_to_keep"] = logits_to_keep - reused
-            input_ids = input_ids[:, reused:]
-            position_ids = None if position_ids is None else position_ids[..., reused:]
-    cache.token_log.extend(input_ids, attention_mask, position_ids)
-    return args, kwargs
-
-
-def install_hook(model: torch.nn.Module) -> None:
-    """Register the prefix hook on ``model`` once (it acts only on bound PagedCaches)."""
-    if not getattr(model, _HOOKED, False):
-        model.register_forward_pre_hook(_prefix_hook, with_kwargs=True)
-        setattr(model, _HOOKED, True)

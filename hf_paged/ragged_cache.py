@@ -24,10 +24,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_manager import BlockManager
-from .cache import layer_windows
 from .cache_layer import PagePool
 from .errors import CacheUsageError
 from .kernels.arguments import mark_checked
+from .model_config import layer_windows
 
 
 @dataclass
@@ -177,6 +177,10 @@ class RaggedCache(Cache):
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None):
+        layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
+        if "chunked_attention" in layer_types:
+            raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
+                                  "model.generate with a PagedCache for this model.")
         self.page_size, self.backend = page_size, backend
         self.manager = BlockManager(page_size, max_pages)
         super().__init__(layers=[RaggedLayer(self, i, w) for i, w in enumerate(layer_windows(config))])
