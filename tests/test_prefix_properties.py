@@ -108,10 +108,12 @@ class PrefixMachine(RuleBasedStateMachine):
     # ----------------------------------------------------------------------- rules
     @rule(data=st.data())
     def generate_on_an_empty_cache(self, data):
+        """A new batch: on an empty cache (another one is reset first)."""
         empty = [i for i in sorted(self.caches) if self.rows[i] is None]
-        if not empty:
-            return
-        cid = data.draw(st.sampled_from(empty), label="cache")
+        cid = data.draw(st.sampled_from(empty or sorted(self.caches)), label="cache")
+        if self.rows[cid] is not None:
+            self.caches[cid].reset()
+            self.rows[cid] = None
         prompt = self._prompt(data)
         speculative = ["lookup", "assistant"] if prompt.shape[0] == 1 else []  # transformers: one row only
         mode = data.draw(st.sampled_from(["greedy", "beams", "samples", *speculative]), label="mode")
@@ -199,5 +201,5 @@ class PrefixMachine(RuleBasedStateMachine):
 
 
 TestPrefixMachine = PrefixMachine.TestCase
-TestPrefixMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None, derandomize=True,
+TestPrefixMachine.settings = settings(max_examples=50, stateful_step_count=15, deadline=None, derandomize=True,
                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
