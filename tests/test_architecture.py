@@ -1,0 +1,83 @@
+"""Structure the package keeps: no import cycles, attention independent of the cache, a prefix hook that
+can be removed, and an explicit prefill beside the transparent generate path."""
+
+from __future__ import annotations
+
+import ast
+import gc
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from tiny_models import make_pair
+
+PACKAGE = Path(hf_paged.__file__).parent
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> package modules it imports anywhere, in functions too (relative imports of hf_paged)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        package = name.rsplit(".", 1)[0] if "." in name else ""
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if package else []
+                target = ".".join([*filter(None, base), *(node.module.split(".") if node.module else [])])
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph()
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in graph.get(module, ()):
+            assert state.get(target) != "open", f"import cycle: {' -> '.join([*path, target])}"
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_attention_does_not_import_the_cache():
+    assert "cache" not in import_graph()["attention"]
+
+
+def test_unbind_and_garbage_collection_remove_the_prefix_hook():
+    _, paged = make_pair("llama")
+    hooks = len(paged._forward_pre_hooks)
+    cache = hf_paged.PagedCache(page_size=4, model=paged)
+    assert len(paged._forward_pre_hooks) == hooks + 1
+    cache.unbind()
+    assert len(paged._forward_pre_hooks) == hooks and cache.token_log is None
+    paged(torch.tensor([[5, 6, 7, 8, 9]]), **{hf_paged.CACHE_KWARG: cache})  # still a working, unbound cache
+    assert cache.get_seq_length() == 5
+    bound = hf_paged.PagedCache(page_size=4, model=paged)
+    bound.fork()  # a fork holds its own hook, dropped with it
+    del bound
+    gc.collect()
+    assert len(paged._forward_pre_hooks) == hooks
+
+
+def test_prefill_reuses_pages_explicitly_and_a_plain_forward_computes_every_token():
+    ref, paged = make_pair("llama")
+    prompt = torch.randint(3, 96, (1, 14), generator=torch.Generator().manual_seed(3))
+    cache = hf_paged.PagedCache(page_size=4, model=paged)
+    full = paged(prompt, **{hf_paged.CACHE_KWARG: cache}).logits
+    assert full.shape[1] == 14  # logits_to_keep=0 asks for every token: nothing trimmed
+    cache.reset()
+    out = cache.prefill(paged, prompt)
+    assert cache.stats()["prefix_hits"] == 3  # pages 0-2 reused; the last token (page 3) computed
+    want = ref(prompt, **{hf_paged.CACHE_KWARG: DynamicCache()}).logits[:, -1:]
+    torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(full, ref(prompt).logits, rtol=1e-4, atol=1e-4)
