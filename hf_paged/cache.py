@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
-from .eviction import DEFAULT_POLICY, EvictionPolicy
+from .eviction import EvictionPolicy, default_policy
 from .page_group import PageGroup
 from .prefix_cache import TokenLog, install_hook, page_hashes
 
@@ -65,8 +65,8 @@ class PagedCache(Cache):
         backend: "cpu" (the C kernel, for CPU tensors), "triton" (the Triton kernel; CUDA, or CPU with
             TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
             on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
-        eviction: what a bounded pool does when full: "score" (default), "lru", "fifo" or "error"
-            (raise `PagePoolExhausted`); see `hf_paged.eviction`.
+        eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise
+            `PagePoolExhausted`); default "fifo", or "score" with ``compress_prompt``; see `hf_paged.eviction`.
         sink_pages / recent_pages: pages never evicted at the start / end of each row.
         lru_threshold: "lru" counts a page as used in a step when its attention share is at least
             this multiple of an even share.
@@ -82,7 +82,7 @@ class PagedCache(Cache):
     """
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
-                 model=None, eviction: str = DEFAULT_POLICY, sink_pages: int = 1, recent_pages: int = 1,
+                 model=None, eviction: str | None = None, sink_pages: int = 1, recent_pages: int = 1,
                  lru_threshold: float = 1.0, score_decay: float = 0.9, observation_window: int = 32,
                  compress_prompt: bool = False):
         _check_positive_int("page_size", page_size)
@@ -90,8 +90,8 @@ class PagedCache(Cache):
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
-        self.policy = EvictionPolicy(eviction, sink_pages, recent_pages, lru_threshold, score_decay,
-                                     observation_window, compress_prompt)
+        self.policy = EvictionPolicy(eviction or default_policy(compress_prompt), sink_pages, recent_pages,
+                                     lru_threshold, score_decay, observation_window, compress_prompt)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages

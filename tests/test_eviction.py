@@ -244,3 +244,26 @@ def test_soak_bounded_cache_with_forks_and_resets(llama):
     assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
     assert (stats["pages_total"], stats["pool_bytes"]) == baseline  # memory stopped growing
     assert stats["pages_total"] <= 12  # and stays within the bound
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_holes_left_by_eviction_are_exactly_masked_out(llama, backend):
+    """After evicting pages from the middle of a row, a step attends exactly the kept tokens: the same as the
+    reference model with a mask hiding the evicted positions."""
+    ref, paged = llama
+    ids = torch.randint(3, 96, (1, 13), generator=torch.Generator().manual_seed(1))
+    cache = hf_paged.PagedCache(page_size=2, max_pages=16, config=paged.config, backend=backend)
+    paged(input_ids=ids[:, :12], cache=cache)
+    cache.commit()
+    group = cache.groups[None]
+    for i in (1, 3, 4):  # tokens 2-3 and 6-9
+        group.manager.release(group.rows[0][i])
+        group.rows[0][i] = EVICTED
+    got = paged(input_ids=ids[:, 12:], cache=cache).logits
+    keep = torch.ones(1, 1, 1, 13, dtype=torch.bool)
+    keep[..., [2, 3, 6, 7, 8, 9]] = False
+    dyn = DynamicCache(config=ref.config)
+    ref(input_ids=ids[:, :12], cache=dyn)
+    want = ref(input_ids=ids[:, 12:], cache=dyn, attention_mask=keep).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    check_pages(cache)
