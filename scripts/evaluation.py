@@ -139,14 +139,14 @@ def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_page
 
 
 class Held:
-    """Most tokens a cache held after any forward (the budget check)."""
+    """Most tokens a cache held during any forward (the budget check): read before the step commits, so a
+    compressed prompt counts whole."""
 
     def __init__(self, cache):
         self.cache, self.peak = cache, 0
 
     def __call__(self) -> None:
         if isinstance(self.cache, hf_paged.PagedCache):
-            self.cache.commit()
             self.peak = max(self.peak, sum(g.tokens_stored() for g in self.cache.groups.values()))
 
 
