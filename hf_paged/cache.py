@@ -66,7 +66,7 @@ class PagedCache(Cache):
             TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
             on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
         eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise
-            `PagePoolExhausted`); default "fifo", or "score" with ``compress_prompt``; see `hf_paged.eviction`.
+            `PagePoolExhausted`); default "lru", or "score" with ``compress_prompt``; see `hf_paged.eviction`.
         sink_pages / recent_pages: pages never evicted at the start / end of each row.
         lru_threshold: "lru" counts a page as used in a step when its attention share is at least
             this multiple of an even share.

@@ -33,9 +33,9 @@ POLICIES = ("score", "lru", "fifo", "error")
 
 
 def default_policy(compress_prompt: bool) -> str:
-    """What a bounded cache evicts by default: measured best per regime (README, "Eviction"): "fifo" when
-    text streams in (recency wins at page granularity), "score" when a prompt is cut after prefill."""
-    return "score" if compress_prompt else "fifo"
+    """What a bounded cache evicts by default: measured best per regime (README, "Eviction"): "lru" when
+    text streams in, "score" when a prompt is cut after prefill (its last tokens' attention decides)."""
+    return "score" if compress_prompt else "lru"
 
 
 @dataclass
@@ -64,7 +64,7 @@ class PageUsage:
 
 @dataclass(frozen=True)
 class EvictionPolicy:
-    name: str = "fifo"
+    name: str = "lru"
     sink_pages: int = 1
     recent_pages: int = 1
     threshold: float = 1.0

@@ -8,6 +8,7 @@ of hf_paged: ``scripts/make_kvpress_env.sh`` makes ``.venv-kvpress``, and ``scri
 
 Every press compresses after prefill (what kvpress does): the prompt is prefilled whole, then each
 layer keeps ``budget`` tokens per KV head (``compression_ratio = 1 - budget / prompt length``).
+Later tokens get explicit positions (the compressed cache's length is not the number of tokens seen).
 - continuation: prefill the context with the press, then one forward of the continuation over the
   compressed cache (which grows by the continuation); returns the NLL of every continuation token.
 - passkey: prefill the prompt (question included) with the press, then greedy decoding; returns the
@@ -46,7 +47,8 @@ def continuation_nll(model, press, ids: list[int], context: int) -> list[float]:
     cache = DynamicCache()
     with press(model) if press is not None else nullcontext():
         first = model(input_ids=x[:, :context], past_key_values=cache, use_cache=True).logits[0, -1:]
-    rest = model(input_ids=x[:, context:-1], past_key_values=cache, use_cache=True).logits[0]
+    positions = torch.arange(context, x.shape[1] - 1)[None]  # the compressed cache holds fewer: positions go on
+    rest = model(input_ids=x[:, context:-1], position_ids=positions, past_key_values=cache, use_cache=True).logits[0]
     logits = torch.cat([first, rest]).float()
     targets = x[0, context:]
     return (-torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].double()).tolist()
@@ -60,10 +62,11 @@ def greedy(model, press, ids: list[int], new_tokens: int) -> list[int]:
     with press(model) if press is not None else nullcontext():
         logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
     out = []
-    for _ in range(new_tokens):
+    for i in range(new_tokens):
         token = int(logits.argmax())
         out.append(token)
-        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[len(ids) + i]]),
+                       past_key_values=cache, use_cache=True).logits[0, -1]
     return out
 
 
