@@ -131,15 +131,21 @@ def _kernel_attention(kernel, query, layer, attention_mask, scaling, sliding_win
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
         mask_offset = plan.num_tokens - attention_mask.shape[-1]
+    group = layer.group
+    whole = group.tracks_usage and query.shape[2] <= group.policy.window  # every query is observed
     result = kernel(
         query, layer.keys, layer.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
         mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
-        return_page_mass=layer.group.tracks_usage)
-    if not layer.group.tracks_usage:
-        return result
-    out, page_mass = result
-    layer.group.step.add_usage(page_mass.amax(dim=1))
-    return out
+        return_page_mass=whole)
+    if whole:
+        out, page_mass = result
+        group.step.add_usage(group.policy.page_signal(page_mass))
+        return out
+    if group.tracks_usage:
+        keys, values, positions = layer.read_live()
+        _observe_tail(query, keys, values, _live_mask(attention_mask, positions, group.step), layer, scaling,
+                      softcap, s_aux)
+    return result
 
 
 def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, plan) -> torch.Tensor:
@@ -157,21 +163,36 @@ def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, pla
     return allowed & picked & (column >= 0)[:, None, None, :]
 
 
+def _add_page_mass(probs: torch.Tensor, layer) -> None:
+    """Attention probabilities ``[B, Hkv, g, Q, T]`` over live pages -> the step's usage, via the policy."""
+    plan, (B, Hkv, g, _, T) = layer.group.step, probs.shape
+    per_page = probs.mean(dim=3).reshape(B, Hkv * g, T // plan.page_size, plan.page_size).sum(-1)
+    plan.add_usage(layer.group.policy.page_signal(per_page))
+
+
+def _observe_tail(query, keys, values, mask, layer, scaling, softcap, s_aux) -> None:
+    """Usage from the attention of the step's last ``window`` queries over ``keys [B, T, H, D]`` (live pages)."""
+    w = layer.group.policy.window
+    _, probs = attend(query[:, :, -w:], keys.transpose(1, 2), values.transpose(1, 2), mask[..., -w:, :], scaling,
+                      softcap=softcap, s_aux=s_aux, return_probs=True)
+    _add_page_mass(probs, layer)
+
+
 def _live_attention(query, layer, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
-    """Rows with evicted pages (or a bounded LRU cache): attend over the gathered live pages."""
-    plan = layer.group.step
+    """Rows with evicted pages (or a bounded cache tracking usage): attend over the gathered live pages."""
+    group = layer.group
     keys, values, positions = layer.read_live()
-    mask = _live_mask(attention_mask, positions, plan)
-    track = layer.group.tracks_usage
+    mask = _live_mask(attention_mask, positions, group.step)
+    whole = group.tracks_usage and query.shape[2] <= group.policy.window  # every query is observed
     result = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scaling, softcap=softcap,
-                    s_aux=s_aux, return_probs=track)
-    if not track:
-        return result
-    out, probs = result
-    B, T = positions.shape
-    per_page = probs.mean(dim=3).reshape(B, *probs.shape[1:3], T // plan.page_size, plan.page_size).sum(-1)
-    plan.add_usage(per_page.amax(dim=(1, 2)))
-    return out
+                    s_aux=s_aux, return_probs=whole)
+    if whole:
+        out, probs = result
+        _add_page_mass(probs, layer)
+        return out
+    if group.tracks_usage:
+        _observe_tail(query, keys, values, mask, layer, scaling, softcap, s_aux)
+    return result
 
 
 def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, sliding_window, softcap,

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy
+from .eviction import EvictionPolicy, default_policy
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG, layer_windows
 from .page_group import PageGroup
 from .paged_kv import warn_gathered_pages
@@ -35,7 +35,7 @@ def _check_positive_int(name: str, value, allow_none: bool = False, most: int | 
 def _check_arguments(config, model, lru_threshold) -> None:
     """Types that would otherwise fail later with an AttributeError or TypeError."""
     if isinstance(lru_threshold, bool) or not isinstance(lru_threshold, (int, float)):
-        raise CacheUsageError(f"lru_threshold must be a number in [0, 1] (a share of attention mass), "
+        raise CacheUsageError(f"lru_threshold must be a number: a positive multiple of an even attention share, "
                               f"got {lru_threshold!r}.")
     if config is not None and not isinstance(config, PretrainedConfig):
         raise CacheUsageError(
@@ -57,11 +57,15 @@ class PagedCache(Cache):
         backend: "cpu" (the C kernel, for CPU tensors), "triton" (the Triton kernel; CUDA, or CPU with
             TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
             on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
-        eviction: what a bounded pool does when full: "lru" (default), "fifo" or "error"
-            (raise `PagePoolExhausted`); see `hf_paged.eviction`.
+        eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise
+            `PagePoolExhausted`); default "lru", or "score" with ``compress_prompt``; see `hf_paged.eviction`.
         sink_pages / recent_pages: pages never evicted at the start / end of each row.
-        lru_threshold: share of a step's attention mass (any head, any layer) that makes a page
-            count as used for "lru".
+        lru_threshold: "lru" counts a page as used in a step when its attention share is at least
+            this multiple of an even share.
+        score_decay: "score" keeps this weight of a page's past score per step (0: the last step only).
+        observation_window: the last queries of a step whose attention scores pages.
+        compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
+            by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
         model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
@@ -70,15 +74,17 @@ class PagedCache(Cache):
     """
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
-                 model=None, eviction: str = "lru", sink_pages: int = 1, recent_pages: int = 1,
-                 lru_threshold: float = 0.5):
+                 model=None, eviction: str | None = None, sink_pages: int = 1, recent_pages: int = 1,
+                 lru_threshold: float = 1.0, score_decay: float = 0.9, observation_window: int = 32,
+                 compress_prompt: bool = False):
         _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
-        self.policy = EvictionPolicy(eviction, sink_pages, recent_pages, lru_threshold)
+        self.policy = EvictionPolicy(eviction or default_policy(compress_prompt), sink_pages, recent_pages,
+                                     lru_threshold, score_decay, observation_window, compress_prompt)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages
@@ -260,9 +266,8 @@ class PagedCache(Cache):
         copies that page first. ``copy.deepcopy(cache)`` does the same.
         """
         self.commit()
-        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend, eviction=self.policy.name,
-                          sink_pages=self.policy.sink_pages, recent_pages=self.policy.recent_pages,
-                          lru_threshold=self.policy.threshold)
+        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend)
+        twin.policy = self.policy
         twin.config = self.config
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)

@@ -2,25 +2,64 @@
 
 Order of what gives way (see `PageGroup.begin_step`): a free page, then the least recently
 used cached (unreferenced) page, then, per policy, one of the row's own live pages:
-- ``"lru"``: the page least recently *used*, where a page is used in a step when it received
-  at least ``threshold`` of the step's attention mass in some head of some layer of its group;
+- ``"score"``: the page with the lowest decayed attention score (H2O's heavy hitters with a
+  decay, TOVA when ``decay=0``): each step adds the page's share of the attention of the step's
+  last ``window`` queries, relative to an even share (1 = as much as an average live page), to an
+  exponential moving average, bias-corrected for the steps the page has been observed;
+- ``"lru"``: the page least recently *used*, where a page is used in a step when its share of the
+  step's attention is at least ``threshold`` times an even share;
 - ``"fifo"``: the oldest unprotected page (StreamingLLM: attention sinks + a recent window);
 - ``"error"``: nothing is evicted; `PagePoolExhausted` is raised.
-The first ``sink_pages`` logical pages and the last ``recent_pages`` live pages (always
-including the page being written) are never evicted. Evicted tokens are gone for every layer of
-the group; the positions of the kept tokens never change.
+With ``compress_prompt``, a prompt larger than the bound is prefilled whole, then cut to the bound
+by these scores, i.e. by the attention of the prompt's last ``window`` tokens (SnapKV): a question
+at the end of a prompt steers what is kept. The attention share of a page is its mass averaged over the heads and the observed queries of
+every layer of its group. The first ``sink_pages`` logical pages and the last ``recent_pages``
+live pages (always including the page being written) are never evicted. Evicted tokens are
+gone for every layer of the group; the positions of the kept tokens never change.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from .block_manager import EVICTED
 from .errors import CacheUsageError
 
 logger = logging.getLogger(__name__)
-POLICIES = ("lru", "fifo", "error")
+POLICIES = ("score", "lru", "fifo", "error")
+
+
+def default_policy(compress_prompt: bool) -> str:
+    """What a bounded cache evicts by default: measured best per regime (README, "Eviction"): "lru" when
+    text streams in, "score" when a prompt is cut after prefill (its last tokens' attention decides)."""
+    return "score" if compress_prompt else "lru"
+
+
+@dataclass
+class PageUsage:
+    """What a group has observed of its pages' attention (keys: page ids, shared by forks).
+
+    ``last_used[p]``: ``2 * step`` when written, ``2 * step + 1`` when used (so use outranks a write);
+    ``ema[p]`` / ``observed[p]``: moving average of the relative share and how many steps fed it.
+    """
+
+    last_used: dict[int, int] = field(default_factory=dict)
+    ema: dict[int, float] = field(default_factory=dict)
+    observed: dict[int, int] = field(default_factory=dict)
+
+    def allocated(self, pages: list[int], step: int) -> None:
+        """Fresh pages (their first token written at ``step``) start with no history."""
+        for page in pages:
+            self.ema.pop(page, None)
+            self.observed.pop(page, None)
+            self.last_used[page] = 2 * step
+
+    def written(self, pages: list[int], step: int) -> None:
+        for page in pages:
+            self.last_used[page] = 2 * step
 
 
 @dataclass(frozen=True)
@@ -28,17 +67,25 @@ class EvictionPolicy:
     name: str = "lru"
     sink_pages: int = 1
     recent_pages: int = 1
-    threshold: float = 0.5
+    threshold: float = 1.0
+    decay: float = 0.9
+    window: int = 32
+    compress_prompt: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise CacheUsageError(f"eviction must be one of {POLICIES}, got {self.name!r}.")
-        for field in ("sink_pages", "recent_pages"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CacheUsageError(f"{field} must be a non-negative int, got {value!r}.")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise CacheUsageError(f"lru_threshold must be a share of attention mass in [0, 1], got {self.threshold!r}.")
+        for name in ("sink_pages", "recent_pages", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "window" else 0):
+                raise CacheUsageError(f"{name} must be a {'positive' if name == 'window' else 'non-negative'} "
+                                      f"int, got {value!r}.")
+        if not self.threshold > 0:
+            raise CacheUsageError(f"lru_threshold must be a positive multiple of an even attention share, got "
+                                  f"{self.threshold!r}.")
+        if not 0.0 <= self.decay < 1.0:
+            raise CacheUsageError(f"score_decay must be in [0, 1) (the weight of the past per step), got "
+                                  f"{self.decay!r}.")
 
     @property
     def lossy(self) -> bool:
@@ -46,9 +93,33 @@ class EvictionPolicy:
 
     @property
     def tracks_usage(self) -> bool:
-        return self.name == "lru"
+        return self.name in ("score", "lru")
 
-    def victim(self, row: list[int], first_page: int, last_used: dict[int, int]) -> int | None:
+    @staticmethod
+    def page_signal(page_mass: torch.Tensor) -> torch.Tensor:
+        """One layer's attention mass per live page ``[B, H, Nk]`` (averaged over queries) -> ``[B, Nk]``."""
+        return page_mass.float().mean(dim=1)
+
+    def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
+        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""
+        live = pages != EVICTED
+        mass = mass.cpu().double() * live
+        total = mass.sum(dim=1, keepdim=True)
+        relative = torch.where(total > 0, mass * live.sum(dim=1, keepdim=True) / total, 0.0)
+        for page, value in zip(pages[live].tolist(), relative[live].tolist()):
+            if self.name == "lru":
+                if value >= self.threshold:
+                    usage.last_used[page] = 2 * step + 1
+            else:
+                usage.ema[page] = self.decay * usage.ema.get(page, 0.0) + (1 - self.decay) * value
+                usage.observed[page] = usage.observed.get(page, 0) + 1
+
+    def score(self, usage: PageUsage, page: int) -> float:
+        """The page's bias-corrected moving average (1.0, an even share, before any observation)."""
+        steps = usage.observed.get(page, 0)
+        return usage.ema[page] / (1 - self.decay ** steps) if steps else 1.0
+
+    def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
         """Index in ``row`` of the page to evict, or None when every live page is protected."""
         live = [i for i, page in enumerate(row) if page != EVICTED]
         recent = set(live[-max(self.recent_pages, 1):])
@@ -57,7 +128,9 @@ class EvictionPolicy:
             return None
         if self.name == "fifo":
             return candidates[0]
-        return min(candidates, key=lambda i: (last_used.get(row[i], -1), i))
+        if self.name == "lru":
+            return min(candidates, key=lambda i: (usage.last_used.get(row[i], -1), i))
+        return min(candidates, key=lambda i: (self.score(usage, row[i]), i))
 
 
 _warned = False

@@ -23,7 +23,7 @@ import torch
 
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy, warn_first_eviction
+from .eviction import EvictionPolicy, PageUsage, warn_first_eviction
 from .kernels.arguments import mark_checked
 
 
@@ -45,7 +45,7 @@ class StepPlan:
     same_as: list[int] | None = None  # rows assumed identical to an earlier row (sharing its pages)
     read_table: torch.Tensor | None = None  # long [B, Nk]: live pages only (-1 padded), when rows have holes
     read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
-    usage: torch.Tensor | None = None  # float [B, Nk]: max attention share per live page this step
+    usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
     _on_device: dict = field(default_factory=dict)
 
     @property
@@ -75,11 +75,9 @@ class StepPlan:
         return self.table, (self.first_pos + torch.arange(N) * self.page_size).expand(B, N)
 
     def add_usage(self, page_mass: torch.Tensor) -> None:
-        """Fold one layer's per-page attention share [B, Nk] into this step's usage (max)."""
+        """Add one layer's attention mass per live page [B, Nk] to this step's usage."""
         page_mass = page_mass.float()  # stays on its device: moved to the host once, at commit
-        if self.usage is not None:
-            page_mass = torch.maximum(self.usage, page_mass.to(self.usage.device))
-        self.usage = page_mass
+        self.usage = page_mass if self.usage is None else self.usage + page_mass.to(self.usage.device)
 
     def on(self, device: torch.device) -> "StepPlan":
         """This plan's index tensors on ``device``, moved once per step per device."""
@@ -103,8 +101,9 @@ class PageGroup:
         self.manager = manager
         self.policy = policy or EvictionPolicy("error")
         self.tracks_usage = self.policy.tracks_usage and manager.max_pages is not None
-        self.clock = 0  # steps planned so far; `last_used` values are clock readings
-        self.last_used: dict[int, int] = {}  # page -> 2 * step written, or 2 * step + 1 attended
+        self.clock = 0  # steps planned so far
+        self.usage = PageUsage()  # what the policy has observed of the pages' attention
+        self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.page_size = manager.page_size
         self.sliding_window = sliding_window
         self.rows: list[list[int]] = []
@@ -157,7 +156,7 @@ class PageGroup:
         """A group with the same rows, sharing every page (one more reference each)."""
         self.commit()
         twin = PageGroup(self.manager, self.sliding_window, self.policy)
-        twin.last_used, twin.clock = self.last_used, self.clock
+        twin.usage, twin.clock = self.usage, self.clock
         twin.rows = [list(r) for r in self.rows]
         for r in twin.rows:
             self.manager.share_row(r)
@@ -303,7 +302,10 @@ class PageGroup:
         partial = past % S != 0 and past > 0
         cow_rows = [b for b, r in enumerate(rows) if partial and self.manager.ref[r[-1]] > 1]
         needed = len(owners) * new_per_row + len(cow_rows)
-        if self.policy.lossy and needed > self.manager.available():
+        if self.policy.compress_prompt and fresh and self.manager.max_pages is not None and \
+                needed > self.manager.available():  # the prompt goes in whole, then is cut (see `_compress`)
+            self._compress_to, self.manager.max_pages = self.manager.max_pages, None
+        elif self.policy.lossy and needed > self.manager.available():
             self._evict(needed)
         self.manager.require(needed, self.policy.lossy)
 
@@ -341,8 +343,8 @@ class PageGroup:
         slots = (written * S + pos % S).reshape(-1)
         read_table = read_pos = None
         if self.tracks_usage or bool((table == EVICTED).any()):
-            for page in written.unique().tolist():
-                self.last_used[page] = 2 * self.clock  # written this step (ranks below attended)
+            self.usage.written(written.unique().tolist(), self.clock)
+            self.usage.allocated(table[:, pos[pos % S == 0] // S - self.first_page].unique().tolist(), self.clock)
             live = [[(p, (self.first_page + i) * S) for i, p in enumerate(r) if p != EVICTED] for r in self.rows]
             width = max(len(r) for r in live)
             read_table = torch.tensor([[p for p, _ in r] + [EVICTED] * (width - len(r)) for r in live])
@@ -355,14 +357,18 @@ class PageGroup:
         )
 
     def _record_usage(self) -> None:
-        """Pages that got at least the policy's threshold of attention in the last step were used."""
+        """Hand the last step's attention per page to the policy (once)."""
         plan = self.step
         if plan is None or plan.usage is None:
             return
-        for page in plan.read_table[plan.usage.cpu() >= self.policy.threshold].tolist():
-            if page != EVICTED:
-                self.last_used[page] = 2 * self.clock + 1
+        self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
         plan.usage = None
+
+    def _compress(self) -> None:
+        """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
+        attention of the prompt's last queries. The pool keeps the prompt's size (its peak)."""
+        self.manager.max_pages, self._compress_to = self._compress_to, None
+        self._evict(0)
 
     def _evict(self, needed: int) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
@@ -371,7 +377,7 @@ class PageGroup:
         while self.manager.available() < needed:
             evicted = False
             for row in self.rows:
-                i = self.policy.victim(row, self.first_page, self.last_used)
+                i = self.policy.victim(row, self.first_page, self.usage)
                 if i is None:
                     continue
                 self.manager.release(row[i])
@@ -481,6 +487,8 @@ class PageGroup:
             return
         self.manager.release_row(self._pending_release)
         self._undo, self._pending_release = None, []
+        if self._compress_to is not None:
+            self._compress()
 
     def abort_step(self) -> None:
         """Undo the current step: pages it allocated are released, tables restored."""
@@ -494,3 +502,5 @@ class PageGroup:
         for layer in self.layers:
             layer.seen = min(layer.seen, old_tokens)
         self.step, self._undo, self._pending_release = None, None, []
+        if self._compress_to is not None:  # nothing is held any more: only the bound comes back
+            self.manager.max_pages, self._compress_to = self._compress_to, None

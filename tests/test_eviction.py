@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged.block_manager import EVICTED
-from hf_paged.eviction import EvictionPolicy
+from hf_paged.eviction import EvictionPolicy, PageUsage
 from page_checks import check_pages
 from tiny_models import left_padded_batch, make_pair
 
@@ -21,17 +21,64 @@ def llama():
     return make_pair("llama")
 
 
-def test_policy_victims_on_synthetic_usage():
+def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -> PageUsage:
+    """``policy``'s record of ``steps`` of attention mass over ``pages`` (one row)."""
+    usage = PageUsage()
+    usage.allocated(pages, 0)
+    for step, mass in enumerate(steps, start=1):
+        policy.record(usage, torch.tensor([pages]), torch.tensor([mass]), step)
+    return usage
+
+
+@pytest.mark.parametrize("name", ["score", "lru"])
+def test_a_page_that_keeps_being_attended_survives(name):
+    policy = EvictionPolicy(name, sink_pages=1, recent_pages=1)
+    row = [10, 11, 12, 13, 14]
+    # page 11 is attended at every step; page 12 never; 13 only at the first step; 10 is a sink, 14 the newest
+    steps = [[0.4, 0.2, 0.0, 0.2, 0.2]] + [[0.5, 0.25, 0.0, 0.0, 0.25]] * 5
+    usage = _usage(policy, row, steps)
+    assert policy.victim(row, 0, usage) == 2  # 12: never attended
+    row[2] = EVICTED
+    assert policy.victim(row, 0, usage) == 3  # 13: not attended since the first step
+    row[3] = EVICTED
+    assert policy.victim(row, 0, usage) == 1  # only 11 is left unprotected
+    assert policy.victim([10, EVICTED, 14], 0, usage) is None
+
+
+def test_score_decays_old_attention_and_is_not_biased_by_age():
+    policy = EvictionPolicy("score", sink_pages=0, recent_pages=1, decay=0.5)
+    # page 20 was heavily attended long ago, page 21 moderately now; page 22 arrives late, attended as much as 21
+    usage = _usage(policy, [20, 21], [[1.0, 0.0]] * 3 + [[0.1, 0.9]] * 4)
+    usage.allocated([22, 23], 8)
+    for step in range(8, 10):
+        policy.record(usage, torch.tensor([[20, 21, 22, 23]]), torch.tensor([[0.1, 0.4, 0.4, 0.1]]), step)
+    assert policy.victim([20, 21, 22, 23], 0, usage) == 0  # the old heavy hitter faded
+    assert policy.score(usage, 22) == pytest.approx(policy.score(usage, 21), rel=0.2)  # newcomer not penalised
+    tova = EvictionPolicy("score", sink_pages=0, recent_pages=1, decay=0.0)  # the last step only
+    usage = _usage(tova, [30, 31, 32], [[0.0, 1.0, 0.0], [0.6, 0.1, 0.3]])
+    assert tova.victim([30, 31, 32], 0, usage) == 1
+
+
+def test_lru_threshold_is_relative_to_an_even_share():
+    """The signal discriminates: with 4 live pages, 0.2 of the mass is below an even share (0.25), 0.3 above."""
+    policy = EvictionPolicy("lru", sink_pages=0, recent_pages=1, threshold=1.0)
+    usage = _usage(policy, [1, 2, 3, 4], [[0.3, 0.2, 0.2, 0.3], [0.2, 0.3, 0.2, 0.3]])
+    assert usage.last_used[1] == 3 and usage.last_used[2] == 5 and usage.last_used[3] == 0
+    assert policy.victim([1, 2, 3, 4], 0, usage) == 2
+    assert EvictionPolicy("lru", sink_pages=0, recent_pages=3).victim([1, 2, 3, 4], 0, usage) == 0
+
+
+def test_fifo_and_protected_pages_on_synthetic_rows():
+    usage = PageUsage()
     row = [10, 11, 12, 13, 14, 15]
-    used = {10: 9, 11: 5, 12: 1, 13: 7, 14: 2, 15: 9}
-    assert EvictionPolicy("lru", sink_pages=1, recent_pages=1).victim(row, 0, used) == 2  # page 12, least used
-    assert EvictionPolicy("fifo", sink_pages=1, recent_pages=1).victim(row, 0, used) == 1  # oldest after sink
-    assert EvictionPolicy("fifo", sink_pages=0, recent_pages=1).victim(row, 0, used) == 0
-    assert EvictionPolicy("lru", sink_pages=3, recent_pages=2).victim(row, 0, used) == 3  # 12 is a sink now
-    assert EvictionPolicy("lru", sink_pages=1, recent_pages=1).victim([10, EVICTED, 12], 0, used) is None
+    assert EvictionPolicy("fifo", sink_pages=1, recent_pages=1).victim(row, 0, usage) == 1  # oldest after sink
+    assert EvictionPolicy("fifo", sink_pages=0, recent_pages=1).victim(row, 0, usage) == 0
+    assert EvictionPolicy("fifo", sink_pages=3, recent_pages=2).victim(row, 0, usage) == 3
+    assert EvictionPolicy("fifo", sink_pages=1, recent_pages=1).victim(row, 2, usage) == 0  # sink already gone
+    assert EvictionPolicy("score", sink_pages=1, recent_pages=1).victim([10, EVICTED, 12], 0, usage) is None
 
 
-@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+@pytest.mark.parametrize("eviction", ["score", "lru", "fifo"])
 def test_protected_pages_are_never_evicted(llama, eviction):
     _, paged = llama
     cache = hf_paged.PagedCache(page_size=2, max_pages=5, config=paged.config, eviction=eviction,
@@ -46,24 +93,69 @@ def test_protected_pages_are_never_evicted(llama, eviction):
     check_pages(cache)
 
 
-def test_lru_evicts_the_page_attention_ignores():
-    """Synthetic attention: the usage signal decides the victim (not the age, as fifo would)."""
-    cache = hf_paged.PagedCache(page_size=1, max_pages=4, eviction="lru", sink_pages=0, recent_pages=1)
-    k = torch.zeros(1, 1, 4, 2)
+@pytest.mark.parametrize("eviction", ["score", "lru"])
+def test_the_page_attention_ignores_goes_per_row(eviction):
+    """Synthetic attention, two rows: each row loses its own least attended page (not the oldest, as fifo would)."""
+    cache = hf_paged.PagedCache(page_size=1, max_pages=8, eviction=eviction, sink_pages=0, recent_pages=1)
+    k = torch.randn(2, 1, 4, 2)  # rows differ: no shared pages
     cache.update(k, k, 0)
     group = cache.groups[None]
-    # tokens 0..3 on pages of the row; the step's attention went to pages of tokens 0 and 2 only
-    group.step.add_usage(torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
-    cache.update(k[:, :, :1], k[:, :, :1], 0)  # one more token: the pool is full, one page goes
-    row = group.rows[0]
-    assert row[1] == EVICTED and row.count(EVICTED) == 1, row
-    fifo = hf_paged.PagedCache(page_size=1, max_pages=4, eviction="fifo", sink_pages=0, recent_pages=1)
+    group.step.add_usage(torch.tensor([[0.4, 0.0, 0.4, 0.2], [0.0, 0.4, 0.3, 0.3]]))
+    cache.update(k[:, :, :1], k[:, :, :1], 0)  # one more token per row: one page of each row goes
+    assert [r.index(EVICTED) for r in group.rows] == [1, 0]
+    assert all(r.count(EVICTED) == 1 for r in group.rows)
+    fifo = hf_paged.PagedCache(page_size=1, max_pages=8, eviction="fifo", sink_pages=0, recent_pages=1)
     fifo.update(k, k, 0)
     fifo.update(k[:, :, :1], k[:, :, :1], 0)
-    assert fifo.groups[None].rows[0][0] == EVICTED
+    assert [r.index(EVICTED) for r in fifo.groups[None].rows] == [0, 0]
 
 
-@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+def test_fork_keeps_the_usage_and_evicts_on_its_own():
+    cache = hf_paged.PagedCache(page_size=1, max_pages=12, eviction="score", sink_pages=0, recent_pages=1)
+    k = torch.zeros(1, 1, 4, 2)
+    cache.update(k, k, 0)
+    cache.groups[None].step.add_usage(torch.tensor([[0.3, 0.3, 0.0, 0.4]]))
+    twin = cache.fork()
+    for _ in range(5):  # the shared pool fills up: each cache drops its least attended page first
+        for c in (cache, twin):
+            c.update(k[:, :, :1], k[:, :, :1], 0)
+    assert twin.groups[None].rows[0][2] == EVICTED and cache.groups[None].rows[0][2] == EVICTED
+    check_pages(cache, twin)
+
+
+def test_compress_prompt_keeps_what_the_last_queries_attend():
+    """A prompt over the bound is written whole, then cut to the bound by its last queries' attention."""
+    cache = hf_paged.PagedCache(page_size=1, max_pages=4, eviction="score", sink_pages=1, recent_pages=1,
+                                compress_prompt=True)
+    k = torch.zeros(1, 1, 8, 2)
+    cache.update(k, k, 0)  # 8 tokens on 8 pages: more than the bound, accepted
+    group = cache.groups[None]
+    assert group.manager.num_used == 8
+    group.step.add_usage(torch.tensor([[0.3, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 0.2]]))
+    stats = cache.stats()  # commits the step: cut to 4 pages
+    assert stats["pages_used"] == 4 and stats["tokens_stored"] == 4
+    assert [i for i, p in enumerate(group.rows[0]) if p != EVICTED] == [0, 2, 5, 7]
+    cache.update(k[:, :, :1], k[:, :, :1], 0)  # decoding stays within the bound
+    assert cache.stats()["pages_used"] == 4
+    check_pages(cache)
+    with pytest.raises(hf_paged.PagePoolExhausted, match="in chunks"):  # without it: feed the prompt in chunks
+        hf_paged.PagedCache(page_size=1, max_pages=4).update(k, k, 0)
+
+
+def test_compress_prompt_generates_within_the_bound(llama):
+    ref, paged = llama
+    batch = left_padded_batch((20, 14))
+    cache = hf_paged.PagedCache(page_size=2, max_pages=12, config=paged.config, compress_prompt=True)
+    got = paged.generate(**batch, max_new_tokens=8, **GEN, cache=cache)
+    stats = cache.stats()
+    assert stats["evictions"] > 0 and stats["pages_used"] <= 12 and got.shape == (2, 28)
+    check_pages(cache)
+    roomy = hf_paged.PagedCache(page_size=2, max_pages=40, config=paged.config, compress_prompt=True)
+    want = ref.generate(**batch, max_new_tokens=8, **GEN, cache=DynamicCache(config=ref.config))
+    assert torch.equal(paged.generate(**batch, max_new_tokens=8, **GEN, cache=roomy), want)  # within budget: exact
+
+
+@pytest.mark.parametrize("eviction", ["score", "lru", "fifo"])
 def test_budget_covering_the_sequence_equals_unbounded(llama, eviction):
     ref, paged = llama
     batch = left_padded_batch((9, 5, 12))
@@ -120,7 +212,8 @@ def test_evicted_cache_refuses_other_attention(llama):
 
 
 @pytest.mark.parametrize("bad", [dict(eviction="random"), dict(sink_pages=-1), dict(recent_pages=1.5),
-                                 dict(lru_threshold=2.0)])
+                                 dict(lru_threshold=0.0), dict(score_decay=1.0),
+                                 dict(observation_window=0)])
 def test_bad_eviction_arguments(bad):
     with pytest.raises(hf_paged.CacheUsageError):
         hf_paged.PagedCache(max_pages=8, **bad)
@@ -151,3 +244,26 @@ def test_soak_bounded_cache_with_forks_and_resets(llama):
     assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
     assert (stats["pages_total"], stats["pool_bytes"]) == baseline  # memory stopped growing
     assert stats["pages_total"] <= 12  # and stays within the bound
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_holes_left_by_eviction_are_exactly_masked_out(llama, backend):
+    """After evicting pages from the middle of a row, a step attends exactly the kept tokens: the same as the
+    reference model with a mask hiding the evicted positions."""
+    ref, paged = llama
+    ids = torch.randint(3, 96, (1, 13), generator=torch.Generator().manual_seed(1))
+    cache = hf_paged.PagedCache(page_size=2, max_pages=16, config=paged.config, backend=backend)
+    paged(input_ids=ids[:, :12], cache=cache)
+    cache.commit()
+    group = cache.groups[None]
+    for i in (1, 3, 4):  # tokens 2-3 and 6-9
+        group.manager.release(group.rows[0][i])
+        group.rows[0][i] = EVICTED
+    got = paged(input_ids=ids[:, 12:], cache=cache).logits
+    keep = torch.ones(1, 1, 1, 13, dtype=torch.bool)
+    keep[..., [2, 3, 6, 7, 8, 9]] = False
+    dyn = DynamicCache(config=ref.config)
+    ref(input_ids=ids[:, :12], cache=dyn)
+    want = ref(input_ids=ids[:, 12:], cache=dyn, attention_mask=keep).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    check_pages(cache)

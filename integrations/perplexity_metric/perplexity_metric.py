@@ -18,8 +18,8 @@ model loaded with ``attn_implementation="hf_paged"``:
 - ``max_pages=None`` (unbounded): one forward per batch; equals DynamicCache up to float noise;
 - ``max_pages=N``: the batch streams through the cache in chunks of ``chunk_size`` tokens
   (default: one page), each token scored given what the cache still holds (StreamingLLM-style);
-  when a text outgrows the budget, the eviction policy drops pages (``eviction="lru"`` / ``"fifo"``,
-  ``sink_pages`` / ``recent_pages`` / ``lru_threshold``); ``eviction="error"`` raises instead.
+  when a text outgrows the budget, the eviction policy drops pages (``eviction="fifo"`` / ``"lru"`` /
+  ``"score"``, ``sink_pages`` / ``recent_pages`` / ``lru_threshold``); ``eviction="error"`` raises instead.
   The pool is shared by the rows of a batch, and each row keeps its sink and recent pages: a batch
   needs about ``batch_size * (sink_pages + recent_pages + 1)`` pages (lower ``batch_size`` for a
   per-text budget), else ``PagePoolExhausted``.
@@ -44,7 +44,7 @@ Args:
     model_id (str): "smollm2" (default), a local folder or a hub id of a causal LM.
     page_size (int): tokens per KV page (default 16).
     max_pages (int or None): bound of the page pool (None: unbounded).
-    eviction (str or None): "lru", "fifo" or "error" when max_pages is set (None: PagedCache's default).
+    eviction (str or None): "fifo", "lru", "score" or "error" when max_pages is set (None: PagedCache's default).
     sink_pages, recent_pages, lru_threshold: eviction policy arguments (None: PagedCache's defaults).
     chunk_size (int or None): tokens per forward (None: the whole batch when unbounded, one page when bounded).
     batch_size (int): texts per forward (default 8).
