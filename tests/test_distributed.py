@@ -205,11 +205,13 @@ def test_pools_follow_each_layers_keys_device_and_dtype():
     on one device/dtype and layer 1 on another get their own pools ("meta" stands in for a 2nd device)."""
     cache = hf_paged.PagedCache(page_size=4)
     placements = [("cpu", torch.bfloat16), ("meta", torch.float32)]
+    tokens = 0
     for step_len in (5, 1):  # prefill, then one decode step
+        tokens += step_len  # (mid-step, get_seq_length() would take the unfinished step for a failed one)
         for i, (device, dtype) in enumerate(placements):
             k = torch.randn(2, 2, step_len, 16, device=device, dtype=dtype)
             keys, values = cache.update(k, k.clone(), i)
-            assert keys.shape == (2, 2, cache.get_seq_length(), 16)
+            assert keys.shape == (2, 2, tokens, 16)
     for layer, (device, dtype) in zip(cache.layers, placements):
         assert layer.device == torch.device(device) and layer.dtype == dtype
         for pool in (layer.keys, layer.values):
