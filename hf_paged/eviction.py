@@ -20,15 +20,15 @@ gone for every layer of the group; the positions of the kept tokens never change
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
+from transformers.utils import logging
 
 from .block_manager import EVICTED
 from .errors import CacheUsageError
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
 
 
@@ -133,13 +133,8 @@ class EvictionPolicy:
         return min(candidates, key=lambda i: (self.score(usage, row[i]), i))
 
 
-_warned = False
-
-
 def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        logger.warning(
-            "PagedCache(max_pages=%d) is full: evicting pages with policy %r (lossy: evicted tokens are no "
-            "longer attended). Raise max_pages, or use eviction='error' to fail instead.", max_pages, policy.name)
+    """Lossy eviction is logged once (per bound and policy)."""
+    logger.warning_once(
+        f"PagedCache(max_pages={max_pages}) is full: evicting pages with policy {policy.name!r} (lossy: evicted "
+        "tokens are no longer attended). Raise max_pages, or use eviction='error' to fail instead.")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..assets import cache_dir
+from ..paths import cache_dir
 from . import library_cache
 from .arguments import check_paged_args, mask_strides
 
