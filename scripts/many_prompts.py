@@ -11,7 +11,8 @@ alternately (order rotated every repeat), medians over ``--repeats``:
   padded, each batch generating its longest request's tokens);
 * ``paged``: the same with a `PagedCache`;
 * ``transformers CB``: transformers' continuous batching manager, one request per prompt with its own
-  ``max_new_tokens``, ``max_batch_tokens=--cb-max-batch-tokens`` and its pool sized to the workload;
+  ``max_new_tokens``, ``max_batch_tokens=--cb-max-batch-tokens`` and its pool sized to the workload (its
+  default block size, enough blocks for every request at once);
 * ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step).
 
 Reported: tokens/s over wanted tokens (and the ratio to ``dynamic``), mean time to first token over
@@ -112,8 +113,9 @@ def run_transformers_cb(model, prompts, wanted, args):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    page = 256 // 16  # blocks of 16 tokens, enough for every request at once (the default reserves 90% of RAM)
-    blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, wanted)) + page
+    block = ContinuousBatchingConfig().page_size  # tokens per block (256 by default)
+    # enough blocks for every request at once, and no more: by default the pool takes 90% of free memory
+    blocks = sum(-(-(len(p) + n) // block) for p, n in zip(prompts, wanted)) + 1
     config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=args.cb_max_batch_tokens)
     gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(wanted))
     start = time.perf_counter()
