@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regimes", type=_list(str), default=",".join(REGIMES))
     p.add_argument("--policies", type=_list(str), default=",".join(POLICIES))
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
-    p.add_argument("--dtype", choices=sorted(perplexity.DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(assets.DTYPES), default="float32")
     p.add_argument("--dataset", default=None, help="datasets name or path; none: the embedded Britannica article")
     p.add_argument("--config", default=None)
     p.add_argument("--split", default="train")
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
         models, tokenizer = {}, None
         for kind, attn in (("dynamic", "sdpa"), ("paged", hf_paged.ATTN_IMPLEMENTATION)):
             models[kind], tokenizer = assets.load_model_and_tokenizer(
-                args.model, dtype=perplexity.DTYPES[args.dtype], device=state.device, attn_implementation=attn)
+                args.model, dtype=assets.DTYPES[args.dtype], device=state.device, attn_implementation=attn)
         need = max(args.windows * (args.context + args.continuation), max(args.lengths) * 2, args.max_tokens)
         text_args = argparse.Namespace(dataset=args.dataset, config=args.config, split=args.split,
                                        column=args.column, text_file=args.text_file, max_tokens=need)
