@@ -33,6 +33,18 @@ class PagePool:
         self.values: torch.Tensor | None = None
         self._rows: tuple = (None, None, None, None, None)  # (keys, values, grad mode, key rows, value rows)
 
+    def grow_to(self, num_pages: int) -> None:
+        """Grow both tensors to ``num_pages`` pages, keeping their content (callers' managers grow
+        geometrically, so this is amortised); new pages are zeros, never NaN: masked slots are multiplied by 0."""
+        have = self.keys.shape[0]
+        if have >= num_pages:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((num_pages, *old.shape[1:]))
+            new[:have] = old
+            setattr(self, name, new)
+
     def slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``keys``/``values`` as ``[pages * page_size, heads, dim]``, one row per slot: views made once per
         pool tensor and grad mode (autograd forbids writing, with grad on, into a view made under no_grad)."""
@@ -115,7 +127,7 @@ class PagedLayer(CacheLayerMixin):
         if group.step.same_as is not None:
             self._check_identical_rows(key_states, value_states)
         plan = group.step.on(self.device)
-        self._ensure_capacity(group.manager.num_pages)
+        self.pool.grow_to(group.manager.num_pages)
         if plan.copy_src is not None:
             self._copy_pages(plan.copy_src, plan.copy_dst)
         if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
@@ -137,7 +149,7 @@ class PagedLayer(CacheLayerMixin):
             pairs = self.group.unshare(differ)
             for layer in self.group.layers:
                 if layer is not self and layer.seen == self.group.num_tokens:
-                    layer._ensure_capacity(self.group.manager.num_pages)
+                    layer.pool.grow_to(self.group.manager.num_pages)
                     layer._copy_pages(*(torch.tensor(side, device=layer.device) for side in zip(*pairs)))
 
     def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -168,17 +180,6 @@ class PagedLayer(CacheLayerMixin):
                    "instead of the cache.")
             raise CacheUsageError(f"layer {self.layer_idx}: new keys/values do not match this layer's page pool: "
                                   f"{diffs}. {fix}")
-
-    def _ensure_capacity(self, num_pages: int) -> None:
-        """Grow the pools to ``num_pages`` (the manager grows geometrically, so this is amortised)."""
-        have = self.keys.shape[0]
-        if have >= num_pages:
-            return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros((num_pages, *old.shape[1:]))  # never NaN: masked slots are multiplied by 0
-            new[:have] = old
-            setattr(self, name, new)
 
     # ------------------------------------------------------------------- read
     def read(self, plan: StepPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:

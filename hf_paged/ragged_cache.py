@@ -124,15 +124,6 @@ class RaggedLayer(CacheLayerMixin):
         self.pool.values = value_states.new_zeros((0, S, self.num_heads, self.value_dim))
         self.is_initialized = True
 
-    def _ensure_capacity(self, num_pages: int) -> None:
-        have = self.pool.keys.shape[0]
-        if have < num_pages:  # the manager grows geometrically, so this is amortised
-            for name in ("keys", "values"):
-                old = getattr(self.pool, name)
-                new = old.new_zeros((num_pages, *old.shape[1:]))
-                new[:have] = old
-                setattr(self.pool, name, new)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         step = self.cache.step
         if step is None or key_states.shape[0] != 1 or key_states.shape[2] != step.slots.numel():
@@ -142,7 +133,7 @@ class RaggedLayer(CacheLayerMixin):
                 "it is driven by hf_paged.generate_many.")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._ensure_capacity(self.cache.manager.num_pages)
+        self.pool.grow_to(self.cache.manager.num_pages)
         slots = step.slots.to(self.device)
         if step.copy_src is not None:
             src, dst = step.copy_src.to(self.device), step.copy_dst.to(self.device)
