@@ -73,8 +73,7 @@ CACHE_FIELDS = {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s", "total
 CONFIG_FIELDS = {"name", "context", "batch", "mode", "page_size", "new_tokens", "rows", "ideal_kv_bytes_end",
                  "dynamic", "paged", "ratios", "tokens_match", "token_agreement", "deterministic_mode", "wall_s"}
 STATS_FIELDS = {"page_size", "pages_total", "pages_used", "pages_free", "pages_cached", "tokens_stored", "tokens_held",
-                "kv_bytes",
-                "pool_bytes", "evictions", "prefix_hits"}
+                "kv_bytes", "pool_bytes", "evictions", "prefix_hits"}
 
 
 @pytest.fixture(scope="module")
