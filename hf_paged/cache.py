@@ -149,10 +149,10 @@ class PagedCache(Cache):
         layer = self._layer(layer_idx)
         group = layer.group
         if layer.seen == group.num_tokens:  # the layer starts new tokens for its group
-            if group.step_open and not group.step_complete():
-                self.rollback()  # the group's last step never finished: a forward failed outside the cache
-            elif all(g.step_complete() for g in self.groups.values()):
-                self.commit()  # a new step of the whole cache: the last one is final
+            if self._step_failed(group):
+                self.rollback()  # the last step never reached every layer: a forward failed outside the cache
+            elif all(g.num_tokens == group.num_tokens for g in self.groups.values()):
+                self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:
@@ -168,8 +168,9 @@ class PagedCache(Cache):
         """
         if any(g.step_open for g in self.groups.values()):
             self._check_thread()  # another thread must not finish (or undo) this thread's step
-        if any(g.step_open and not g.step_complete() for g in self.groups.values()):
-            self.rollback()
+        if len({g.num_tokens for g in self.groups.values()}) > 1 or any(
+                g.step_open and not g.step_complete() for g in self.groups.values()):
+            self.rollback()  # the step never reached every layer of every group
             return
         for group in self.groups.values():
             group.commit()
@@ -189,6 +190,12 @@ class PagedCache(Cache):
         if self.token_log is not None:
             self.token_log.truncate(self._committed_tokens())
 
+    def _step_failed(self, group: PageGroup) -> bool:
+        """Whether a layer of ``group`` about to start new tokens finds the last step unfinished: some
+        layer of its group never wrote it, or some group never began it (groups begin a step in layer order)."""
+        return (group.step_open and not group.step_complete()) or any(
+            g.num_tokens < group.num_tokens for g in self.groups.values())
+
     def _committed_tokens(self) -> int:
         return next(iter(self.groups.values())).num_tokens if self.groups else 0
 
@@ -197,7 +204,7 @@ class PagedCache(Cache):
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
         if layer_idx < len(self.layers) and self._owner in (None, threading.get_ident()):
             layer = self.layers[layer_idx]
-            if layer.group.step_open and layer.seen == layer.group.num_tokens and not layer.group.step_complete():
+            if layer.seen == layer.group.num_tokens and self._step_failed(layer.group):
                 self.rollback()
 
     def _check_thread(self) -> None:
