@@ -103,18 +103,21 @@ class EvictionPolicy:
         return page_mass.float().amax(dim=1)
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
-        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""
-        live = pages != EVICTED
-        mass = mass.cpu().double() * live
-        total = mass.sum(dim=1, keepdim=True)
-        relative = torch.where(total > 0, mass * live.sum(dim=1, keepdim=True) / total, 0.0)
-        for page, value in zip(pages[live].tolist(), relative[live].tolist()):
-            if self.name == "lru":
-                if value >= self.threshold:
-                    usage.last_used[page] = 2 * step + 1
-            else:
-                usage.ema[page] = self.decay * usage.ema.get(page, 0.0) + (1 - self.decay) * value
-                usage.observed[page] = usage.observed.get(page, 0) + 1
+        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``.
+
+        Plain Python on the host: a row holds tens of pages, where a torch op costs more than the loop."""
+        for row_pages, row_mass in zip(pages.tolist(), mass.double().cpu().tolist()):
+            live = [(page, value) for page, value in zip(row_pages, row_mass) if page != EVICTED]
+            total = sum(value for _, value in live)
+            even = total / len(live) if live else 0.0
+            for page, value in live:
+                relative = value / even if even > 0 else 0.0
+                if self.name == "lru":
+                    if relative >= self.threshold:
+                        usage.last_used[page] = 2 * step + 1
+                else:
+                    usage.ema[page] = self.decay * usage.ema.get(page, 0.0) + (1 - self.decay) * relative
+                    usage.observed[page] = usage.observed.get(page, 0) + 1
 
     def score(self, usage: PageUsage, page: int) -> float:
         """The page's bias-corrected moving average (1.0, an even share, before any observation)."""

@@ -291,6 +291,9 @@ class PageGroup:
                 f"{batch_size}: raise max_pages to at least {batch_size} (better: enough pages for the "
                 "prompt and the new tokens of every row) or split the batch.")
         S, past, end = self.page_size, self.num_tokens, self.num_tokens + q_len
+        quick = self._plan_within_last_pages(q_len)
+        if quick is not None:
+            return quick
         fresh = not self.rows
         rows = self.rows if self.rows else [[] for _ in range(batch_size)]
         same_as = same_as if fresh and same_as and any(a != b for b, a in enumerate(same_as)) else None
@@ -332,6 +335,29 @@ class PageGroup:
         self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
         if was_slab and self.step.slab is None and self._relocate(rows, src, dst):
             self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
+        return self.step
+
+    def _plan_within_last_pages(self, q_len: int) -> StepPlan | None:
+        """The common decode step, planned from the last one: the new tokens fit in the rows' last pages,
+        which no other row shares, and no page leaves the rows (no window trim, eviction or copy). Returns
+        None when that does not hold (`begin_step` then plans in full)."""
+        last, S, past = self.step, self.page_size, self.num_tokens
+        if (last is None or past % S == 0 or past % S + q_len > S or last.same_as is not None
+                or self.first_kept_page(past) != self.first_page or self._compress_to is not None
+                or any(self.manager.ref[r[-1]] != 1 for r in self.rows) or last.table.tolist() != self.rows):
+            return None  # (the rows changed since the last plan: evicted, cropped, remapped or restored)
+        written = [r[-1] for r in self.rows]
+        self._undo = ([list(r) for r in self.rows], self.first_page, self.num_tokens)
+        self.num_tokens = past + q_len
+        self.clock += 1
+        if self.tracks_usage:
+            self.usage.written(written, self.clock)
+        offsets = range(past % S, past % S + q_len)
+        slots = torch.tensor([page * S + offset for page in written for offset in offsets])
+        read_pos = None if last.read_pos is None else last.read_pos.masked_fill(last.read_table == EVICTED,
+                                                                                 self.num_tokens)
+        self.step = dataclasses.replace(last, q_len=q_len, past=past, num_tokens=self.num_tokens, slots=slots,
+                                        copy_src=None, copy_dst=None, read_pos=read_pos, usage=None, _on_device={})
         return self.step
 
     def _plan(self, batch_size, q_len, past, src, dst, same_as) -> StepPlan:
