@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .backends import layer_backend
 from .errors import CacheUsageError
-from .page_group import PageGroup, StepPlan
-from .paged_kv import PagedKV
+from .page_group import PageGroup
+from .paged_kv import PagedKV, PagedView, read_window
 
 
 def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
@@ -72,6 +73,7 @@ class PagedLayer(CacheLayerMixin):
             self._adopt_pool()
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
+        self._resolved_backend: str | None = None  # what `backend` means for these pools, resolved on first use
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
@@ -111,6 +113,8 @@ class PagedLayer(CacheLayerMixin):
             self._check_shapes(key_states, value_states)
             self.lazy_initialization(key_states, value_states)
         self._check(key_states, value_states)
+        if self._resolved_backend is None:
+            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
         batch, _, q_len, _ = key_states.shape
         group = self.group
         if self.seen == group.num_tokens:
@@ -136,9 +140,10 @@ class PagedLayer(CacheLayerMixin):
         key_rows.index_copy_(0, plan.slots, key_states.reshape(-1, self.num_heads, self.head_dim))
         value_rows.index_copy_(0, plan.slots, value_states.reshape(-1, self.num_heads, self.value_dim))
         self.seen = group.num_tokens
+        view = PagedView(self.keys, self.values, plan, self._resolved_backend, group.usage_sink(),
+                         group.policy.window)
         shape = (batch, self.num_heads, plan.kv_len)
-        return (PagedKV(self, "k", (*shape, self.head_dim), self.dtype, self.device),
-                PagedKV(self, "v", (*shape, self.value_dim), self.dtype, self.device))
+        return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
 
     def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Rows the group shares because the first layer saw identical keys must be identical here too."""
@@ -182,34 +187,10 @@ class PagedLayer(CacheLayerMixin):
                                   f"{diffs}. {fix}")
 
     # ------------------------------------------------------------------- read
-    def read(self, plan: StepPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' tokens ``[first_pos, num_tokens)`` as ``[B, T, H, D]``: a view on a slab, else a gather."""
-        plan = (plan or self.group.step).on(self.device)
-        return self._read(self.keys, plan), self._read(self.values, plan)
-
-    def read_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Live pages only, for rows with evicted pages (or usage tracking): keys and values
-        ``[B, Nk * S, H, D]`` gathered from the pools, and each token's position ``[B, Nk * S]``
-        (``num_tokens`` for padding and unwritten slots, which no query may attend)."""
         plan = self.group.step.on(self.device)
-        table, page_pos = plan.live_pages()
-        B, S = table.shape[0], plan.page_size
-        index = table.clamp(min=0)
-        keys = self.keys[index].reshape(B, -1, self.num_heads, self.head_dim)
-        values = self.values[index].reshape(B, -1, self.num_heads, self.value_dim)
-        positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
-        positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
-        return keys, values, positions.clamp(max=plan.num_tokens)
-
-    @staticmethod
-    def _read(pool: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        P, S, H, D = pool.shape
-        B, T = plan.batch_size, plan.kv_len
-        if plan.slab is not None:
-            base, stride = plan.slab
-            return pool.as_strided((B, T, H, D), (stride * S * H * D, H * D, D, 1),
-                                   pool.storage_offset() + base * S * H * D)
-        return pool[plan.table].reshape(B, -1, H, D)[:, :T]
+        return read_window(self.keys, plan), read_window(self.values, plan)
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self) -> int:

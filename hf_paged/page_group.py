@@ -356,6 +356,14 @@ class PageGroup:
             self._slab(table) if read_table is None else None, S, same_as, read_table, read_pos,
         )
 
+    def usage_sink(self):
+        """Where attention adds a layer's mass per live page ``[B, H, Nk]`` this step, or None when the
+        policy does not track usage (see `PagedView.usage`)."""
+        if not self.tracks_usage:
+            return None
+        plan, signal = self.step, self.policy.page_signal
+        return lambda page_mass: plan.add_usage(signal(page_mass))
+
     def _record_usage(self) -> None:
         """Hand the last step's attention per page to the policy (once)."""
         plan = self.step

@@ -81,3 +81,18 @@ def test_prefill_reuses_pages_explicitly_and_a_plain_forward_computes_every_toke
     want = ref(prompt, **{hf_paged.CACHE_KWARG: DynamicCache()}).logits[:, -1:]
     torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(full, ref(prompt).logits, rtol=1e-4, atol=1e-4)
+
+
+CACHE_INTERNALS = {"group", "layer", "layers", "step", "policy", "tracks_usage", "manager", "seen", "rows"}
+
+
+def attribute_names(module: str) -> set[str]:
+    """Every ``x.name`` read or written in ``hf_paged/<module>.py``."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+
+
+def test_attention_reads_only_the_view_not_cache_internals():
+    for module in ("attention", "paged_kv"):
+        touched = attribute_names(module) & CACHE_INTERNALS
+        assert not touched, f"{module}.py reaches into the cache: .{', .'.join(sorted(touched))}"
