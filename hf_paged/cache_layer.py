@@ -14,7 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .backends import layer_backend
 from .errors import CacheUsageError
 from .page_group import PageGroup
-from .paged_kv import PagedKV, PagedView, read_window
+from .paged_kv import PagedKV, read_window
 
 
 def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
@@ -140,8 +140,7 @@ class PagedLayer(CacheLayerMixin):
         key_rows.index_copy_(0, plan.slots, key_states.reshape(-1, self.num_heads, self.head_dim))
         value_rows.index_copy_(0, plan.slots, value_states.reshape(-1, self.num_heads, self.value_dim))
         self.seen = group.num_tokens
-        view = PagedView(self.keys, self.values, plan, self._resolved_backend, group.usage_sink(),
-                         group.policy.window)
+        view = group.read_view(self.keys, self.values, self._resolved_backend)
         shape = (batch, self.num_heads, plan.kv_len)
         return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
 

@@ -138,3 +138,61 @@ def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
     logger.warning_once(
         f"PagedCache(max_pages={max_pages}) is full: evicting pages with policy {policy.name!r} (lossy: evicted "
         "tokens are no longer attended). Raise max_pages, or use eviction='error' to fail instead.")
+
+
+class GroupEviction:
+    """A page group's side of eviction: its policy, the step clock, what was observed of its pages
+    (`PageUsage`, shared with the group's forks) and the loop that picks victims row by row."""
+
+    def __init__(self, policy: EvictionPolicy, bounded: bool, usage: PageUsage | None = None, clock: int = 0):
+        self.policy = policy
+        self.tracks_usage = policy.tracks_usage and bounded  # attention is observed only where pages can go
+        self.usage = PageUsage() if usage is None else usage
+        self.clock = clock  # steps planned so far
+        self.evictions = 0  # live pages dropped
+
+    def fork(self, bounded: bool) -> "GroupEviction":
+        """The eviction state of a forked group: same usage (by page id) and clock, its own count."""
+        return GroupEviction(self.policy, bounded, self.usage, self.clock)
+
+    def planned(self, plan) -> None:
+        """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
+        self.clock += 1
+        if plan.read_table is None:
+            return
+        pages, S = plan.slots // plan.page_size, plan.page_size
+        self.usage.written(pages.unique().tolist(), self.clock)
+        self.usage.allocated(pages[plan.slots % S == 0].unique().tolist(), self.clock)
+
+    def sink(self, plan):
+        """Where attention adds a layer's mass per live page ``[B, H, Nk]`` in ``plan``'s step, or None
+        when the policy does not track usage (see `PagedView.usage`)."""
+        if not self.tracks_usage:
+            return None
+        signal = self.policy.page_signal
+        return lambda page_mass: plan.add_usage(signal(page_mass))
+
+    def record(self, plan) -> None:
+        """Hand the step's attention per page to the policy (once)."""
+        if plan is None or plan.usage is None:
+            return
+        self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
+        plan.usage = None
+
+    def evict(self, manager, rows: list[list[int]], first_page: int, needed: int) -> None:
+        """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
+        warn_first_eviction(self.policy, manager.max_pages)
+        while manager.available() < needed:
+            evicted = False
+            for row in rows:
+                i = self.policy.victim(row, first_page, self.usage)
+                if i is None:
+                    continue
+                manager.release(row[i])
+                row[i] = EVICTED
+                self.evictions += 1
+                evicted = True
+                if manager.available() >= needed:
+                    return
+            if not evicted:
+                return  # everything left is protected: `require` raises with the numbers

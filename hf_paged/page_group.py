@@ -1,9 +1,10 @@
-"""The page tables of one group of layers (layers that keep the same tokens) and its step plan.
+"""`PageGroup`: the page tables of one group of layers (layers that keep the same tokens) and its steps.
 
 A forward step is planned once per group, by the first layer of the group that sees it, and
-reused by every other layer: which pages the new tokens go to (slot indices), which shared
-pages must be copied before writing (copy-on-write), and how each row's pages can be read
-(a strided view when the batch's pages form a regular slab, else a gather index).
+reused by every other layer (`StepPlan`, in `step_plan`). `begin_step` checks the step, reserves
+its pages (evicting per the policy, in `eviction`, when a bounded pool is full), then applies it;
+until the step commits, the pages it replaced are held so that `abort_step` can restore the rows.
+Which leading pages a step still needs is the group's `window`'s business.
 
 Invariants between steps:
 - ``len(rows) == batch size``; every row holds the pages of the logical pages
@@ -14,83 +15,15 @@ Invariants between steps:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
-from dataclasses import dataclass, field
-
-import torch
 
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy, PageUsage, warn_first_eviction
-from .kernels.arguments import mark_checked
-
-
-@dataclass
-class StepPlan:
-    """What every layer of a group needs for one forward step; computed once, on the CPU."""
-
-    batch_size: int
-    q_len: int
-    past: int  # tokens cached before this step
-    num_tokens: int  # tokens cached after this step
-    first_pos: int  # logical position of the first token still held (same for every row)
-    table: torch.Tensor  # long [B, N]: the rows' pages, logical order
-    slots: torch.Tensor  # long [B * q_len]: flat slot (page * S + offset) of each new token
-    copy_src: torch.Tensor | None  # long [C]: pages to copy before writing (copy-on-write)
-    copy_dst: torch.Tensor | None
-    slab: tuple[int, int] | None  # (first page, row stride in pages) when rows form a regular slab
-    page_size: int = 1
-    same_as: list[int] | None = None  # rows assumed identical to an earlier row (sharing its pages)
-    read_table: torch.Tensor | None = None  # long [B, Nk]: live pages only (-1 padded), when rows have holes
-    read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
-    usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
-    _on_device: dict = field(default_factory=dict)
-
-    @property
-    def kv_len(self) -> int:
-        return self.num_tokens - self.first_pos
-
-    def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) for the paged kernels, contiguous, once per
-        device: int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type). The page ids are
-        checked here, once per step and device, against pools of ``num_pages`` pages (the kernels
-        read pools unchecked)."""
-        key = ("kernel", device)
-        if key not in self._on_device:
-            table, page_pos = self.live_pages()
-            q_pos = torch.arange(self.past, self.num_tokens).expand(table.shape[0], -1)
-            table = table.int() if device.type == "cuda" else table.long()
-            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
-            mark_checked(*index, num_pages)
-            self._on_device[key] = index
-        return self._on_device[key]
-
-    def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""
-        if self.read_table is not None:
-            return self.read_table, self.read_pos
-        B, N = self.table.shape
-        return self.table, (self.first_pos + torch.arange(N) * self.page_size).expand(B, N)
-
-    def add_usage(self, page_mass: torch.Tensor) -> None:
-        """Add one layer's attention mass per live page [B, Nk] to this step's usage."""
-        page_mass = page_mass.float()  # stays on its device: moved to the host once, at commit
-        self.usage = page_mass if self.usage is None else self.usage + page_mass.to(self.usage.device)
-
-    def on(self, device: torch.device) -> "StepPlan":
-        """This plan's index tensors on ``device``, moved once per step per device."""
-        if device.type == "cpu":
-            return self
-        moved = self._on_device.get(device)
-        if moved is None:
-            move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-            moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots), copy_src=move(self.copy_src),
-                                        copy_dst=move(self.copy_dst), read_table=move(self.read_table),
-                                        read_pos=move(self.read_pos), usage=None, _on_device={})
-            self._on_device[device] = moved
-        return moved
+from .eviction import EvictionPolicy, GroupEviction
+from .paged_kv import PagedView
+from .step_plan import StepPlan, build_plan, place_rows, relocate_rows
+from .window import make_window
 
 
 class PageGroup:
@@ -100,45 +33,53 @@ class PageGroup:
                  policy: EvictionPolicy | None = None):
         self.manager = manager
         self.policy = policy or EvictionPolicy("error")
-        self.tracks_usage = self.policy.tracks_usage and manager.max_pages is not None
-        self.clock = 0  # steps planned so far
-        self.usage = PageUsage()  # what the policy has observed of the pages' attention
+        self.eviction = GroupEviction(self.policy, manager.max_pages is not None)
         self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.page_size = manager.page_size
         self.sliding_window = sliding_window
+        self.window = make_window(sliding_window, manager.page_size)
         self.rows: list[list[int]] = []
         self.first_page = 0
         self.num_tokens = 0
-        self.record_past = False  # set by assisted decoding: keep pages until `crop`
         self.step: StepPlan | None = None
         self._undo: tuple | None = None  # (rows, first_page, num_tokens) before an uncommitted step
         self._pending_release: list[int] = []
         self.layers = weakref.WeakSet()  # PagedLayers of this group (weak: a dropped cache frees its pages)
-        self.evictions = 0  # live pages dropped by a lossy eviction policy
         self.prefix_hits = 0  # pages reused from the prefix cache instead of recomputed
         self.hashed_pages = 0  # logical pages [0, hashed_pages) of every row carry content hashes
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
 
     # ----------------------------------------------------------------- views
-    def _window_page(self, past: int, first_page: int) -> int:
-        """First logical page the window of a step starting after ``past`` tokens needs (rows start at ``first_page``)."""
-        if self.sliding_window is None:
-            return first_page
-        return max(first_page, max(0, past - self.sliding_window + 1) // self.page_size)
+    @property
+    def record_past(self) -> bool:
+        """Set by assisted decoding: keep sliding-window pages until `crop`."""
+        return self.window.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self.window.record_past = value
 
     def first_kept_page(self, past: int, first_page: int | None = None) -> int:
-        """First logical page a step starting after ``past`` tokens keeps (all of them while recording the past)."""
-        first_page = self.first_page if first_page is None else first_page
-        return first_page if self.record_past else self._window_page(past, first_page)
+        """First logical page a step starting after ``past`` tokens keeps (see `FullWindow.first_kept_page`)."""
+        return self.window.first_kept_page(past, self.first_page if first_page is None else first_page)
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         """(kv_length, kv_offset) that the next step's attention reads, as transformers expects."""
         kv_offset = self.first_kept_page(self.num_tokens) * self.page_size
         return self.num_tokens + q_len - kv_offset, kv_offset
 
+    def read_view(self, keys, values, backend: str) -> PagedView:
+        """What attention reads of a layer of this group in the current step (pools ``keys``/``values``)."""
+        window = self.policy.window
+        return PagedView(keys, values, self.step.on(keys.device), backend, self.eviction.sink(self.step), window)
+
     @property
     def batch_size(self) -> int:
         return len(self.rows)
+
+    @property
+    def evictions(self) -> int:
+        return self.eviction.evictions
 
     def tokens_stored(self) -> int:
         S = self.page_size
@@ -156,7 +97,7 @@ class PageGroup:
         """A group with the same rows, sharing every page (one more reference each)."""
         self.commit()
         twin = PageGroup(self.manager, self.sliding_window, self.policy)
-        twin.usage, twin.clock = self.usage, self.clock
+        twin.eviction = self.eviction.fork(self.manager.max_pages is not None)
         twin.rows = [list(r) for r in self.rows]
         for r in twin.rows:
             self.manager.share_row(r)
@@ -229,7 +170,7 @@ class PageGroup:
         new_len = self.num_tokens - tokens_to_remove
         if tokens_to_remove <= 0:
             return
-        needed_from = max(0, new_len - self.sliding_window + 1) if self.sliding_window else new_len
+        needed_from = self.window.skipped_tokens(new_len)
         if needed_from < self.first_page * self.page_size:
             raise CacheUsageError(
                 f"cannot crop {tokens_to_remove} tokens: the next step would attend from position {needed_from}, "
@@ -262,7 +203,7 @@ class PageGroup:
         """After a crop, free the sliding-window pages kept for it (see `record_past`)."""
         if not self.record_past:
             return
-        trim = self._window_page(self.num_tokens, self.first_page) - self.first_page
+        trim = self.window.first_needed_page(self.num_tokens, self.first_page) - self.first_page
         for r in self.rows:
             self.manager.release_row(r[:trim])
             del r[:trim]
@@ -279,6 +220,19 @@ class PageGroup:
         bounded pool cannot provide the pages.
         """
         self._finish_or_rollback()
+        self._check_step(batch_size)
+        S, past = self.page_size, self.num_tokens
+        fresh = not self.rows
+        rows = self.rows if self.rows else [[] for _ in range(batch_size)]
+        same_as = same_as if fresh and same_as and any(a != b for b, a in enumerate(same_as)) else None
+        owners = [b for b in range(batch_size) if same_as is None or same_as[b] == b]
+        new_per_row = math.ceil((past + q_len) / S) - (self.first_page + len(rows[0]))
+        cow_rows = [b for b, r in enumerate(rows) if past % S != 0 and self.manager.ref[r[-1]] > 1]
+        self._reserve(len(owners) * new_per_row + len(cow_rows), fresh)
+        return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
+
+    def _check_step(self, batch_size: int) -> None:
+        """Raise (changing nothing) for a step this group cannot take."""
         if self.num_tokens > 0 and batch_size != len(self.rows):
             raise CacheUsageError(
                 f"batch size changed from {len(self.rows)} to {batch_size} on a non-empty PagedCache. "
@@ -290,18 +244,9 @@ class PageGroup:
                 f"max_pages={self.manager.max_pages} is smaller than one page per row for a batch of "
                 f"{batch_size}: raise max_pages to at least {batch_size} (better: enough pages for the "
                 "prompt and the new tokens of every row) or split the batch.")
-        S, past, end = self.page_size, self.num_tokens, self.num_tokens + q_len
-        fresh = not self.rows
-        rows = self.rows if self.rows else [[] for _ in range(batch_size)]
-        same_as = same_as if fresh and same_as and any(a != b for b, a in enumerate(same_as)) else None
-        owners = [b for b in range(batch_size) if same_as is None or same_as[b] == b]
-        new_first = self.first_kept_page(past)
-        trim = new_first - self.first_page
-        end_page = math.ceil(end / S)
-        new_per_row = end_page - (self.first_page + len(rows[0]))
-        partial = past % S != 0 and past > 0
-        cow_rows = [b for b, r in enumerate(rows) if partial and self.manager.ref[r[-1]] > 1]
-        needed = len(owners) * new_per_row + len(cow_rows)
+
+    def _reserve(self, needed: int, fresh: bool) -> None:
+        """Make ``needed`` pages available (evicting per a lossy policy), or raise `PagePoolExhausted`."""
         if self.policy.compress_prompt and fresh and self.manager.max_pages is not None and \
                 needed > self.manager.available():  # the prompt goes in whole, then is cut (see `_compress`)
             self._compress_to, self.manager.max_pages = self.manager.max_pages, None
@@ -309,8 +254,15 @@ class PageGroup:
             self._evict(needed)
         self.manager.require(needed, self.policy.lossy)
 
-        # From here on nothing raises (the pool was checked above). Pages leaving the rows are
-        # released only when the step commits, so that `abort_step` can restore them.
+    def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:
+        """Give the rows their new pages (nothing raises: `_reserve` checked the pool) and plan the step.
+
+        Pages leaving the rows are released only when the step commits, so that `abort_step` can
+        restore them.
+        """
+        past = self.num_tokens
+        new_first = self.first_kept_page(past)
+        trim = new_first - self.first_page
         self._undo = ([list(r) for r in self.rows], self.first_page, self.num_tokens)
         self._pending_release = [p for r in rows for p in r[:trim]]
         for r in rows:
@@ -322,55 +274,23 @@ class PageGroup:
             self._pending_release.append(src[-1])
             rows[b][-1] = dst[-1]
         was_slab = self.step is not None and self.step.slab is not None
-        self._allocate([rows[b] for b in owners], new_per_row)
+        place_rows(self.manager, [rows[b] for b in owners], new_per_row)
         for b, a in enumerate(same_as or ()):
             if a != b:
                 rows[b] = list(rows[a])
                 self.manager.share_row(rows[b])
         self.rows = rows
-        self.num_tokens = end
-        self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
-        if was_slab and self.step.slab is None and self._relocate(rows, src, dst):
-            self.step = self._plan(batch_size, q_len, past, src, dst, same_as)
+        self.num_tokens = past + q_len
+        self.step = self._plan(past, src, dst, same_as)
+        if was_slab and self.step.slab is None and relocate_rows(self.manager, rows, src, dst, self._pending_release):
+            self.step = self._plan(past, src, dst, same_as)
         return self.step
 
-    def _plan(self, batch_size, q_len, past, src, dst, same_as) -> StepPlan:
-        S = self.page_size
-        self.clock += 1
-        table = torch.tensor(self.rows, dtype=torch.long)
-        pos = torch.arange(past, self.num_tokens)
-        written = table[:, pos // S - self.first_page]
-        slots = (written * S + pos % S).reshape(-1)
-        read_table = read_pos = None
-        if self.tracks_usage or bool((table == EVICTED).any()):
-            self.usage.written(written.unique().tolist(), self.clock)
-            self.usage.allocated(table[:, pos[pos % S == 0] // S - self.first_page].unique().tolist(), self.clock)
-            live = [[(p, (self.first_page + i) * S) for i, p in enumerate(r) if p != EVICTED] for r in self.rows]
-            width = max(len(r) for r in live)
-            read_table = torch.tensor([[p for p, _ in r] + [EVICTED] * (width - len(r)) for r in live])
-            read_pos = torch.tensor([[q for _, q in r] + [self.num_tokens] * (width - len(r)) for r in live])
-        return StepPlan(
-            batch_size, q_len, past, self.num_tokens, self.first_page * S, table, slots,
-            torch.tensor(src, dtype=torch.long) if src else None,
-            torch.tensor(dst, dtype=torch.long) if dst else None,
-            self._slab(table) if read_table is None else None, S, same_as, read_table, read_pos,
-        )
-
-    def usage_sink(self):
-        """Where attention adds a layer's mass per live page ``[B, H, Nk]`` this step, or None when the
-        policy does not track usage (see `PagedView.usage`)."""
-        if not self.tracks_usage:
-            return None
-        plan, signal = self.step, self.policy.page_signal
-        return lambda page_mass: plan.add_usage(signal(page_mass))
-
-    def _record_usage(self) -> None:
-        """Hand the last step's attention per page to the policy (once)."""
-        plan = self.step
-        if plan is None or plan.usage is None:
-            return
-        self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
-        plan.usage = None
+    def _plan(self, past, src, dst, same_as) -> StepPlan:
+        plan = build_plan(self.rows, self.first_page, past, self.num_tokens, self.page_size, src, dst, same_as,
+                          self.eviction.tracks_usage)
+        self.eviction.planned(plan)
+        return plan
 
     def _compress(self) -> None:
         """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
@@ -379,23 +299,9 @@ class PageGroup:
         self._evict(0)
 
     def _evict(self, needed: int) -> None:
-        """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
-        warn_first_eviction(self.policy, self.manager.max_pages)
+        """Drop live pages per the policy until ``needed`` pages are free; later tokens are not exact."""
         self.exact_tokens = min(self.exact_tokens, self.num_tokens)  # later tokens see fewer: not reusable
-        while self.manager.available() < needed:
-            evicted = False
-            for row in self.rows:
-                i = self.policy.victim(row, self.first_page, self.usage)
-                if i is None:
-                    continue
-                self.manager.release(row[i])
-                row[i] = EVICTED
-                self.evictions += 1
-                evicted = True
-                if self.manager.available() >= needed:
-                    return
-            if not evicted:
-                return  # everything left is protected: `require` raises with the numbers
+        self.eviction.evict(self.manager, self.rows, self.first_page, needed)
 
     def unshare(self, rows: list[int]) -> list[tuple[int, int]]:
         """Give rows that were assumed identical to another row their own pages, mid-step.
@@ -412,63 +318,8 @@ class PageGroup:
             self.manager.release_row(self.rows[b])
             self.rows[b] = new
         same_as = [b if b in rows else a for b, a in enumerate(plan.same_as)]
-        self.step = self._plan(plan.batch_size, plan.q_len, plan.past, [], [], same_as)
+        self.step = self._plan(plan.past, [], [], same_as)
         return pairs
-
-    def _allocate(self, rows: list[list[int]], count: int) -> None:
-        """Give each row ``count`` more pages, keeping a row's pages consecutive when possible.
-
-        A fresh batch of several rows is placed on a slab (row b starts at ``base + b * stride``,
-        with 25% headroom per row), so that decode can keep growing each row into its own region.
-        """
-        if count <= 0:
-            return
-        if all(not r for r in rows):
-            stride = count + (count // 4 + 1 if len(rows) > 1 else 0)
-            base = self.manager.free_run(len(rows) * stride)
-            if base is not None:
-                for b, r in enumerate(rows):
-                    r.extend(self.manager.allocate(base + b * stride + i) for i in range(count))
-                return
-        for r in rows:
-            for _ in range(count):
-                r.append(self.manager.allocate(r[-1] + 1 if r else None))
-
-    def _relocate(self, rows: list[list[int]], src: list[int], dst: list[int]) -> bool:
-        """Move rows that outgrew their slab region onto a new slab with 25% more room per row.
-
-        Like a vector's growth: each move copies the cache once and adds 25% room, so the
-        cost per token is amortised, and decode keeps reading views instead of gathering.
-        Only unshared rows of an unbounded pool move (a shared page stays shared); returns
-        whether they moved.
-        """
-        if self.manager.max_pages is not None or any(p == EVICTED or self.manager.ref[p] != 1 for r in rows for p in r):
-            return False
-        stride = len(rows[0]) + len(rows[0]) // 4 + 1
-        base = self.manager.free_run(len(rows) * stride)
-        copied_from = dict(zip(dst, src))  # a page copied on write this step moves from its source
-        for b, r in enumerate(rows):
-            moved = [self.manager.allocate(base + b * stride + i) for i in range(len(r))]
-            src.extend(copied_from.get(p, p) for p in r), dst.extend(moved)
-            self._pending_release.extend(r)
-            r[:] = moved
-        return True
-
-    @staticmethod
-    def _slab(table: torch.Tensor) -> tuple[int, int] | None:
-        """(base, stride) if ``table[b, i] == base + b * stride + i`` for all rows, else None."""
-        B, n = table.shape
-        if n == 0:
-            return None
-        if n > 1 and not bool((table[:, 1:] - table[:, :-1] == 1).all()):
-            return None
-        base = int(table[0, 0])
-        if B == 1:
-            return base, n
-        stride = int(table[1, 0]) - base
-        if stride < n or not bool((table[:, 0] == base + stride * torch.arange(B)).all()):
-            return None
-        return base, stride
 
     @property
     def step_open(self) -> bool:
@@ -490,7 +341,7 @@ class PageGroup:
 
     def commit(self) -> None:
         """Make the current step final: release the pages it replaced or trimmed."""
-        self._record_usage()
+        self.eviction.record(self.step)
         if self._undo is None:
             return
         self.manager.release_row(self._pending_release)
