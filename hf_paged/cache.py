@@ -137,7 +137,7 @@ class PagedCache(Cache):
         self._check_thread()
         layer = self._layer(layer_idx)
         group = layer.group
-        if layer.seen == group.num_tokens:  # the layer starts new tokens for its group
+        if group.up_to_date(layer):  # the layer starts new tokens for its group
             if group.step_open and not group.step_complete():
                 self.rollback()  # the group's last step never finished: a forward failed outside the cache
             elif all(g.step_complete() for g in self.groups.values()):
@@ -185,8 +185,8 @@ class PagedCache(Cache):
         """A query about a layer that already wrote an unfinished step comes from a new forward (a
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
         if layer_idx < len(self.layers) and self._owner in (None, threading.get_ident()):
-            layer = self.layers[layer_idx]
-            if layer.group.step_open and layer.seen == layer.group.num_tokens and not layer.group.step_complete():
+            group = self.layers[layer_idx].group
+            if group.step_open and group.up_to_date(self.layers[layer_idx]) and not group.step_complete():
                 self.rollback()
 
     def _check_thread(self) -> None:
@@ -249,8 +249,6 @@ class PagedCache(Cache):
             return 0
         for group in self.groups.values():
             group.restore(rows, pages)
-        for layer in self.layers:
-            layer.seen = pages * S
         self.token_log.clear()
         keep = pages * S
         self.token_log.extend(input_ids[:, :keep],
@@ -331,8 +329,6 @@ class PagedCache(Cache):
             group.check_crop(-tokens_to_remove)
         for group in self.groups.values():
             group.crop(-tokens_to_remove)
-        for layer in self.layers:
-            layer.seen = layer.group.num_tokens
         if self.token_log is not None:
             self.token_log.truncate(self.get_seq_length())
 

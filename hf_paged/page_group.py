@@ -44,7 +44,7 @@ class PageGroup:
         self.step: StepPlan | None = None
         self._undo: tuple | None = None  # (rows, first_page, num_tokens) before an uncommitted step
         self._pending_release: list[int] = []
-        self.layers = weakref.WeakSet()  # PagedLayers of this group (weak: a dropped cache frees its pages)
+        self.written = weakref.WeakKeyDictionary()  # member layer -> tokens it wrote (weak: a dropped cache frees)
         self.prefix_hits = 0  # pages reused from the prefix cache instead of recomputed
         self.hashed_pages = 0  # logical pages [0, hashed_pages) of every row carry content hashes
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
@@ -130,6 +130,7 @@ class PageGroup:
             self.manager.share_row(r)
         self.first_page, self.num_tokens, self.hashed_pages = needed.start, pages * self.page_size, pages
         self.prefix_hits += len(needed) * len(self.rows)
+        self._all_written()
 
     # ------------------------------------------------------------- row edits
     def remap(self, rows_for) -> None:
@@ -150,7 +151,7 @@ class PageGroup:
         out = dict(pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free), pages_cached=len(m.cached),
                    tokens_stored=self.tokens_stored(), kv_bytes=0, pool_bytes=0, evictions=self.evictions,
                    prefix_hits=self.prefix_hits)
-        for layer in self.layers:
+        for layer in self.written:
             if layer.is_initialized:
                 page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
                 out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
@@ -164,6 +165,7 @@ class PageGroup:
             self.manager.release_row(r)
         self.rows, self.first_page, self.num_tokens, self.step, self.hashed_pages = [], 0, 0, None, 0
         self.exact_tokens = math.inf
+        self._all_written()
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise (changing nothing) if cropping would need tokens this group no longer holds."""
@@ -188,6 +190,7 @@ class PageGroup:
         new_len = self.num_tokens - tokens_to_remove
         if tokens_to_remove <= 0:
             self._trim_recorded_past()
+            self._all_written()
             return
         keep = math.ceil(new_len / self.page_size) - self.first_page
         for r in self.rows:
@@ -198,6 +201,7 @@ class PageGroup:
         self.num_tokens, self.step = new_len, None
         self.hashed_pages = min(self.hashed_pages, new_len // self.page_size)
         self._trim_recorded_past()
+        self._all_written()
 
     def _trim_recorded_past(self) -> None:
         """After a crop, free the sliding-window pages kept for it (see `record_past`)."""
@@ -208,6 +212,45 @@ class PageGroup:
             self.manager.release_row(r[:trim])
             del r[:trim]
         self.first_page += trim
+
+    # ------------------------------------------------------------ membership
+    def join(self, layer, tokens: int = 0) -> None:
+        """``layer`` is a member of this group, having written ``tokens`` tokens."""
+        self.written[layer] = tokens
+
+    def tokens_written(self, layer) -> int:
+        """Tokens ``layer`` wrote: the group's, or mid-step the tokens before the step until it writes."""
+        return self.written[layer]
+
+    def up_to_date(self, layer) -> bool:
+        """``layer`` wrote every token of the group (its next update starts a new step)."""
+        return self.written[layer] == self.num_tokens
+
+    def wrote(self, layer) -> None:
+        """``layer`` wrote the tokens of the current step."""
+        self.written[layer] = self.num_tokens
+
+    def _all_written(self) -> None:
+        """Every member holds the group's tokens (after a restore or a crop)."""
+        for layer in self.written:
+            self.written[layer] = self.num_tokens
+
+    def join_step(self, layer, batch_size: int, q_len: int, identical_rows) -> StepPlan:
+        """The plan of the step ``layer`` writes now: the group plans it when the layer is the first member
+        to write new tokens (``identical_rows()`` then tells which rows of a fresh batch may share pages).
+        Raises when the layer's tokens are not those of the planned step."""
+        if self.up_to_date(layer):
+            fresh_batch = self.num_tokens == 0 and not self.rows and batch_size > 1
+            return self.begin_step(batch_size, q_len, identical_rows() if fresh_batch else None)
+        if self.step is None or self.written[layer] + q_len != self.num_tokens or batch_size != self.step.batch_size:
+            raise CacheUsageError(
+                f"layer {layer.layer_idx} received {q_len} token(s) for a batch of {batch_size}, but its group "
+                f"planned a step of {self.step.q_len if self.step else 0} token(s) for "
+                f"{self.batch_size} row(s): every layer must see the same tokens in the same step. (An "
+                "encoder-decoder model such as T5 or BART gives the cache its cross-attention keys too: PagedCache "
+                "supports decoder-only models only.)"
+            )
+        return self.step
 
     # ------------------------------------------------------------------ step
     def begin_step(self, batch_size: int, q_len: int, same_as: list[int] | None = None) -> StepPlan:
@@ -303,11 +346,11 @@ class PageGroup:
         self.exact_tokens = min(self.exact_tokens, self.num_tokens)  # later tokens see fewer: not reusable
         self.eviction.evict(self.manager, self.rows, self.first_page, needed)
 
-    def unshare(self, rows: list[int]) -> list[tuple[int, int]]:
+    def unshare(self, rows: list[int]) -> None:
         """Give rows that were assumed identical to another row their own pages, mid-step.
 
-        Returns the (source, copy) page pairs that layers which already wrote this step must
-        copy (their content was identical); the step's plan is rebuilt for the other layers.
+        Members that already wrote this step copy the shared pages to the new ones (their content
+        was identical); the step's plan is rebuilt for the other members.
         """
         plan = self.step
         self.manager.require(sum(len(self.rows[b]) for b in rows))
@@ -319,7 +362,8 @@ class PageGroup:
             self.rows[b] = new
         same_as = [b if b in rows else a for b, a in enumerate(plan.same_as)]
         self.step = self._plan(plan.past, [], [], same_as)
-        return pairs
+        for layer in [layer for layer, tokens in self.written.items() if tokens == self.num_tokens]:
+            layer.copy_pages(pairs)  # it wrote the shared pages: their content is the rows' too
 
     @property
     def step_open(self) -> bool:
@@ -328,7 +372,7 @@ class PageGroup:
 
     def step_complete(self) -> bool:
         """Every layer of the group wrote the tokens of the last planned step."""
-        return all(layer.seen == self.num_tokens for layer in self.layers)
+        return all(tokens == self.num_tokens for tokens in self.written.values())
 
     def _finish_or_rollback(self) -> None:
         """Commit the previous step, or roll it back if some layer of the group never wrote it."""
@@ -358,8 +402,8 @@ class PageGroup:
         for pages in (*self.rows, self._pending_release):  # pages this step allocated
             self.manager.release_row([p for p in pages if p not in kept])
         self.rows, self.first_page, self.num_tokens = old_rows, old_first, old_tokens
-        for layer in self.layers:
-            layer.seen = min(layer.seen, old_tokens)
+        for layer, tokens in self.written.items():
+            self.written[layer] = min(tokens, old_tokens)
         self.step, self._undo, self._pending_release = None, None, []
         if self._compress_to is not None:  # nothing is held any more: only the bound comes back
             self.manager.max_pages, self._compress_to = self._compress_to, None
