@@ -82,12 +82,12 @@ class PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
-        group.join(self)
+        group.members.join(self)
 
     def fork(self, group: PageGroup) -> "PagedLayer":
         """A layer of a forked cache: same pool tensors, the fork's own page tables."""
         twin = PagedLayer(group, self.layer_idx, self.backend, self.pool)
-        group.join(twin, self.get_seq_length())
+        group.members.join(twin, self.get_seq_length())
         return twin
 
     def __repr__(self) -> str:
@@ -186,7 +186,7 @@ class PagedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         """Tokens this layer has processed: mid-step, a layer that has not written yet still reports
         the tokens before the step, as a `DynamicCache` layer does (Llama 4 asks before writing)."""
-        return self.group.tokens_written(self)
+        return self.group.members[self]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.group.mask_sizes(query_length)
@@ -200,7 +200,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget this layer's tokens (it rejoins its group with none); the pools are kept for reuse."""
-        self.group.join(self)
+        self.group.members.join(self)
 
     def offload(self):
         raise NotImplementedError("PagedCache does not offload layers; bound it with max_pages instead.")

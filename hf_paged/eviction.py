@@ -20,6 +20,7 @@ gone for every layer of the group; the positions of the kept tokens never change
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -150,10 +151,14 @@ class GroupEviction:
         self.usage = PageUsage() if usage is None else usage
         self.clock = clock  # steps planned so far
         self.evictions = 0  # live pages dropped
+        self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
+        self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
 
     def fork(self, bounded: bool) -> "GroupEviction":
-        """The eviction state of a forked group: same usage (by page id) and clock, its own count."""
-        return GroupEviction(self.policy, bounded, self.usage, self.clock)
+        """The eviction state of a forked group: same usage (by page id), clock and exactness, its own count."""
+        twin = GroupEviction(self.policy, bounded, self.usage, self.clock)
+        twin.exact_tokens = self.exact_tokens
+        return twin
 
     def planned(self, plan) -> None:
         """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
@@ -179,9 +184,32 @@ class GroupEviction:
         self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
         plan.usage = None
 
-    def evict(self, manager, rows: list[list[int]], first_page: int, needed: int) -> None:
+    def reserve(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
+                fresh: bool) -> None:
+        """Make ``needed`` pages available for a step after ``num_tokens`` tokens, or raise `PagePoolExhausted`.
+        With ``compress_prompt``, a fresh prompt over the bound goes in whole (cut at commit, see `committed`)."""
+        if self.policy.compress_prompt and fresh and manager.max_pages is not None and needed > manager.available():
+            self._compress_to, manager.max_pages = manager.max_pages, None
+        elif self.policy.lossy and needed > manager.available():
+            self.evict(manager, rows, first_page, num_tokens, needed)
+        manager.require(needed, self.policy.lossy)
+
+    def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int) -> None:
+        """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
+        attention of the prompt's last queries; the pool keeps the prompt's size (its peak)."""
+        if self._compress_to is not None:
+            manager.max_pages, self._compress_to = self._compress_to, None
+            self.evict(manager, rows, first_page, num_tokens, 0)
+
+    def rolled_back(self, manager) -> None:
+        """A compressed prompt's step was undone: nothing is held any more, only the bound comes back."""
+        if self._compress_to is not None:
+            manager.max_pages, self._compress_to = self._compress_to, None
+
+    def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
         warn_first_eviction(self.policy, manager.max_pages)
+        self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
         while manager.available() < needed:
             evicted = False
             for row in rows:
