@@ -96,3 +96,35 @@ def test_attention_reads_only_the_view_not_cache_internals():
     for module in ("attention", "paged_kv"):
         touched = attribute_names(module) & CACHE_INTERNALS
         assert not touched, f"{module}.py reaches into the cache: .{', .'.join(sorted(touched))}"
+
+
+def class_lengths() -> dict[str, int]:
+    """``module.Class`` -> lines of every class in the package."""
+    lengths = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lengths[f"{path.stem}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return lengths
+
+
+def test_page_group_is_split_by_concern():
+    """Rows, steps, plans, eviction state, layers and the attention view: each its own class of modest size."""
+    lengths = class_lengths()
+    for name in ("page_group.PageGroup", "page_rows.PageRows", "step_plan.StepPlan", "eviction.GroupEviction",
+                 "cache_layer.PagedLayer", "paged_kv.PagedView"):
+        assert lengths[name] <= 220, f"{name} has {lengths[name]} lines"
+
+
+def test_layers_never_touch_their_siblings_or_their_groups_members():
+    """Membership (which layer wrote which tokens) is the group's: no module outside page_group.py reads or
+    writes a layer's written-token count, and no layer calls another layer's private methods."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        assert "seen" not in names, f"{path.name} uses a layer's .seen"
+        calls = [node.func for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("_")
+                 and not node.func.attr.startswith("__") and isinstance(node.func.value, ast.Name)
+                 and node.func.value.id == "layer"]
+        assert not calls, f"{path.name} calls a private method of another layer"
