@@ -303,7 +303,7 @@ class PagedCache(Cache):
             layer.reset()
         if self.token_log is not None:
             self.token_log.clear()
-        self._owner.free()
+        self._owner.release()
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:

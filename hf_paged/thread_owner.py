@@ -35,5 +35,5 @@ class ThreadOwner:
     def is_mine_or_free(self) -> bool:
         return self.ident in (None, threading.get_ident())
 
-    def free(self) -> None:
+    def release(self) -> None:
         self.ident = None

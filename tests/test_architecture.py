@@ -128,3 +128,11 @@ def test_layers_never_touch_their_siblings_or_their_groups_members():
                  and not node.func.attr.startswith("__") and isinstance(node.func.value, ast.Name)
                  and node.func.value.id == "layer"]
         assert not calls, f"{path.name} calls a private method of another layer"
+
+
+def test_the_cache_delegates_to_its_groups():
+    """PagedCache edits no page tables and reads no block manager: its groups do (PageGroups spans them)."""
+    touched = attribute_names("cache") & {"rows", "manager", "free", "cached", "seen", "first_page", "abort_step",
+                                          "register_hashes", "can_restore", "_finish_or_rollback"}
+    assert not touched, f"cache.py reaches into its groups: .{', .'.join(sorted(touched))}"
+    assert class_lengths()["cache.PagedCache"] <= 270
