@@ -16,7 +16,7 @@ from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG, layer_windows
 from .page_group import PageGroup
 from .page_groups import PageGroups
 from .paged_kv import warn_gathered_pages
-from .prefix_cache import TokenLog, model_fingerprint, page_hashes, step_inputs
+from .prefix_cache import TokenLog, model_fingerprint
 from .prefix_hook import PrefixHook
 from .thread_owner import ThreadOwner
 
@@ -203,22 +203,11 @@ class PagedCache(Cache):
         self.commit()
         if self.get_seq_length() > 0 or not self.groups:
             return 0
-        S, length = self.page_size, input_ids.shape[1]
-        if torch.is_tensor(logits_to_keep):
-            first_kept = int(logits_to_keep.min()) % length if logits_to_keep.numel() else length
-        else:
-            first_kept = length - logits_to_keep if 0 < logits_to_keep <= length else 0
-        ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, 0)
-        rows = [page_hashes(*row, S, 0, self.token_log.root) for row in zip(ids, bits, positions)]
-        pages = self.groups.restore_prefix(rows, min(min(first_kept, length - 1) // S, *(len(r) for r in rows)))
-        if pages == 0:
-            return 0
-        self.token_log.clear()
-        keep = pages * S
-        self.token_log.extend(input_ids[:, :keep],
-                              None if attention_mask is None else attention_mask[:, -length:][:, :keep],
-                              None if position_ids is None else position_ids[..., -length:][..., :keep])
-        return keep
+        rows, most = self.token_log.prompt_pages(input_ids, attention_mask, position_ids, logits_to_keep)
+        pages = self.groups.restore_prefix(rows, most)
+        if pages:
+            self.token_log.restart(input_ids, attention_mask, position_ids, pages * self.page_size)
+        return pages * self.page_size
 
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":
