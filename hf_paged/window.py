@@ -12,8 +12,6 @@ from __future__ import annotations
 class FullWindow:
     """Every token stays attended: no page is ever skipped."""
 
-    size: int | None = None
-
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.record_past = False  # set by assisted decoding: keep skipped pages until `crop`
@@ -43,4 +41,5 @@ class SlidingWindow(FullWindow):
 
 
 def make_window(size: int | None, page_size: int) -> FullWindow:
+    """The window of a group of layers whose sliding window is ``size`` tokens (None: full attention)."""
     return FullWindow(page_size) if size is None else SlidingWindow(size, page_size)
