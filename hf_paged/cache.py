@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy, default_policy
+from .eviction import DEFAULT_POLICY, EvictionPolicy
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG, layer_windows
 from .page_group import PageGroup
 from .page_groups import PageGroups
@@ -58,7 +58,7 @@ class PagedCache(Cache):
             TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
             on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
         eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise
-            `PagePoolExhausted`); default "lru", or "score" with ``compress_prompt``; see `hf_paged.eviction`.
+            `PagePoolExhausted`); default "score"; see `hf_paged.eviction`.
         sink_pages / recent_pages: pages never evicted at the start / end of each row.
         lru_threshold: "lru" counts a page as used in a step when its attention share is at least
             this multiple of an even share.
@@ -66,6 +66,8 @@ class PagedCache(Cache):
         observation_window: the last queries of a step whose attention scores pages.
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
+        per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
+            for a bounded "score" or "lru" cache); False: the layers of a group share one page table.
         model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
@@ -76,18 +78,20 @@ class PagedCache(Cache):
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str | None = None, sink_pages: int = 1, recent_pages: int = 1,
                  lru_threshold: float = 1.0, score_decay: float = 0.9, observation_window: int = 32,
-                 compress_prompt: bool = False):
+                 compress_prompt: bool = False, per_layer_eviction: bool | None = None):
         _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
-        self.policy = EvictionPolicy(eviction or default_policy(compress_prompt), sink_pages, recent_pages,
+        self.policy = EvictionPolicy(eviction or DEFAULT_POLICY, sink_pages, recent_pages,
                                      lru_threshold, score_decay, observation_window, compress_prompt)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages
+        self.per_layer_eviction = (max_pages is not None and self.policy.tracks_usage if per_layer_eviction is None
+                                   else bool(per_layer_eviction))
         self.groups = PageGroups()
         self._owner = ThreadOwner()
         self.config = None
@@ -113,22 +117,29 @@ class PagedCache(Cache):
             raise CacheUsageError("bind_config() needs an empty cache: call reset() first.")
         self.config = config
         windows = layer_windows(config)
-        self.layers = [PagedLayer(self._group(w), i, self.backend) for i, w in enumerate(windows)]
-        self.groups = PageGroups({w: g for w, g in self.groups.items() if w in windows})  # another model's go
+        self.layers = [PagedLayer(self._group(w, i), i, self.backend) for i, w in enumerate(windows)]
+        keys = {self._group_key(w, i) for i, w in enumerate(windows)}
+        self.groups = PageGroups({k: g for k, g in self.groups.items() if k in keys})  # another model's groups go
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             warn_gathered_pages()
 
-    def _group(self, sliding_window: int | None) -> PageGroup:
-        group = self.groups.get(sliding_window)
+    def _group_key(self, sliding_window: int | None, layer_idx: int):
+        """Layers of one key share page tables: those of one sliding window, or each layer alone when it
+        chooses its own victims (``per_layer_eviction``)."""
+        return (sliding_window, layer_idx) if self.per_layer_eviction else sliding_window
+
+    def _group(self, sliding_window: int | None, layer_idx: int) -> PageGroup:
+        key = self._group_key(sliding_window, layer_idx)
+        group = self.groups.get(key)
         if group is None:
             manager = BlockManager(self.page_size, self.max_pages)
-            group = self.groups[sliding_window] = PageGroup(manager, sliding_window, self.policy)
+            group = self.groups[key] = PageGroup(manager, sliding_window, self.policy)
         return group
 
     def _layer(self, layer_idx: int) -> PagedLayer:
         while len(self.layers) <= layer_idx:
-            self.layers.append(PagedLayer(self._group(None), len(self.layers), self.backend))
+            self.layers.append(PagedLayer(self._group(None, len(self.layers)), len(self.layers), self.backend))
         return self.layers[layer_idx]
 
     # ----------------------------------------------------------------- steps
@@ -137,10 +148,10 @@ class PagedCache(Cache):
         layer = self._layer(layer_idx)
         group = layer.group
         if group.up_to_date(layer):  # the layer starts new tokens for its group
-            if group.step_open and not group.step_complete():
-                self.rollback()  # the group's last step never finished: a forward failed outside the cache
-            elif self.groups.step_complete():
-                self.commit()  # a new step of the whole cache: the last one is final
+            if self.groups.step_failed(group):
+                self.rollback()  # the last step never reached every layer: a forward failed outside the cache
+            elif self.groups.level_with(group):
+                self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:
@@ -157,7 +168,7 @@ class PagedCache(Cache):
         if self.groups.step_open:
             self._owner.claim()  # another thread must not finish (or undo) this thread's step
         if self.groups.step_failed():
-            self.rollback()
+            self.rollback()  # the step never reached every layer of every group
             return
         self.groups.commit(None if self.token_log is None else self.token_log.hashes)
 
@@ -173,7 +184,7 @@ class PagedCache(Cache):
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
         if layer_idx < len(self.layers) and self._owner.is_mine_or_free():
             group = self.layers[layer_idx].group
-            if group.step_open and group.up_to_date(self.layers[layer_idx]) and not group.step_complete():
+            if group.up_to_date(self.layers[layer_idx]) and self.groups.step_failed(group):
                 self.rollback()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -223,8 +234,10 @@ class PagedCache(Cache):
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
             twin.prefix_hook = PrefixHook(twin, self.prefix_hook.model())
+        twin.per_layer_eviction = self.per_layer_eviction
         twin.groups = self.groups.fork()
-        twin.layers = [layer.fork(twin.groups[layer.group.sliding_window]) for layer in self.layers]
+        key_of = {id(g): k for k, g in self.groups.items()}
+        twin.layers = [layer.fork(twin.groups[key_of[id(layer.group)]]) for layer in self.layers]
         return twin
 
     def unbind(self) -> None:
@@ -294,8 +307,18 @@ class PagedCache(Cache):
             self.token_log.clear()
         self._owner.release()
 
+    def set_max_pages(self, max_pages: int | None) -> None:
+        """Change the bound of every layer group: None unbounds it (rows grow again, as after a prompt
+        compressed with ``compress_prompt``, when the answer may take all the room it needs); a bound
+        below the pages a group holds raises, changing nothing."""
+        _check_positive_int("max_pages", max_pages, allow_none=True)
+        self.commit()
+        self.groups.set_max_pages(max_pages)
+        self.max_pages = max_pages
+
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
-        """Page and memory accounting; ``kv_bytes`` counts used + cached pages of every layer."""
+        """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
+        ``kv_bytes`` counts used + cached pages of every layer."""
         self.commit()
         return dict(page_size=self.page_size, **self.groups.stats())

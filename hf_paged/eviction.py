@@ -12,10 +12,13 @@ used cached (unreferenced) page, then, per policy, one of the row's own live pag
 - ``"error"``: nothing is evicted; `PagePoolExhausted` is raised.
 With ``compress_prompt``, a prompt larger than the bound is prefilled whole, then cut to the bound
 by these scores, i.e. by the attention of the prompt's last ``window`` tokens (SnapKV): a question
-at the end of a prompt steers what is kept. The attention share of a page is its mass averaged over the heads and the observed queries of
-every layer of its group. The first ``sink_pages`` logical pages and the last ``recent_pages``
-live pages (always including the page being written) are never evicted. Evicted tokens are
-gone for every layer of the group; the positions of the kept tokens never change.
+at the end of a prompt steers what is kept. The attention share of a page is its mass averaged
+over the observed queries and taken from the head that attends it most; by default each layer of
+a bounded "score" or "lru" cache keeps its own pages and is its own group (``per_layer_eviction``),
+otherwise the shares of a group's layers are summed. The first ``sink_pages`` logical pages and
+the last ``recent_pages`` live pages (always including the page being written) are never
+evicted. Evicted tokens are gone for every layer of the group; the positions of the kept tokens
+never change.
 """
 
 from __future__ import annotations
@@ -33,10 +36,7 @@ logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
 
 
-def default_policy(compress_prompt: bool) -> str:
-    """What a bounded cache evicts by default: measured best per regime (README, "Eviction"): "lru" when
-    text streams in, "score" when a prompt is cut after prefill (its last tokens' attention decides)."""
-    return "score" if compress_prompt else "lru"
+DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
 
 
 @dataclass
@@ -98,8 +98,10 @@ class EvictionPolicy:
 
     @staticmethod
     def page_signal(page_mass: torch.Tensor) -> torch.Tensor:
-        """One layer's attention mass per live page ``[B, H, Nk]`` (averaged over queries) -> ``[B, Nk]``."""
-        return page_mass.float().mean(dim=1)
+        """One layer's attention mass per live page ``[B, H, Nk]`` (averaged over queries) -> ``[B, Nk]``: the
+        largest over the heads, so that a page one head relies on counts as used (the pages are shared by
+        every head; kvpress's presses choose per head)."""
+        return page_mass.float().amax(dim=1)
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
         """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""

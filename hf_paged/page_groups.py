@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from .errors import CacheUsageError
 from .page_group import PageGroup
 
 
@@ -20,12 +21,19 @@ class PageGroups(dict[int | None, PageGroup]):
         """Some group planned a step that is not yet committed or rolled back."""
         return any(g.step_open for g in self.values())
 
-    def step_failed(self) -> bool:
-        """Some group's open step was not written by all of its layers."""
-        return any(g.step_open and not g.step_complete() for g in self.values())
+    def step_failed(self, group: PageGroup | None = None) -> bool:
+        """The last step never reached every layer: some group's layers did not all write it, or some group
+        never began it (groups begin a step in layer order). With ``group``: as a layer of ``group`` about to
+        start new tokens sees it."""
+        if group is not None:
+            return (group.step_open and not group.step_complete()) or any(
+                g.num_tokens < group.num_tokens for g in self.values())
+        return len({g.num_tokens for g in self.values()}) > 1 or any(
+            g.step_open and not g.step_complete() for g in self.values())
 
-    def step_complete(self) -> bool:
-        return all(g.step_complete() for g in self.values())
+    def level_with(self, group: PageGroup) -> bool:
+        """Every group holds as many tokens as ``group``: none has begun a step that ``group`` has not."""
+        return all(g.num_tokens == group.num_tokens for g in self.values())
 
     @property
     def num_tokens(self) -> int:
@@ -75,11 +83,24 @@ class PageGroups(dict[int | None, PageGroup]):
     def fork(self) -> "PageGroups":
         return PageGroups({w: g.fork() for w, g in self.items()})
 
+    def set_max_pages(self, max_pages: int | None) -> None:
+        """Bound every group's pool (None: unbounded); raises, changing nothing, below what a group holds."""
+        held = max((g.manager.num_used for g in self.values()), default=0)
+        if max_pages is not None and max_pages < held:
+            raise CacheUsageError(f"set_max_pages({max_pages}): a layer group holds {held} pages; evict by "
+                                  "generating within the old bound, or reset() first.")
+        for group in self.values():
+            group.manager.max_pages = max_pages
+
     def stats(self) -> dict:
-        """Page and memory accounting summed over the groups (see `PageGroup.stats`)."""
+        """Page and memory accounting summed over the groups (see `PageGroup.stats`); ``tokens_held``: the
+        most tokens one group holds (what max_pages bounds)."""
         out = dict(pages_total=0, pages_used=0, pages_free=0, pages_cached=0, tokens_stored=0, kv_bytes=0,
                    pool_bytes=0, evictions=0, prefix_hits=0)
+        out["tokens_held"] = 0
         for group in self.values():
-            for key, value in group.stats().items():
+            group_stats = group.stats()
+            for key, value in group_stats.items():
                 out[key] += value
+            out["tokens_held"] = max(out["tokens_held"], group_stats["tokens_stored"])
         return out

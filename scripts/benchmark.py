@@ -53,7 +53,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from common import ATTN, dynamic_kv_bytes, int_list, make_cache, mib, use_attention  # noqa: E402
 
-CACHES = ("dynamic", "paged")
+CACHES = ("dynamic", "paged")  # with --budget also "bounded": a PagedCache held to that many tokens
 
 # Axis values when an axis is not given on the command line.
 ALL_CONTEXTS = [256, 1024, 4096]
@@ -184,6 +184,10 @@ def parse_args(argv=None):
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for both caches)")
+    p.add_argument("--budget", type=int, default=None, help="also time a bounded PagedCache holding at most this "
+                   "many tokens per row (max_pages = budget // page size, the default eviction policy; a longer prompt is "
+                   "cut to it after prefill, compress_prompt=True), alternated "
+                   "with the other two; the table adds its decode speed against the unbounded PagedCache")
     p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
                    "README's reference results are in results/benchmark)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -195,6 +199,8 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (decode speed needs at least one step after prefill)")
+    if args.budget is not None and args.budget < 1:
+        p.error("--budget must be a positive number of tokens")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args
@@ -347,15 +353,16 @@ def prompt_batch(token_ids: list[int], context: int, batch: int, device):
 
 # ----------------------------------------------------------------------------------------- runs
 def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, seed: int, meter: MemoryMeter,
-             sync) -> dict:
+             sync, budget: int | None = None) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
     import hf_paged
 
     mode = parse_mode(cfg.mode)
-    use_attention(model, kind)
-    cache = make_cache(kind, model, cfg.page_size)
+    use_attention(model, "dynamic" if kind == "dynamic" else "paged")
+    bound = dict(max_pages=budget // cfg.page_size, compress_prompt=True) if kind == "bounded" else {}
+    cache = make_cache("dynamic" if kind == "dynamic" else "paged", model, cfg.page_size, **bound)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)
     meter.start()
@@ -383,7 +390,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     )
     result["attn_implementation"] = model.config._attn_implementation
     result["cache_class"] = type(cache).__name__
-    if kind == "paged":
+    if kind != "dynamic":
         result["stats_end"] = cache.stats()
     sequences = out.cpu()
     del out, cache, probe
@@ -406,7 +413,7 @@ def summarize(cfg: Config, runs: dict[str, list[dict]], matches: list[bool], agr
     entry = dict(name=cfg.name, **asdict(cfg), new_tokens=new_tokens)
     entry["rows"] = runs["dynamic"][0]["rows"]
     entry["ideal_kv_bytes_end"] = ideal_kv_bytes(model, entry["rows"], cfg.context + new_tokens - 1, dtype)
-    for kind in CACHES:
+    for kind in runs:
         rs = runs[kind]
         entry[kind] = dict(
             prefill_tok_s=med([r["prefill_tok_s"] for r in rs]),
@@ -424,6 +431,8 @@ def summarize(cfg: Config, runs: dict[str, list[dict]], matches: list[bool], agr
         )
     d, p = entry["dynamic"], entry["paged"]
     entry["ratios"] = {k: (p[k] / d[k] if d[k] else float("nan")) for k in RATIO_KEYS}
+    if "bounded" in entry:
+        entry["bounded"]["decode_vs_unbounded"] = entry["bounded"]["decode_tok_s"] / p["decode_tok_s"]
     entry["tokens_match"] = all(matches)
     entry["token_agreement"] = min(agreement)
     return entry
@@ -483,6 +492,27 @@ def markdown_table(configs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def bounded_table(configs: list[dict], budget: int) -> str:
+    """Decode speed of the bounded PagedCache (``--budget``) against the unbounded one, same runs."""
+    lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, default eviction policy, a longer prompt "
+             "cut to it after prefill) against the unbounded PagedCache, alternated in the same run:", "",
+             "| context | batch | mode | page | decode tok/s unbounded | bounded | bounded / unbounded | spread % "
+             "unbounded / bounded | tokens held per layer at end | evictions (all layers) | new tokens equal to "
+             "unbounded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        p, b = c["paged"], c["bounded"]
+        spreads = [spread(c, kind, "decode_tok_s") for kind in ("paged", "bounded")]
+        spread_cell = "—" if None in spreads else " / ".join(f"{100 * v:.0f}" for v in spreads)
+        worst = max(v or 0.0 for v in spreads)
+        ratio = f"noisy ({100 * worst:.0f}%)" if worst > NOISE else f"{b['decode_vs_unbounded']:.2f}"
+        stats = b["runs"][-1]["stats_end"]
+        lines.append(f"| {c['context']} | {c['batch']} | {c['mode']} | {c['page_size']} | {p['decode_tok_s']:.2f} "
+                     f"| {b['decode_tok_s']:.2f} | {ratio} | {spread_cell} | {stats['tokens_held']} "
+                     f"| {stats['evictions']} | {100 * c['bounded_agreement']:.0f}% |")
+    return "\n".join(lines)
+
+
 def markdown_report(result: dict) -> str:
     s, e = result["settings"], result["environment"]
     smoke = (["**Smoke test (`--quick`): tiny contexts, one repetition, a few tokens, to check that everything "
@@ -500,6 +530,7 @@ def markdown_report(result: dict) -> str:
         "",
         markdown_table(result["configs"]),
         "",
+        *([bounded_table(result["configs"], s["budget"]), ""] if s.get("budget") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
@@ -648,11 +679,12 @@ def main(argv=None) -> dict:
     )
     settings = dict(model=model_name, dtype=str(dtype).replace("torch.", ""), new_tokens=args.new_tokens,
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
-                    seed=args.seed, argv=list(sys.argv[1:] if argv is None else argv),
+                    seed=args.seed, budget=args.budget, argv=list(sys.argv[1:] if argv is None else argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
     results = []
-    total_runs = len(configs) * 2 * (args.warmup + args.repeats)
+    kinds = CACHES + (("bounded",) if args.budget else ())
+    total_runs = len(configs) * len(kinds) * (args.warmup + args.repeats)
     with tqdm(total=total_runs, disable=args.no_progress, desc="benchmark", file=sys.stderr) as bar:
         for cfg in configs:
             cfg_start = time.perf_counter()
@@ -661,25 +693,29 @@ def main(argv=None) -> dict:
             warm_inputs = {k: v[:, -warm_ctx:] for k, v in inputs.items()}
             warm_tokens = args.new_tokens if args.full_warmup else min(args.new_tokens, 4)
             for i in range(args.warmup):
-                for kind in CACHES:
+                for kind in kinds:
                     bar.set_postfix_str(f"{cfg.name} warm-up {kind}")
-                    run_once(model, kind, cfg, warm_inputs, warm_tokens, pad_id, args.seed, meter, sync)
+                    run_once(model, kind, cfg, warm_inputs, warm_tokens, pad_id, args.seed, meter, sync, args.budget)
                     bar.update()
-            runs = {k: [] for k in CACHES}
-            matches, agreement = [], []
+            runs = {k: [] for k in kinds}
+            matches, agreement, bounded_agreement = [], [], []
             for rep in range(args.repeats):
-                order = CACHES if rep % 2 == 0 else CACHES[::-1]
+                order = kinds if rep % 2 == 0 else kinds[::-1]
                 seqs = {}
                 for kind in order:
                     bar.set_postfix_str(f"{cfg.name} repeat {rep + 1} {kind}")
                     res, seqs[kind] = run_once(model, kind, cfg, inputs, args.new_tokens, pad_id, args.seed + rep,
-                                               meter, sync)
+                                               meter, sync, args.budget)
                     runs[kind].append(res)
                     bar.update()
                 same, frac = compare(seqs["dynamic"], seqs["paged"], cfg.context)
                 matches.append(same)
                 agreement.append(frac)
+                if args.budget:
+                    bounded_agreement.append(compare(seqs["paged"], seqs["bounded"], cfg.context)[1])
             entry = summarize(cfg, runs, matches, agreement, args.new_tokens, model, dtype)
+            if args.budget:
+                entry["bounded_agreement"] = min(bounded_agreement)
             entry["deterministic_mode"] = parse_mode(cfg.mode)["deterministic"]
             entry["wall_s"] = time.perf_counter() - cfg_start
             results.append(entry)

@@ -14,7 +14,9 @@ Tasks (``--tasks``, comma-separated; one core: the same text, model, token ids a
 Regimes (``--regimes``) of hf_paged's ``PagedCache(max_pages=B // page_size)``:
 ``streaming``: the text goes in chunks of ``--chunk`` tokens and the cache never holds more than B;
 ``compress``: the prompt is prefilled whole (``compress_prompt=True``), then cut to B by the attention
-  of its last tokens (SnapKV-style); everything after it stays within B.
+  of its last tokens (SnapKV-style); everything after it stays within B;
+``compress+grow``: the same cut, then the bound is lifted (``cache.set_max_pages(None)``): what follows
+  is added on top of B, as kvpress's presses do (the like-for-like comparison with them).
 Policies (``--policies``): ``score`` (default of a bounded cache), ``lru``, ``fifo+sinks``.
 
 kvpress (``--kvpress auto``): when ``.venv-kvpress`` exists (``scripts/make_kvpress_env.sh``), the same
@@ -52,7 +54,7 @@ import perplexity  # noqa: E402  (text loading, token NLL, streaming loop, versi
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ("continuation", "passkey", "streaming")
-REGIMES = ("streaming", "compress")
+REGIMES = ("streaming", "compress", "compress+grow")
 POLICIES = ("score", "lru", "fifo+sinks")
 PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv")
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
@@ -89,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--column", default="text")
     p.add_argument("--text-file", default=None, help="local text file")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--per-layer-eviction", choices=("on", "off"), default="on",
+                   help="on: each layer keeps its own pages (the default of a bounded cache); off: the layers of a "
+                   "group share one page table, victims chosen by their summed attention")
     p.add_argument("--chunk", type=int, default=16, help="streaming regime: tokens per forward")
     p.add_argument("--windows", type=int, default=6, help="continuation: windows of the text")
     p.add_argument("--context", type=int, default=1504, help="continuation: context tokens per window")
@@ -135,7 +140,9 @@ def policy_kwargs(policy: str, page_size: int) -> dict:
 
 def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_paged.PagedCache:
     return hf_paged.PagedCache(page_size=args.page_size, max_pages=budget // args.page_size, config=model.config,
-                               compress_prompt=regime == "compress", **policy_kwargs(policy, args.page_size))
+                               compress_prompt=regime.startswith("compress"),
+                               per_layer_eviction=None if args.per_layer_eviction == "on" else False,
+                               **policy_kwargs(policy, args.page_size))
 
 
 class Held:
@@ -147,7 +154,7 @@ class Held:
 
     def __call__(self) -> None:
         if isinstance(self.cache, hf_paged.PagedCache):
-            self.peak = max(self.peak, sum(g.tokens_stored() for g in self.cache.groups.values()))
+            self.peak = max(self.peak, max(g.tokens_stored() for g in self.cache.groups.values()))
 
 
 def forward(model, cache, ids: torch.Tensor, start: int, device) -> torch.Tensor:
@@ -160,10 +167,12 @@ def forward(model, cache, ids: torch.Tensor, start: int, device) -> torch.Tensor
 @torch.no_grad()
 def prefill(model, cache, ids: torch.Tensor, regime: str, chunk: int, device, held: Held) -> torch.Tensor:
     """Write ``ids`` (whole, or in chunks) into ``cache``; the logits of the last token."""
-    step = len(ids) if regime in ("full", "compress") else chunk
+    step = len(ids) if regime != "streaming" else chunk
     for start in range(0, len(ids), step):
         logits = forward(model, cache, ids[start:start + step], start, device)
         held()
+    if regime == "compress+grow":
+        cache.set_max_pages(None)  # the prompt was cut to B; what follows is added on top, as kvpress does
     return logits[-1]
 
 
@@ -205,7 +214,7 @@ def run_continuation_job(job, models, ids, args, device) -> dict:
     out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak)
     if isinstance(cache, hf_paged.PagedCache):
         stats = cache.stats()
-        out.update(tokens_held=stats["tokens_stored"], evictions=stats["evictions"])
+        out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"])
     return out
 
 
@@ -372,10 +381,10 @@ def run_kvpress(args, ids, cases) -> tuple[dict, list, list]:
             return dict(status=f"failed (exit status {proc.returncode})"), [], []
         answer = json.loads(ans.read_text(encoding="utf-8"))
     status = dict(status="ok", versions=answer["versions"], wall_s=time.perf_counter() - t0)
-    cont = [dict(method=f"kvpress {r['press']}", regime="compress", budget=r["budget"], window=w,
+    cont = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], window=w,
                  nll_sum=math.fsum(nll), tokens=len(nll), peak_tokens_held=None)
             for r in answer["continuation"] for w, nll in enumerate(r["nll"])]
-    pk = [dict(method=f"kvpress {r['press']}", regime="compress", budget=r["budget"], case=r["case"],
+    pk = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], case=r["case"],
                tokens=r["tokens"], peak_tokens_held=None) for r in answer["passkey"]]
     return status, cont, pk
 
@@ -394,7 +403,9 @@ def markdown(report: dict) -> str:
         lines += [f"## Continuation perplexity ({s['windows']} windows: {s['context']} context tokens held to B, "
                   f"the next {s['continuation']} scored; full cache {cont['full_perplexity']:.2f})", "",
                   "Excess perplexity over the full cache (lower is better); * = held more than B at some point "
-                  "(compress: the prompt during prefill; kvpress: the continuation on top of B).", "",
+                  "(compress: the prompt during prefill; compress+grow and kvpress: also the continuation, on top "
+                  "of B).",
+                  "",
                   "| method | regime | " + " | ".join(f"B={b}" for b in budgets) + " |",
                   "|---|---|" + "---:|" * len(budgets)]
         keyed = {(r["method"], r["regime"], r["budget"]): r for r in cont["rows"]}

@@ -11,7 +11,7 @@ PagedCache + "hf_paged" must agree within ``--tolerance`` (relative).
 chunks of ``--chunk`` tokens (default: one page), with explicit ``position_ids`` continuing the
 processed count; every next token is scored given what the cache still holds plus the chunk. Rows:
 DynamicCache (full), PagedCache unbounded (must equal full within ``--tolerance``), and for every
-``--budgets`` value B (tokens, ``max_pages = B // page_size``): ``lru``, ``fifo+sinks``
+``--budgets`` value B (tokens, ``max_pages = B // page_size``): ``score`` (the default), ``lru``, ``fifo+sinks``
 (``sink_pages`` = enough pages for 4 tokens) and ``fifo`` without sinks (``sink_pages=0``).
 
 Examples:
@@ -54,7 +54,7 @@ from common import int_list, make_cache  # noqa: E402
 from hf_paged import assets  # noqa: E402
 
 SINK_TOKENS = 4  # StreamingLLM keeps 4 attention-sink tokens
-POLICIES = ("lru", "fifo+sinks", "fifo")
+POLICIES = ("score", "lru", "fifo+sinks", "fifo")
 # What the README's table is made of, and what --quick shortens it to.
 DEFAULTS = dict(max_tokens=2048, budgets="128,256,512,1024")
 QUICK = dict(max_tokens=256, budgets="64,128")
@@ -239,7 +239,8 @@ def streaming_configs(args) -> list[dict]:
              max_pages=None, policy_kwargs={}),
     ]
     sinks = sink_pages_for(args.page_size)
-    kwargs = {"lru": dict(eviction="lru", sink_pages=sinks), "fifo+sinks": dict(eviction="fifo", sink_pages=sinks),
+    kwargs = {"score": dict(eviction="score", sink_pages=sinks), "lru": dict(eviction="lru", sink_pages=sinks),
+              "fifo+sinks": dict(eviction="fifo", sink_pages=sinks),
               "fifo": dict(eviction="fifo", sink_pages=0)}
     if args.lru_threshold is not None:
         kwargs["lru"]["lru_threshold"] = args.lru_threshold
@@ -327,7 +328,7 @@ def run_streaming(args, state, models, ids, progress) -> dict:
 
 def _tokens_held(cache) -> int:
     if isinstance(cache, hf_paged.PagedCache):
-        return cache.stats()["tokens_stored"]
+        return cache.stats()["tokens_held"]
     layer = cache.layers[0]
     return int(layer.keys.shape[-2]) if getattr(layer, "keys", None) is not None else 0
 
@@ -405,8 +406,9 @@ def plot(report: dict, path: Path) -> None:
                 if row["status"] == "ok":
                     ax.axhline(row["perplexity"], color="black", lw=1.5, ls=style,
                                label=f"{row['label']} ({row['perplexity']:.3f})")
-        legend = {"lru": "lru", "fifo+sinks": f"fifo + {r['sink_pages']} sink page(s)", "fifo": "fifo, no sinks"}
-        styles = {"lru": dict(marker="o", ls="-", color="tab:blue"), "fifo+sinks": dict(marker="s", ls="--", color="tab:orange"),
+        legend = {"score": "score (default)", "lru": "lru", "fifo+sinks": f"fifo + {r['sink_pages']} sink page(s)", "fifo": "fifo, no sinks"}
+        styles = {"score": dict(marker="D", ls="-", color="tab:red"), "lru": dict(marker="o", ls="-", color="tab:blue"),
+                  "fifo+sinks": dict(marker="s", ls="--", color="tab:orange"),
                   "fifo": dict(marker="^", ls=":", color="tab:green")}
         curves = {}
         for i, policy in enumerate(POLICIES):
@@ -415,14 +417,6 @@ def plot(report: dict, path: Path) -> None:
                 curves[policy] = dict(pts)
                 ax.plot([b * 2 ** (0.04 * (i - 1)) for b, _ in pts], [y for _, y in pts], ms=7, label=legend[policy],
                         **styles[policy])
-        near = [b for b in curves.get("lru", {}) if b in curves.get("fifo+sinks", {})]
-        if near:
-            gap = max(abs(curves["lru"][b] / curves["fifo+sinks"][b] - 1) for b in near)
-            if gap < 0.05:
-                top = max(curves["lru"][near[0]], curves["fifo+sinks"][near[0]])
-                ax.annotate(f"lru and fifo+sinks within {100 * gap:.1f}%\nof each other at every budget",
-                            (near[0], top), textcoords="offset points", xytext=(10, 18), fontsize=8,
-                            arrowprops=dict(arrowstyle="-", color="grey"))
         ax.set_xscale("log", base=2)
         ax.set_xticks(s["budgets"], [str(b) for b in s["budgets"]])
         ax.set_xlim(min(s["budgets"]) / 1.3, max(s["budgets"]) * 1.3)

@@ -72,8 +72,8 @@ CACHE_FIELDS = {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s", "total
                 "kv_bytes_end", "kv_bytes_peak", "pool_bytes_end", "pool_bytes_peak", "peak_mem_growth_bytes", "runs"}
 CONFIG_FIELDS = {"name", "context", "batch", "mode", "page_size", "new_tokens", "rows", "ideal_kv_bytes_end",
                  "dynamic", "paged", "ratios", "tokens_match", "token_agreement", "deterministic_mode", "wall_s"}
-STATS_FIELDS = {"page_size", "pages_total", "pages_used", "pages_free", "pages_cached", "tokens_stored", "kv_bytes",
-                "pool_bytes", "evictions", "prefix_hits"}
+STATS_FIELDS = {"page_size", "pages_total", "pages_used", "pages_free", "pages_cached", "tokens_stored", "tokens_held",
+                "kv_bytes", "pool_bytes", "evictions", "prefix_hits"}
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +145,24 @@ def test_quick_run_json_fields_ratios_and_tokens(quick_run):
         if cfg["mode"] == "greedy" or cfg["mode"].startswith("beam"):
             assert cfg["tokens_match"] is True, cfg["name"]
             assert cfg["token_agreement"] == 1.0
+
+
+@pytest.mark.slow
+def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--contexts", "48", "--batch-sizes", "1", "--modes", "greedy",
+                           "--page-sizes", "8", "--new-tokens", "12", "--repeats", "2", "--warmup", "0", "--budget",
+                           "32", "--threads", "1", "--no-progress", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "benchmark.json").read_text())
+    (cfg,) = result["configs"]
+    bounded, paged = cfg["bounded"], cfg["paged"]
+    assert CACHE_FIELDS <= set(bounded) and len(bounded["runs"]) == 2
+    assert bounded["decode_vs_unbounded"] == pytest.approx(bounded["decode_tok_s"] / paged["decode_tok_s"])
+    for run in bounded["runs"]:
+        stats = run["stats_end"]
+        assert stats["tokens_held"] <= 32 and stats["evictions"] > 0  # the 48-token prompt was cut to the budget
+    assert paged["runs"][-1]["stats_end"]["tokens_held"] == 48 + 11
+    assert 0.0 <= cfg["bounded_agreement"] <= 1.0
+    assert "Bounded PagedCache (at most 32 tokens" in (tmp_path / "benchmark.md").read_text()

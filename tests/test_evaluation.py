@@ -57,6 +57,8 @@ def test_quick_mode_writes_every_output_and_field(report, script):
             assert r["within_budget"] and 0 < r["peak_tokens_held"] <= r["budget"] and r["evictions"] > 0
         if r["regime"] == "compress":  # the prompt whole during prefill, then the budget
             assert r["peak_tokens_held"] == s["context"] and r["tokens_held_after"] <= r["budget"]
+        if r["regime"] == "compress+grow":  # the prompt cut to the budget, the continuation on top of it
+            assert r["tokens_held_after"] > r["budget"] and not r["within_budget"]
     pk = rep["passkey"]
     assert len(pk["cases"]) == len(s["lengths"]) * len(s["depths"]) * s["trials"]
     assert {(r["method"], r["regime"], r["budget"]) for r in pk["summary"]} == {("full", "full", None)} | {

@@ -21,6 +21,12 @@ def llama():
     return make_pair("llama")
 
 
+def most_pages_held(cache) -> int:
+    """The most pages any layer group holds (each group is bounded by max_pages on its own)."""
+    cache.commit()
+    return max(g.manager.num_used for g in cache.groups.values())
+
+
 def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -> PageUsage:
     """``policy``'s record of ``steps`` of attention mass over ``pages`` (one row)."""
     usage = PageUsage()
@@ -84,7 +90,7 @@ def test_protected_pages_are_never_evicted(llama, eviction):
     cache = hf_paged.PagedCache(page_size=2, max_pages=5, config=paged.config, eviction=eviction,
                                 sink_pages=2, recent_pages=2)
     paged.generate(**left_padded_batch((6,)), max_new_tokens=30, **GEN, cache=cache)
-    row = cache.groups[None].rows[0]
+    row = cache.layers[0].group.rows[0]
     assert cache.stats()["evictions"] > 0
     assert row[0] != EVICTED and row[1] != EVICTED  # sinks
     live = [p for p in row if p != EVICTED]
@@ -99,7 +105,7 @@ def test_the_page_attention_ignores_goes_per_row(eviction):
     cache = hf_paged.PagedCache(page_size=1, max_pages=8, eviction=eviction, sink_pages=0, recent_pages=1)
     k = torch.randn(2, 1, 4, 2)  # rows differ: no shared pages
     cache.update(k, k, 0)
-    group = cache.groups[None]
+    group = cache.layers[0].group
     group.step.add_usage(torch.tensor([[0.4, 0.0, 0.4, 0.2], [0.0, 0.4, 0.3, 0.3]]))
     cache.update(k[:, :, :1], k[:, :, :1], 0)  # one more token per row: one page of each row goes
     assert [r.index(EVICTED) for r in group.rows] == [1, 0]
@@ -107,19 +113,19 @@ def test_the_page_attention_ignores_goes_per_row(eviction):
     fifo = hf_paged.PagedCache(page_size=1, max_pages=8, eviction="fifo", sink_pages=0, recent_pages=1)
     fifo.update(k, k, 0)
     fifo.update(k[:, :, :1], k[:, :, :1], 0)
-    assert [r.index(EVICTED) for r in fifo.groups[None].rows] == [0, 0]
+    assert [r.index(EVICTED) for r in fifo.layers[0].group.rows] == [0, 0]
 
 
 def test_fork_keeps_the_usage_and_evicts_on_its_own():
     cache = hf_paged.PagedCache(page_size=1, max_pages=12, eviction="score", sink_pages=0, recent_pages=1)
     k = torch.zeros(1, 1, 4, 2)
     cache.update(k, k, 0)
-    cache.groups[None].step.add_usage(torch.tensor([[0.3, 0.3, 0.0, 0.4]]))
+    cache.layers[0].group.step.add_usage(torch.tensor([[0.3, 0.3, 0.0, 0.4]]))
     twin = cache.fork()
     for _ in range(5):  # the shared pool fills up: each cache drops its least attended page first
         for c in (cache, twin):
             c.update(k[:, :, :1], k[:, :, :1], 0)
-    assert twin.groups[None].rows[0][2] == EVICTED and cache.groups[None].rows[0][2] == EVICTED
+    assert twin.layers[0].group.rows[0][2] == EVICTED and cache.layers[0].group.rows[0][2] == EVICTED
     check_pages(cache, twin)
 
 
@@ -129,7 +135,7 @@ def test_compress_prompt_keeps_what_the_last_queries_attend():
                                 compress_prompt=True)
     k = torch.zeros(1, 1, 8, 2)
     cache.update(k, k, 0)  # 8 tokens on 8 pages: more than the bound, accepted
-    group = cache.groups[None]
+    group = cache.layers[0].group
     assert group.manager.num_used == 8
     group.step.add_usage(torch.tensor([[0.3, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 0.2]]))
     stats = cache.stats()  # commits the step: cut to 4 pages
@@ -148,7 +154,7 @@ def test_compress_prompt_generates_within_the_bound(llama):
     cache = hf_paged.PagedCache(page_size=2, max_pages=12, config=paged.config, compress_prompt=True)
     got = paged.generate(**batch, max_new_tokens=8, **GEN, cache=cache)
     stats = cache.stats()
-    assert stats["evictions"] > 0 and stats["pages_used"] <= 12 and got.shape == (2, 28)
+    assert stats["evictions"] > 0 and most_pages_held(cache) <= 12 and got.shape == (2, 28)
     check_pages(cache)
     roomy = hf_paged.PagedCache(page_size=2, max_pages=40, config=paged.config, compress_prompt=True)
     want = ref.generate(**batch, max_new_tokens=8, **GEN, cache=DynamicCache(config=ref.config))
@@ -177,7 +183,7 @@ def test_eviction_changes_output_and_logs_once(llama, caplog):
     with caplog.at_level(logging.WARNING):
         bounded = hf_paged.PagedCache(page_size=2, max_pages=4, config=paged.config)
         got = paged.generate(**batch, max_new_tokens=16, **GEN, cache=bounded)
-    assert bounded.stats()["evictions"] > 0 and bounded.stats()["pages_used"] <= 4
+    assert bounded.stats()["evictions"] > 0 and most_pages_held(bounded) <= 4
     assert bounded.get_seq_length() == 6 + 15  # tokens processed, not stored
     assert got.shape == full.shape
     assert caplog.text.count("evicting pages") <= 1
@@ -255,10 +261,10 @@ def test_holes_left_by_eviction_are_exactly_masked_out(llama, backend):
     cache = hf_paged.PagedCache(page_size=2, max_pages=16, config=paged.config, backend=backend)
     paged(input_ids=ids[:, :12], cache=cache)
     cache.commit()
-    group = cache.groups[None]
-    for i in (1, 3, 4):  # tokens 2-3 and 6-9
-        group.manager.release(group.rows[0][i])
-        group.rows[0][i] = EVICTED
+    for group in cache.groups.values():  # every layer loses the same tokens
+        for i in (1, 3, 4):  # tokens 2-3 and 6-9
+            group.manager.release(group.rows[0][i])
+            group.rows[0][i] = EVICTED
     got = paged(input_ids=ids[:, 12:], cache=cache).logits
     keep = torch.ones(1, 1, 1, 13, dtype=torch.bool)
     keep[..., [2, 3, 6, 7, 8, 9]] = False
@@ -266,4 +272,75 @@ def test_holes_left_by_eviction_are_exactly_masked_out(llama, backend):
     ref(input_ids=ids[:, :12], cache=dyn)
     want = ref(input_ids=ids[:, 12:], cache=dyn, attention_mask=keep).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    check_pages(cache)
+
+
+def _attended(cache, layer_masses: list[list[float]], tokens: int) -> None:
+    """Write ``tokens`` tokens into every layer of ``cache``; layer i's step sees ``layer_masses[i]`` per page."""
+    k = torch.randn(1, 1, tokens, 2, generator=torch.Generator().manual_seed(tokens))
+    for i, mass in enumerate(layer_masses):
+        cache.update(k, k, i)
+        if mass is not None:
+            cache.layers[i].group.step.add_usage(torch.tensor([mass]))
+
+
+@pytest.mark.parametrize("eviction", ["score", "lru"])
+def test_each_layer_evicts_the_page_its_own_attention_ignores(eviction):
+    cache = hf_paged.PagedCache(page_size=1, max_pages=4, eviction=eviction, sink_pages=0, recent_pages=1)
+    assert cache.per_layer_eviction  # the default of a bounded cache that tracks usage
+    _attended(cache, [[0.4, 0.0, 0.4, 0.2], [0.0, 0.4, 0.4, 0.2]], 4)
+    _attended(cache, [None, None], 1)  # one more token: each layer drops one page of its own choice
+    assert [layer.group.rows[0].index(EVICTED) for layer in cache.layers] == [1, 0]
+    assert len(cache.groups) == 2
+    shared = hf_paged.PagedCache(page_size=1, max_pages=4, eviction=eviction, sink_pages=0, recent_pages=1,
+                                 per_layer_eviction=False)
+    _attended(shared, [[0.4, 0.0, 0.4, 0.2], [0.0, 0.0, 0.4, 0.2]], 4)  # the layers' attention is summed
+    _attended(shared, [None, None], 1)
+    assert len(shared.groups) == 1 and shared.layers[0].group.rows[0].index(EVICTED) == 1
+    check_pages(cache, shared)
+
+
+def test_per_layer_eviction_is_the_default_only_where_it_can_differ(llama):
+    _, paged = llama
+    per_layer = hf_paged.PagedCache(page_size=2, max_pages=6, config=paged.config)
+    assert per_layer.per_layer_eviction and len(per_layer.groups) == paged.config.num_hidden_layers
+    assert len({id(layer.group) for layer in per_layer.layers}) == paged.config.num_hidden_layers
+    for kwargs in (dict(max_pages=6, eviction="fifo"), dict(max_pages=6, eviction="error"), dict()):
+        cache = hf_paged.PagedCache(page_size=2, config=paged.config, **kwargs)  # every layer would choose alike
+        assert not cache.per_layer_eviction and len(cache.groups) == 1
+
+
+def test_per_layer_eviction_with_beams_forks_and_reset(llama):
+    _, paged = llama
+    cache = hf_paged.PagedCache(page_size=2, max_pages=16, config=paged.config, eviction="score")
+    paged.generate(**left_padded_batch((9, 6)), max_new_tokens=24, num_beams=2, **GEN, cache=cache)
+    rows = [[tuple(r) for r in layer.group.rows] for layer in cache.layers]
+    assert cache.stats()["evictions"] > 0 and most_pages_held(cache) <= 16
+    twin = cache.fork()
+    paged(input_ids=torch.tensor([[7], [8], [9], [10]]), cache=twin)
+    check_pages(cache, twin)
+    assert [[tuple(r) for r in layer.group.rows] for layer in cache.layers] == rows  # the fork wrote its own
+    del twin
+    cache.reset()
+    check_pages(cache)
+    assert cache.stats()["pages_used"] == 0
+
+
+def test_set_max_pages_lifts_or_lowers_the_bound():
+    cache = hf_paged.PagedCache(page_size=1, max_pages=4, eviction="score", sink_pages=1, recent_pages=1,
+                                compress_prompt=True)
+    _attended(cache, [[0.3, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 0.2]], 8)  # a prompt, cut to 4 pages after it
+    assert most_pages_held(cache) == 4 and cache.stats()["evictions"] == 4
+    with pytest.raises(hf_paged.CacheUsageError, match="holds 4 pages"):
+        cache.set_max_pages(3)
+    with pytest.raises(hf_paged.CacheUsageError, match="max_pages"):
+        cache.set_max_pages(0)
+    assert cache.max_pages == 4 and most_pages_held(cache) == 4  # nothing changed
+    cache.set_max_pages(None)  # the answer may grow on top of the compressed prompt
+    for _ in range(3):
+        _attended(cache, [None], 1)
+    assert most_pages_held(cache) == 7 and cache.stats()["evictions"] == 4
+    cache.set_max_pages(7)
+    _attended(cache, [None], 1)
+    assert most_pages_held(cache) == 7 and cache.stats()["evictions"] == 5
     check_pages(cache)

@@ -305,12 +305,13 @@ class _fail_in_update:
         del self.layer.update
 
 
-@pytest.mark.parametrize("bound", [False, True])
+@pytest.mark.parametrize("kind", ["config", "model", "per_layer"])
 @pytest.mark.parametrize("arch,fail", [("llama", _fail_after_layer(1)), ("llama", _fail_in_update(1)),
                                        ("gemma3", _fail_after_layer(2)), ("gemma3", _fail_in_update(2))])
-def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, bound):
+def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, kind):
     """After a layer raises mid-step the cache reports and holds the state before the step (both groups
-    of a hybrid model), and retrying gives the logits of a run without the failure."""
+    of a hybrid model, or every layer's group of a per-layer bounded cache), and retrying gives the logits
+    of a run without the failure."""
     import torch
 
     import hf_paged
@@ -320,7 +321,9 @@ def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, bou
     batch = left_padded_batch((9, 5))
 
     def cache():
-        return hf_paged.PagedCache(page_size=4, **({"model": model} if bound else {"config": model.config}))
+        kwargs = {"config": dict(config=model.config), "model": dict(model=model),
+                  "per_layer": dict(config=model.config, max_pages=64, eviction="score")}[kind]
+        return hf_paged.PagedCache(page_size=4, **kwargs)
 
     clean = _decode(model, cache(), batch, steps=4)
     for fail_at in (1, 3):
