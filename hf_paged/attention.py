@@ -12,11 +12,6 @@ paged path aligns it with the tokens a row still holds.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-import warnings
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -24,10 +19,9 @@ from transformers.masking_utils import sdpa_mask
 
 from .kernels import cpu_paged_attention as cpu_kernel
 from .model_config import ATTN_IMPLEMENTATION
-from .paged_kv import PagedKV
-from .ragged_cache import RaggedKV, RaggedStep
+from .paged_kv import PagedKV, PagedView
+from .ragged_cache import RaggedKV, RaggedView
 
-BACKENDS = ("auto", "torch", "triton", "cpu")
 # The CPU kernel reads each slot once for all of a step's queries, scalar-ish per query: it wins for
 # decoding and short continuations (assisted decoding); longer queries go to SDPA's blocked kernel.
 CPU_KERNEL_MAX_QUERIES = 8
@@ -84,143 +78,99 @@ def attend(
     return (out, probs) if return_probs else out
 
 
-def resolve_backend(choice: str | None, device: torch.device) -> str:
-    """"torch", "triton" or "cpu" for ``device``: the choice, else ``$HF_PAGED_BACKEND``, else "auto".
-
-    "auto" is the Triton kernel on CUDA and the C kernel on the CPU (when a C compiler can build it;
-    otherwise the torch path, with one warning saying why).
-    """
-    return _resolve(choice or os.environ.get("HF_PAGED_BACKEND", "auto"), device.type)
-
-
-@functools.lru_cache(maxsize=None)
-def _resolve(choice: str, device_type: str) -> str:
-    """Cached per (choice, device type): called by every layer of every step."""
-    if choice not in BACKENDS:
-        raise ValueError(f"hf_paged backend must be one of {BACKENDS}, got {choice!r} "
-                         "(argument `backend=` or environment variable HF_PAGED_BACKEND).")
-    if choice == "auto":
-        if device_type == "cuda":
-            return "triton" if importlib.util.find_spec("triton") else "torch"
-        if device_type == "cpu":
-            reason = cpu_kernel.unavailable_reason()
-            if reason is None:
-                return "cpu"
-            warnings.warn(f"hf_paged: the CPU attention kernel is unavailable ({reason}); using the slower torch "
-                          "path.", stacklevel=4)  # once: the answer is cached
-        return "torch"
-    if choice == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("The Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton is "
-                         "imported) to run the kernel on the CPU; use backend='torch' otherwise.")
-    if choice == "cpu":
-        if device_type != "cpu":
-            raise ValueError(f"The 'cpu' backend runs on CPU tensors, got {device_type}; use 'auto' or 'triton'.")
-        reason = cpu_kernel.unavailable_reason()
-        if reason is not None:
-            raise ValueError(f"The 'cpu' backend cannot run: {reason}. Install a C compiler (or set $CC), "
-                             "or use backend='torch'.")
-    return choice
-
-
-def _kernel_attention(kernel, query, layer, attention_mask, scaling, sliding_window, softcap, s_aux):
+def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux):
     """A paged kernel walks the page table (holes included); the mask is aligned on its last column."""
-    plan = layer.group.step.on(layer.device)
-    page_table, page_pos, q_pos = plan.kernel_index(layer.device, layer.keys.shape[0])
+    page_table, page_pos, q_pos = view.kernel_index()
     mask_offset = 0
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
-        mask_offset = plan.num_tokens - attention_mask.shape[-1]
-    group = layer.group
-    whole = group.tracks_usage and query.shape[2] <= group.policy.window  # every query is observed
+        mask_offset = view.num_tokens - attention_mask.shape[-1]
+    whole = view.usage is not None and query.shape[2] <= view.window  # every query is observed
     result = kernel(
-        query, layer.keys, layer.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
+        query, view.keys, view.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
         mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
         return_page_mass=whole)
     if whole:
         out, page_mass = result
-        group.step.add_usage(group.policy.page_signal(page_mass))
+        view.usage(page_mass)
         return out
-    if group.tracks_usage:
-        keys, values, positions = layer.read_live()
-        _observe_tail(query, keys, values, _live_mask(attention_mask, positions, group.step), layer, scaling,
-                      softcap, s_aux)
+    if view.usage is not None:
+        keys, values, positions = view.read_live()
+        _observe_tail(query, keys, values, _live_mask(attention_mask, positions, view), view, scaling, softcap,
+                      s_aux)
     return result
 
 
-def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, plan) -> torch.Tensor:
+def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, view: PagedView) -> torch.Tensor:
     """Boolean mask ``[B, 1 or H, Q, T]`` over gathered live tokens at ``positions [B, T]``."""
-    q_pos = torch.arange(plan.past, plan.num_tokens, device=positions.device)
+    q_pos = torch.arange(view.past, view.num_tokens, device=positions.device)
     allowed = positions[:, None, None, :] <= q_pos[None, None, :, None]  # causal; padding slots excluded
     if attention_mask is None:
         return allowed
     if attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
     B, heads, Q, M = attention_mask.shape
-    column = positions - (plan.num_tokens - M)  # the mask's last column is the newest token
+    column = positions - (view.num_tokens - M)  # the mask's last column is the newest token
     index = column.clamp(0, M - 1)[:, None, None, :].expand(positions.shape[0], heads, Q, -1)
     picked = attention_mask.expand(positions.shape[0], heads, Q, M).gather(-1, index)
     return allowed & picked & (column >= 0)[:, None, None, :]
 
 
-def _add_page_mass(probs: torch.Tensor, layer) -> None:
-    """Attention probabilities ``[B, Hkv, g, Q, T]`` over live pages -> the step's usage, via the policy."""
-    plan, (B, Hkv, g, _, T) = layer.group.step, probs.shape
-    per_page = probs.mean(dim=3).reshape(B, Hkv * g, T // plan.page_size, plan.page_size).sum(-1)
-    plan.add_usage(layer.group.policy.page_signal(per_page))
+def _add_page_mass(probs: torch.Tensor, view: PagedView) -> None:
+    """Attention probabilities ``[B, Hkv, g, Q, T]`` over live pages -> mass per page ``[B, H, Nk]``, reported."""
+    B, Hkv, g, _, T = probs.shape
+    view.usage(probs.mean(dim=3).reshape(B, Hkv * g, T // view.page_size, view.page_size).sum(-1))
 
 
-def _observe_tail(query, keys, values, mask, layer, scaling, softcap, s_aux) -> None:
+def _observe_tail(query, keys, values, mask, view: PagedView, scaling, softcap, s_aux) -> None:
     """Usage from the attention of the step's last ``window`` queries over ``keys [B, T, H, D]`` (live pages)."""
-    w = layer.group.policy.window
+    w = view.window
     _, probs = attend(query[:, :, -w:], keys.transpose(1, 2), values.transpose(1, 2), mask[..., -w:, :], scaling,
                       softcap=softcap, s_aux=s_aux, return_probs=True)
-    _add_page_mass(probs, layer)
+    _add_page_mass(probs, view)
 
 
-def _live_attention(query, layer, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
+def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
     """Rows with evicted pages (or a bounded cache tracking usage): attend over the gathered live pages."""
-    group = layer.group
-    keys, values, positions = layer.read_live()
-    mask = _live_mask(attention_mask, positions, group.step)
-    whole = group.tracks_usage and query.shape[2] <= group.policy.window  # every query is observed
+    keys, values, positions = view.read_live()
+    mask = _live_mask(attention_mask, positions, view)
+    whole = view.usage is not None and query.shape[2] <= view.window  # every query is observed
     result = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scaling, softcap=softcap,
                     s_aux=s_aux, return_probs=whole)
     if whole:
         out, probs = result
-        _add_page_mass(probs, layer)
+        _add_page_mass(probs, view)
         return out
-    if group.tracks_usage:
-        _observe_tail(query, keys, values, mask, layer, scaling, softcap, s_aux)
+    if view.usage is not None:
+        _observe_tail(query, keys, values, mask, view, scaling, softcap, s_aux)
     return result
 
 
-def _paged_attention(module, query, key: PagedKV, attention_mask, scaling, sliding_window, softcap,
+def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sliding_window, softcap,
                      s_aux) -> torch.Tensor:
-    """Read the rows of ``key.layer`` in place and attend; the mask is aligned on its last column."""
-    layer = key.layer
-    backend = resolve_backend(layer.backend, query.device)
-    if backend == "triton":
+    """Read the layer's pages in place and attend; the mask is aligned on its last column."""
+    if view.backend == "triton":
         from .kernels.triton_paged_attention import paged_attention_triton
 
-        return _kernel_attention(paged_attention_triton, query, layer, attention_mask, scaling, sliding_window,
+        return _kernel_attention(paged_attention_triton, query, view, attention_mask, scaling, sliding_window,
                                  softcap, s_aux)
-    if backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES and layer.keys.dtype in cpu_kernel.SUPPORTED_DTYPES:
-        return _kernel_attention(cpu_kernel.paged_attention_cpu, query, layer, attention_mask, scaling,
+    if view.backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES:
+        return _kernel_attention(cpu_kernel.paged_attention_cpu, query, view, attention_mask, scaling,
                                  sliding_window, softcap, s_aux)
-    if layer.group.step.read_table is not None:
-        return _live_attention(query, layer, attention_mask, scaling, softcap, s_aux)
-    keys, values = layer.read()
+    if view.live_only:
+        return _live_attention(query, view, attention_mask, scaling, softcap, s_aux)
+    keys, values = view.read()
     return _attend_window(module, query, keys.transpose(1, 2), values.transpose(1, 2), attention_mask, scaling,
                           softcap, s_aux)
 
 
-def _segment_attention(query, layer, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def _segment_attention(query, view: RaggedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions)."""
     total = segment.past + segment.length
-    pages = segment.pages.to(layer.device)
-    keys = layer.keys[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
-    values = layer.values[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+    pages = segment.pages.to(view.keys.device)
+    keys = view.keys[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
+    values = view.values[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
     mask = None
     if segment.past or sliding_window:
         k_pos = torch.arange(total, device=query.device)
@@ -231,28 +181,26 @@ def _segment_attention(query, layer, segment, scaling, sliding_window, softcap, 
     return attend(query, keys, values, mask, scaling, is_causal=mask is None, softcap=softcap, s_aux=s_aux)
 
 
-def _ragged_attention(query, key: RaggedKV, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def _ragged_attention(query, view: RaggedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
     prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
-    layer, step = key.layer, key.step
-    step: RaggedStep
-    backend = resolve_backend(layer.backend, query.device)
+    step = view.plan
     kernel = None
-    if backend == "triton":
+    if view.backend == "triton":
         from .kernels.triton_paged_attention import paged_attention_triton as kernel
-    elif backend == "cpu" and layer.keys.dtype in cpu_kernel.SUPPORTED_DTYPES:
+    elif view.backend == "cpu":
         kernel = cpu_kernel.paged_attention_cpu
     outs, first = [], 0
     if kernel is not None and step.num_single:
         first = step.num_single
-        table, page_pos, q_pos = step.kernel_index(query.device, layer.keys.shape[0])
+        table, page_pos, q_pos = step.kernel_index(query.device, view.keys.shape[0])
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
-        out = kernel(singles, layer.keys, layer.values, table, page_pos, q_pos, scale=scaling,
+        out = kernel(singles, view.keys, view.values, table, page_pos, q_pos, scale=scaling,
                      sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
         outs.append(out.transpose(0, 1))  # [1, R, Hq, D]
     for segment in step.segments[first:]:
         q = query[:, :, segment.start:segment.start + segment.length]
-        outs.append(_segment_attention(q, layer, segment, scaling, sliding_window, softcap, s_aux))
+        outs.append(_segment_attention(q, view, segment, scaling, sliding_window, softcap, s_aux))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
@@ -282,9 +230,9 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, RaggedKV):
-        return _ragged_attention(query, key, scaling, sliding_window, softcap, s_aux), None
+        return _ragged_attention(query, key.paged, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):
-        out = _paged_attention(module, query, key, attention_mask, scaling, sliding_window, softcap, s_aux)
+        out = _paged_attention(module, query, key.paged, attention_mask, scaling, sliding_window, softcap, s_aux)
         return out, None
     return _attend_window(module, query, key, value, attention_mask, scaling, softcap, s_aux), None
 

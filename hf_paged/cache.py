@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import threading
 
 import torch
 from transformers import PretrainedConfig
@@ -16,9 +14,11 @@ from .errors import CacheUsageError
 from .eviction import DEFAULT_POLICY, EvictionPolicy
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG, layer_windows
 from .page_group import PageGroup
+from .page_groups import PageGroups
 from .paged_kv import warn_gathered_pages
-from .prefix_cache import TokenLog, model_fingerprint, page_hashes, step_inputs
+from .prefix_cache import TokenLog, model_fingerprint
 from .prefix_hook import PrefixHook
+from .thread_owner import ThreadOwner
 
 MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
 
@@ -92,9 +92,8 @@ class PagedCache(Cache):
         self.max_pages = max_pages
         self.per_layer_eviction = (max_pages is not None and self.policy.tracks_usage if per_layer_eviction is None
                                    else bool(per_layer_eviction))
-        self.groups: dict[int | None, PageGroup] = {}
-        self._owner: int | None = None  # the thread whose tokens the cache holds (None: free, after reset())
-        self._claim = threading.Lock()
+        self.groups = PageGroups()
+        self._owner = ThreadOwner()
         self.config = None
         self.token_log: TokenLog | None = None
         self.prefix_hook: PrefixHook | None = None
@@ -120,7 +119,7 @@ class PagedCache(Cache):
         windows = layer_windows(config)
         self.layers = [PagedLayer(self._group(w, i), i, self.backend) for i, w in enumerate(windows)]
         keys = {self._group_key(w, i) for i, w in enumerate(windows)}
-        self.groups = {k: g for k, g in self.groups.items() if k in keys}  # another model's groups go
+        self.groups = PageGroups({k: g for k, g in self.groups.items() if k in keys})  # another model's groups go
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             warn_gathered_pages()
@@ -145,13 +144,13 @@ class PagedCache(Cache):
 
     # ----------------------------------------------------------------- steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._check_thread()
+        self._owner.claim()
         layer = self._layer(layer_idx)
         group = layer.group
-        if layer.seen == group.num_tokens:  # the layer starts new tokens for its group
-            if self._step_failed(group):
+        if group.up_to_date(layer):  # the layer starts new tokens for its group
+            if self.groups.step_failed(group):
                 self.rollback()  # the last step never reached every layer: a forward failed outside the cache
-            elif all(g.num_tokens == group.num_tokens for g in self.groups.values()):
+            elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
@@ -166,65 +165,27 @@ class PagedCache(Cache):
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.
         """
-        if any(g.step_open for g in self.groups.values()):
-            self._check_thread()  # another thread must not finish (or undo) this thread's step
-        if len({g.num_tokens for g in self.groups.values()}) > 1 or any(
-                g.step_open and not g.step_complete() for g in self.groups.values()):
+        if self.groups.step_open:
+            self._owner.claim()  # another thread must not finish (or undo) this thread's step
+        if self.groups.step_failed():
             self.rollback()  # the step never reached every layer of every group
             return
-        for group in self.groups.values():
-            group.commit()
-        if self.token_log is not None:
-            # after an eviction in any group, every layer's later K/V differ from a full forward's
-            exact = min(g.exact_tokens for g in self.groups.values()) if self.groups else math.inf
-            hashes = [h[:exact // self.page_size] for h in self.token_log.hashes] if exact < math.inf else \
-                self.token_log.hashes
-            for group in self.groups.values():
-                group.register_hashes(hashes)
+        self.groups.commit(None if self.token_log is None else self.token_log.hashes)
 
     def rollback(self) -> None:
         """Undo the open step of every group (and its tokens in the token log): the cache holds and
         reports exactly what it held before the step."""
-        for group in self.groups.values():
-            group.abort_step()
+        self.groups.rollback()
         if self.token_log is not None:
-            self.token_log.truncate(self._committed_tokens())
-
-    def _step_failed(self, group: PageGroup) -> bool:
-        """Whether a layer of ``group`` about to start new tokens finds the last step unfinished: some
-        layer of its group never wrote it, or some group never began it (groups begin a step in layer order)."""
-        return (group.step_open and not group.step_complete()) or any(
-            g.num_tokens < group.num_tokens for g in self.groups.values())
-
-    def _committed_tokens(self) -> int:
-        return next(iter(self.groups.values())).num_tokens if self.groups else 0
+            self.token_log.truncate(self.groups.num_tokens)
 
     def _drop_failed_step(self, layer_idx: int) -> None:
         """A query about a layer that already wrote an unfinished step comes from a new forward (a
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
-        if layer_idx < len(self.layers) and self._owner in (None, threading.get_ident()):
-            layer = self.layers[layer_idx]
-            if layer.seen == layer.group.num_tokens and self._step_failed(layer.group):
+        if layer_idx < len(self.layers) and self._owner.is_mine_or_free():
+            group = self.layers[layer_idx].group
+            if group.up_to_date(self.layers[layer_idx]) and self.groups.step_failed(group):
                 self.rollback()
-
-    def _check_thread(self) -> None:
-        """Claim the cache for this thread, or raise if another thread holds its tokens.
-
-        A cache serves one thread: rows of two threads' steps would mix. It is free when new, after
-        ``reset()`` (by the thread that used it) and as a fresh ``fork()``.
-        """
-        me = threading.get_ident()
-        if self._owner == me:
-            return
-        with self._claim:
-            if self._owner is None:
-                self._owner = me
-                return
-        raise CacheUsageError(
-            f"this PagedCache holds the tokens of thread {self._owner} and is now used by thread {me}: a cache "
-            "serves one thread (concurrent steps would mix their rows). Give each thread its own cache "
-            "(cache.fork() shares the prompt's pages), or call cache.reset() in the thread that used it before "
-            "handing it over.")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed by layer ``layer_idx`` (never tokens stored: positions stay right)."""
@@ -253,28 +214,11 @@ class PagedCache(Cache):
         self.commit()
         if self.get_seq_length() > 0 or not self.groups:
             return 0
-        S, length = self.page_size, input_ids.shape[1]
-        if torch.is_tensor(logits_to_keep):
-            first_kept = int(logits_to_keep.min()) % length if logits_to_keep.numel() else length
-        else:
-            first_kept = length - logits_to_keep if 0 < logits_to_keep <= length else 0
-        ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, 0)
-        rows = [page_hashes(*row, S, 0, self.token_log.root) for row in zip(ids, bits, positions)]
-        pages = min(min(first_kept, length - 1) // S, *(len(r) for r in rows))
-        while pages > 0 and not all(g.can_restore(rows, pages) for g in self.groups.values()):
-            pages -= 1
-        if pages == 0:
-            return 0
-        for group in self.groups.values():
-            group.restore(rows, pages)
-        for layer in self.layers:
-            layer.seen = pages * S
-        self.token_log.clear()
-        keep = pages * S
-        self.token_log.extend(input_ids[:, :keep],
-                              None if attention_mask is None else attention_mask[:, -length:][:, :keep],
-                              None if position_ids is None else position_ids[..., -length:][..., :keep])
-        return keep
+        rows, most = self.token_log.prompt_pages(input_ids, attention_mask, position_ids, logits_to_keep)
+        pages = self.groups.restore_prefix(rows, most)
+        if pages:
+            self.token_log.restart(input_ids, attention_mask, position_ids, pages * self.page_size)
+        return pages * self.page_size
 
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":
@@ -291,7 +235,7 @@ class PagedCache(Cache):
             twin.token_log = copy.deepcopy(self.token_log)
             twin.prefix_hook = PrefixHook(twin, self.prefix_hook.model())
         twin.per_layer_eviction = self.per_layer_eviction
-        twin.groups = {k: g.fork() for k, g in self.groups.items()}
+        twin.groups = self.groups.fork()
         key_of = {id(g): k for k, g in self.groups.items()}
         twin.layers = [layer.fork(twin.groups[key_of[id(layer.group)]]) for layer in self.layers]
         return twin
@@ -326,8 +270,7 @@ class PagedCache(Cache):
         self.commit()
         if self.token_log is not None and self.token_log.tokens:
             self.token_log.remap(rows_for(range(len(self.token_log.tokens))))
-        for group in self.groups.values():
-            group.remap(rows_for)
+        self.groups.remap(rows_for)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b becomes old row ``beam_idx[b]``; pages are shared, copied on write."""
@@ -347,28 +290,22 @@ class PagedCache(Cache):
             raise CacheUsageError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache.")
         self.commit()
-        for group in self.groups.values():  # all groups are checked before any is cropped
-            group.check_crop(-tokens_to_remove)
-        for group in self.groups.values():
-            group.crop(-tokens_to_remove)
-        for layer in self.layers:
-            layer.seen = layer.group.num_tokens
+        self.groups.crop(-tokens_to_remove)
         if self.token_log is not None:
             self.token_log.truncate(self.get_seq_length())
 
     def reset(self) -> None:
         """Release every row's pages (hashed pages stay cached for prefix reuse); any thread may then use
         the cache."""
-        if self._owner is not None:
-            self._check_thread()
+        if self._owner.ident is not None:
+            self._owner.claim()
         self.commit()
-        for group in self.groups.values():
-            group.clear()
+        self.groups.clear()
         for layer in self.layers:
             layer.reset()
         if self.token_log is not None:
             self.token_log.clear()
-        self._owner = None
+        self._owner.release()
 
     def set_max_pages(self, max_pages: int | None) -> None:
         """Change the bound of every layer group: None unbounds it (rows grow again, as after a prompt
@@ -376,25 +313,12 @@ class PagedCache(Cache):
         below the pages a group holds raises, changing nothing."""
         _check_positive_int("max_pages", max_pages, allow_none=True)
         self.commit()
-        held = max((g.manager.num_used for g in self.groups.values()), default=0)
-        if max_pages is not None and max_pages < held:
-            raise CacheUsageError(f"set_max_pages({max_pages}): a layer group holds {held} pages; evict by "
-                                  "generating within the old bound, or reset() first.")
+        self.groups.set_max_pages(max_pages)
         self.max_pages = max_pages
-        for group in self.groups.values():
-            group.manager.max_pages = max_pages
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
         ``kv_bytes`` counts used + cached pages of every layer."""
         self.commit()
-        out = dict(page_size=self.page_size, pages_total=0, pages_used=0, pages_free=0, pages_cached=0,
-                   tokens_stored=0, kv_bytes=0, pool_bytes=0, evictions=0, prefix_hits=0)
-        out["tokens_held"] = 0  # the most tokens one layer holds (what max_pages bounds)
-        for group in self.groups.values():
-            group_stats = group.stats()
-            for key, value in group_stats.items():
-                out[key] += value
-            out["tokens_held"] = max(out["tokens_held"], group_stats["tokens_stored"])
-        return out
+        return dict(page_size=self.page_size, **self.groups.stats())

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .backends import layer_backend
 from .errors import CacheUsageError
-from .page_group import PageGroup, StepPlan
-from .paged_kv import PagedKV
+from .page_group import PageGroup
+from .paged_kv import PagedKV, read_window
 
 
 def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
@@ -54,9 +55,14 @@ class PagePool:
             self._rows = (self.keys, self.values, torch.is_grad_enabled(), key_rows, value_rows)
         return key_rows, value_rows
 
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy pages ``src`` onto pages ``dst`` in both tensors."""
+        self.keys[dst] = self.keys[src]
+        self.values[dst] = self.values[src]
+
 
 class PagedLayer(CacheLayerMixin):
-    """K/V pools of one layer. ``seen`` counts the tokens this layer has written."""
+    """K/V pools of one layer, a member of its `PageGroup` (which counts the tokens the layer wrote)."""
 
     keys = property(lambda self: self.pool.keys, lambda self, t: setattr(self.pool, "keys", t))
     values = property(lambda self: self.pool.values, lambda self, t: setattr(self.pool, "values", t))
@@ -72,16 +78,16 @@ class PagedLayer(CacheLayerMixin):
             self._adopt_pool()
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
+        self._resolved_backend: str | None = None  # what `backend` means for these pools, resolved on first use
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
-        self.seen = 0
-        group.layers.add(self)
+        group.members.join(self)
 
     def fork(self, group: PageGroup) -> "PagedLayer":
         """A layer of a forked cache: same pool tensors, the fork's own page tables."""
         twin = PagedLayer(group, self.layer_idx, self.backend, self.pool)
-        twin.seen = self.seen
+        group.members.join(twin, self.get_seq_length())
         return twin
 
     def __repr__(self) -> str:
@@ -111,50 +117,39 @@ class PagedLayer(CacheLayerMixin):
             self._check_shapes(key_states, value_states)
             self.lazy_initialization(key_states, value_states)
         self._check(key_states, value_states)
+        if self._resolved_backend is None:
+            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
         batch, _, q_len, _ = key_states.shape
         group = self.group
-        if self.seen == group.num_tokens:
-            fresh_batch = group.num_tokens == 0 and not group.rows and batch > 1
-            group.begin_step(batch, q_len, _identical_rows(key_states, value_states) if fresh_batch else None)
-        elif group.step is None or self.seen + q_len != group.num_tokens or batch != group.step.batch_size:
-            raise CacheUsageError(
-                f"layer {self.layer_idx} received {q_len} token(s) for a batch of {batch}, but its group "
-                f"planned a step of {group.step.q_len if group.step else 0} token(s) for "
-                f"{group.batch_size} row(s): every layer must see the same tokens in the same step. (An "
-                "encoder-decoder model such as T5 or BART gives the cache its cross-attention keys too: PagedCache "
-                "supports decoder-only models only.)"
-            )
-        if group.step.same_as is not None:
-            self._check_identical_rows(key_states, value_states)
-        plan = group.step.on(self.device)
+        plan = group.join_step(self, batch, q_len, lambda: _identical_rows(key_states, value_states))
+        if plan.same_as is not None:
+            self._check_identical_rows(key_states, value_states, plan.same_as)
+        plan = group.step.on(self.device)  # rebuilt if rows had to be unshared
         self.pool.grow_to(group.manager.num_pages)
         if plan.copy_src is not None:
-            self._copy_pages(plan.copy_src, plan.copy_dst)
+            self.pool.copy_pages(plan.copy_src, plan.copy_dst)
         if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
         key_rows, value_rows = self.pool.slot_rows()
         key_rows.index_copy_(0, plan.slots, key_states.reshape(-1, self.num_heads, self.head_dim))
         value_rows.index_copy_(0, plan.slots, value_states.reshape(-1, self.num_heads, self.value_dim))
-        self.seen = group.num_tokens
+        group.wrote(self)
+        view = group.read_view(self.keys, self.values, self._resolved_backend)
         shape = (batch, self.num_heads, plan.kv_len)
-        return (PagedKV(self, "k", (*shape, self.head_dim), self.dtype, self.device),
-                PagedKV(self, "v", (*shape, self.value_dim), self.dtype, self.device))
+        return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
 
-    def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, same_as: list[int]) -> None:
         """Rows the group shares because the first layer saw identical keys must be identical here too."""
-        source = torch.tensor(self.group.step.same_as, device=key_states.device)
+        source = torch.tensor(same_as, device=key_states.device)
         differ = ((key_states != key_states[source]).flatten(1).any(1)
                   | (value_states != value_states[source]).flatten(1).any(1)).nonzero().flatten().tolist()
         if differ:  # rare (identical tokens, different masks): give those rows their own pages
-            pairs = self.group.unshare(differ)
-            for layer in self.group.layers:
-                if layer is not self and layer.seen == self.group.num_tokens:
-                    layer.pool.grow_to(self.group.manager.num_pages)
-                    layer._copy_pages(*(torch.tensor(side, device=layer.device) for side in zip(*pairs)))
+            self.group.unshare(differ)
 
-    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.keys[dst] = self.keys[src]
-        self.values[dst] = self.values[src]
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, copy) page pair of this layer's pools (the group unshared rows mid-step)."""
+        self.pool.grow_to(self.group.manager.num_pages)
+        self.pool.copy_pages(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
 
     def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
@@ -182,40 +177,16 @@ class PagedLayer(CacheLayerMixin):
                                   f"{diffs}. {fix}")
 
     # ------------------------------------------------------------------- read
-    def read(self, plan: StepPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' tokens ``[first_pos, num_tokens)`` as ``[B, T, H, D]``: a view on a slab, else a gather."""
-        plan = (plan or self.group.step).on(self.device)
-        return self._read(self.keys, plan), self._read(self.values, plan)
-
-    def read_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Live pages only, for rows with evicted pages (or usage tracking): keys and values
-        ``[B, Nk * S, H, D]`` gathered from the pools, and each token's position ``[B, Nk * S]``
-        (``num_tokens`` for padding and unwritten slots, which no query may attend)."""
         plan = self.group.step.on(self.device)
-        table, page_pos = plan.live_pages()
-        B, S = table.shape[0], plan.page_size
-        index = table.clamp(min=0)
-        keys = self.keys[index].reshape(B, -1, self.num_heads, self.head_dim)
-        values = self.values[index].reshape(B, -1, self.num_heads, self.value_dim)
-        positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
-        positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
-        return keys, values, positions.clamp(max=plan.num_tokens)
-
-    @staticmethod
-    def _read(pool: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        P, S, H, D = pool.shape
-        B, T = plan.batch_size, plan.kv_len
-        if plan.slab is not None:
-            base, stride = plan.slab
-            return pool.as_strided((B, T, H, D), (stride * S * H * D, H * D, D, 1),
-                                   pool.storage_offset() + base * S * H * D)
-        return pool[plan.table].reshape(B, -1, H, D)[:, :T]
+        return read_window(self.keys, plan), read_window(self.values, plan)
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self) -> int:
         """Tokens this layer has processed: mid-step, a layer that has not written yet still reports
         the tokens before the step, as a `DynamicCache` layer does (Llama 4 asks before writing)."""
-        return self.seen
+        return self.group.members[self]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.group.mask_sizes(query_length)
@@ -228,8 +199,8 @@ class PagedLayer(CacheLayerMixin):
         self.group.record_past = True
 
     def reset(self) -> None:
-        """Forget this layer's tokens; the pools are kept for reuse."""
-        self.seen = 0
+        """Forget this layer's tokens (it rejoins its group with none); the pools are kept for reuse."""
+        self.group.members.join(self)
 
     def offload(self):
         raise NotImplementedError("PagedCache does not offload layers; bound it with max_pages instead.")

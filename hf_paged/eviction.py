@@ -23,6 +23,7 @@ never change.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -143,3 +144,93 @@ def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
     logger.warning_once(
         f"PagedCache(max_pages={max_pages}) is full: evicting pages with policy {policy.name!r} (lossy: evicted "
         "tokens are no longer attended). Raise max_pages, or use eviction='error' to fail instead.")
+
+
+class GroupEviction:
+    """A page group's side of eviction: its policy, the step clock, what was observed of its pages
+    (`PageUsage`, shared with the group's forks) and the loop that picks victims row by row."""
+
+    def __init__(self, policy: EvictionPolicy, bounded: bool, usage: PageUsage | None = None, clock: int = 0):
+        self.policy = policy
+        self.tracks_usage = policy.tracks_usage and bounded  # attention is observed only where pages can go
+        self.usage = PageUsage() if usage is None else usage
+        self.clock = clock  # steps planned so far
+        self.evictions = 0  # live pages dropped
+        self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
+        self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
+
+    @property
+    def compressing(self) -> bool:
+        """A prompt over the bound was let in whole: it is cut when its step commits."""
+        return self._compress_to is not None
+
+    def fork(self, bounded: bool) -> "GroupEviction":
+        """The eviction state of a forked group: same usage (by page id), clock and exactness, its own count."""
+        twin = GroupEviction(self.policy, bounded, self.usage, self.clock)
+        twin.exact_tokens = self.exact_tokens
+        return twin
+
+    def planned(self, plan) -> None:
+        """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
+        self.clock += 1
+        if plan.read_table is None:
+            return
+        pages, S = plan.slots // plan.page_size, plan.page_size
+        self.usage.written(pages.unique().tolist(), self.clock)
+        self.usage.allocated(pages[plan.slots % S == 0].unique().tolist(), self.clock)
+
+    def sink(self, plan):
+        """Where attention adds a layer's mass per live page ``[B, H, Nk]`` in ``plan``'s step, or None
+        when the policy does not track usage (see `PagedView.usage`)."""
+        if not self.tracks_usage:
+            return None
+        signal = self.policy.page_signal
+        return lambda page_mass: plan.add_usage(signal(page_mass))
+
+    def record(self, plan) -> None:
+        """Hand the step's attention per page to the policy (once)."""
+        if plan is None or plan.usage is None:
+            return
+        self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
+        plan.usage = None
+
+    def reserve(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
+                fresh: bool) -> None:
+        """Make ``needed`` pages available for a step after ``num_tokens`` tokens, or raise `PagePoolExhausted`.
+        With ``compress_prompt``, a fresh prompt over the bound goes in whole (cut at commit, see `committed`)."""
+        if self.policy.compress_prompt and fresh and manager.max_pages is not None and needed > manager.available():
+            self._compress_to, manager.max_pages = manager.max_pages, None
+        elif self.policy.lossy and needed > manager.available():
+            self.evict(manager, rows, first_page, num_tokens, needed)
+        manager.require(needed, self.policy.lossy)
+
+    def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int) -> None:
+        """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
+        attention of the prompt's last queries; the pool keeps the prompt's size (its peak)."""
+        if self._compress_to is not None:
+            manager.max_pages, self._compress_to = self._compress_to, None
+            self.evict(manager, rows, first_page, num_tokens, 0)
+
+    def rolled_back(self, manager) -> None:
+        """A compressed prompt's step was undone: nothing is held any more, only the bound comes back."""
+        if self._compress_to is not None:
+            manager.max_pages, self._compress_to = self._compress_to, None
+
+    def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int) -> None:
+        """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
+        warn_first_eviction(self.policy, manager.max_pages)
+        self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
+        while manager.available() < needed:
+            evicted = False
+            for row in rows:
+                i = self.policy.victim(row, first_page, self.usage)
+                if i is None:
+                    continue
+                manager.release(row[i])
+                row[i] = EVICTED
+                self.evictions += 1
+                evicted = True
+                if manager.available() >= needed:
+                    return
+            if not evicted:
+                return  # everything left is protected: `require` raises with the numbers

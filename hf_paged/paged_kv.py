@@ -1,17 +1,24 @@
 """`PagedKV`: what a paged layer's `update` returns in place of concatenated keys / values.
 
 It is a tensor of the shape transformers expects, ``[B, kv_heads, kv_len, head_dim]``, that
-holds no data of its own. The "hf_paged" attention reads the layer's pages in place through
-``.layer``. Any other consumer (another attention implementation, a model that computes
-attention itself) triggers ``__torch_dispatch__``, which materialises the window by reading the
-pages: the output stays correct, at the cost of one copy per step, and a warning says so once.
+holds no data of its own, only a `PagedView` of its layer for the current step: the pools, the
+step's read plan, the layer's backend and where attention reports usage. The "hf_paged"
+attention reads the pages in place through ``.paged``; it sees nothing else of the cache. Any
+other consumer (another attention implementation, a model that computes attention itself)
+triggers ``__torch_dispatch__``, which materialises the window by reading the pages: the output
+stays correct, at the cost of one copy per step, and a warning says so once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch.utils._pytree import tree_map
 from transformers.utils import logging
+
+from .errors import CacheUsageError
 
 logger = logging.get_logger(__name__)
 
@@ -28,30 +35,105 @@ def warn_gathered_pages() -> None:
         "(after `import hf_paged`) to read them in place.")
 
 
+@dataclass(frozen=True)
+class PagedView:
+    """What attention may read of one paged layer in one step.
+
+    ``keys``/``values``: the layer's pools ``[P, S, H, D]``; ``plan``: the step's plan on the pools'
+    device (page tables, positions, lengths); ``backend``: "torch", "triton" or "cpu", resolved once
+    per layer; ``usage``: where attention adds its mass per live page ``[B, H, Nk]`` (averaged over
+    the observed queries), or None when the eviction policy does not want it; ``window``: how many
+    of the step's last queries are observed.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    plan: object  # StepPlan
+    backend: str
+    usage: Callable[[torch.Tensor], None] | None
+    window: int
+
+    @property
+    def past(self) -> int:
+        """Tokens cached before this step."""
+        return self.plan.past
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens cached after this step."""
+        return self.plan.num_tokens
+
+    @property
+    def page_size(self) -> int:
+        return self.plan.page_size
+
+    @property
+    def live_only(self) -> bool:
+        """Rows are read through their live pages (they have holes, or usage is tracked)."""
+        return self.plan.read_table is not None
+
+    def has_holes(self) -> bool:
+        """Some row lost pages to eviction."""
+        return self.live_only and bool((self.plan.table < 0).any())
+
+    def kernel_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page_table, page_pos, q_pos) for the paged kernels, checked against these pools."""
+        return self.plan.kernel_index(self.keys.device, self.keys.shape[0])
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tokens as ``[B, T, H, D]`` (see `read_window`)."""
+        return read_window(self.keys, self.plan), read_window(self.values, self.plan)
+
+    def read_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Live pages only: keys and values ``[B, Nk * S, H, D]`` gathered from the pools, and each
+        token's position ``[B, Nk * S]`` (``num_tokens`` for padding and unwritten slots, which no
+        query may attend)."""
+        plan = self.plan
+        table, page_pos = plan.live_pages()
+        B, S = table.shape[0], plan.page_size
+        index = table.clamp(min=0)
+        keys = self.keys[index].reshape(B, -1, *self.keys.shape[2:])
+        values = self.values[index].reshape(B, -1, *self.values.shape[2:])
+        positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
+        positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
+        return keys, values, positions.clamp(max=plan.num_tokens)
+
+
+def read_window(pool: torch.Tensor, plan) -> torch.Tensor:
+    """``pool``'s tokens ``[first_pos, num_tokens)`` of ``plan``'s rows as ``[B, T, H, D]``: a view on a slab,
+    else a gather."""
+    P, S, H, D = pool.shape
+    B, T = plan.batch_size, plan.kv_len
+    if plan.slab is not None:
+        base, stride = plan.slab
+        return pool.as_strided((B, T, H, D), (stride * S * H * D, H * D, D, 1),
+                               pool.storage_offset() + base * S * H * D)
+    return pool[plan.table].reshape(B, -1, H, D)[:, :T]
+
+
 class PagedKV(torch.Tensor):
     """Keys (``which == "k"``) or values of one paged layer for the current step."""
 
-    layer: object
+    paged: PagedView
     which: str
 
     @staticmethod
-    def __new__(cls, layer, which: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        tensor.layer, tensor.which = layer, which
+    def __new__(cls, paged: PagedView, which: str, shape: tuple[int, ...]):
+        pool = paged.keys if which == "k" else paged.values
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=pool.dtype, device=pool.device)
+        tensor.paged, tensor.which = paged, which
         return tensor
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def materialize(self) -> torch.Tensor:
         """The ``[B, H, kv_len, D]`` window as a regular tensor (a view when pages allow)."""
-        if self.layer.group.step.read_table is not None and bool((self.layer.group.step.table < 0).any()):
-            from .errors import CacheUsageError
-
+        if self.paged.has_holes():
             raise CacheUsageError(
                 "This PagedCache evicted pages (a bounded pool with a lossy eviction policy): only the "
                 "'hf_paged' attention can read rows with holes. Load the model with attn_implementation='hf_paged', "
                 "or use eviction='error'.")
-        keys, values = self.layer.read()
+        keys, values = self.paged.read()
         return (keys if self.which == "k" else values).transpose(1, 2)
 
     @classmethod
@@ -61,4 +143,4 @@ class PagedKV(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     def __repr__(self) -> str:
-        return f"PagedKV({self.which}, shape={tuple(self.shape)}, layer={self.layer!r})"
+        return f"PagedKV({self.which}, shape={tuple(self.shape)}, backend={self.paged.backend!r})"

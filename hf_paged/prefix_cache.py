@@ -109,6 +109,28 @@ class TokenLog:
             self.hashes[b] += page_hashes(self.tokens[b], self.mask[b], self.positions[b], self.page_size,
                                           len(self.hashes[b]), parent)
 
+    def prompt_pages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, logits_to_keep: int | torch.Tensor) -> tuple[list, int]:
+        """Per row, the hashes of a prompt's full pages (chained from ``root``), and how many of them a
+        forward may reuse: leaving at least one token, and every token whose logits ``logits_to_keep``
+        asks for (the last N; 0 = all, so none; or a tensor of indices), to compute."""
+        S, length = self.page_size, input_ids.shape[1]
+        if torch.is_tensor(logits_to_keep):
+            first_kept = int(logits_to_keep.min()) % length if logits_to_keep.numel() else length
+        else:
+            first_kept = length - logits_to_keep if 0 < logits_to_keep <= length else 0
+        ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, 0)
+        rows = [page_hashes(*row, S, 0, self.root) for row in zip(ids, bits, positions)]
+        return rows, min(min(first_kept, length - 1) // S, *(len(r) for r in rows))
+
+    def restart(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None, keep: int) -> None:
+        """The log holds only the first ``keep`` tokens of this prompt (the pages reused for it)."""
+        length = input_ids.shape[1]
+        self.clear()
+        self.extend(input_ids[:, :keep], None if attention_mask is None else attention_mask[:, -length:][:, :keep],
+                    None if position_ids is None else position_ids[..., -length:][..., :keep])
+
     def remap(self, order: list[int]) -> None:
         self.tokens = [list(self.tokens[i]) for i in order]
         self.mask = [list(self.mask[i]) for i in order]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .backends import layer_backend
 from .block_manager import BlockManager
 from .cache_layer import PagePool
 from .errors import CacheUsageError
@@ -81,15 +82,26 @@ class RaggedStep:
         return self._kernel[device]
 
 
+@dataclass(frozen=True)
+class RaggedView:
+    """What attention may read of one `RaggedLayer` in one packed step: its pools ``[P, S, H, D]``, the
+    step's plan and the layer's backend ("torch", "triton" or "cpu", resolved once per layer)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    plan: RaggedStep
+    backend: str
+
+
 class RaggedKV(torch.Tensor):
     """What a `RaggedLayer.update` returns for keys (``which == "k"``) or values: a data-less tensor of
-    the packed shape ``[1, kv_heads, T, head_dim]`` whose ``layer`` and ``step`` the "hf_paged" attention
-    reads. Any other consumer gets a clear error: packed steps need the "hf_paged" attention."""
+    the packed shape ``[1, kv_heads, T, head_dim]`` whose `RaggedView` (``.paged``) the "hf_paged"
+    attention reads. Any other consumer gets a clear error: packed steps need the "hf_paged" attention."""
 
     @staticmethod
-    def __new__(cls, layer: "RaggedLayer", step: RaggedStep, which: str, shape: tuple[int, ...]):
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=layer.dtype, device=layer.device)
-        tensor.layer, tensor.step, tensor.which = layer, step, which
+    def __new__(cls, paged: RaggedView, which: str, shape: tuple[int, ...]):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=paged.keys.dtype, device=paged.keys.device)
+        tensor.paged, tensor.which = paged, which
         return tensor
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -122,6 +134,7 @@ class RaggedLayer(CacheLayerMixin):
         S = self.cache.page_size
         self.pool.keys = key_states.new_zeros((0, S, self.num_heads, self.head_dim))
         self.pool.values = value_states.new_zeros((0, S, self.num_heads, self.value_dim))
+        self.resolved_backend = layer_backend(self.backend, self.device, self.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -141,8 +154,8 @@ class RaggedLayer(CacheLayerMixin):
         key_rows, value_rows = self.pool.slot_rows()
         key_rows.index_copy_(0, slots, key_states[0].transpose(0, 1))
         value_rows.index_copy_(0, slots, value_states[0].transpose(0, 1))
-        return (RaggedKV(self, step, "k", tuple(key_states.shape)),
-                RaggedKV(self, step, "v", tuple(value_states.shape)))
+        view = RaggedView(self.pool.keys, self.pool.values, step, self.resolved_backend)
+        return RaggedKV(view, "k", tuple(key_states.shape)), RaggedKV(view, "v", tuple(value_states.shape))
 
     def get_seq_length(self) -> int:
         return 0  # a packed step has no common past: positions come with the tokens

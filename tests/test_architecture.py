@@ -81,3 +81,58 @@ def test_prefill_reuses_pages_explicitly_and_a_plain_forward_computes_every_toke
     want = ref(prompt, **{hf_paged.CACHE_KWARG: DynamicCache()}).logits[:, -1:]
     torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(full, ref(prompt).logits, rtol=1e-4, atol=1e-4)
+
+
+CACHE_INTERNALS = {"group", "layer", "layers", "step", "policy", "tracks_usage", "manager", "seen", "rows"}
+
+
+def attribute_names(module: str) -> set[str]:
+    """Every ``x.name`` read or written in ``hf_paged/<module>.py``."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+
+
+def test_attention_reads_only_the_view_not_cache_internals():
+    for module in ("attention", "paged_kv"):
+        touched = attribute_names(module) & CACHE_INTERNALS
+        assert not touched, f"{module}.py reaches into the cache: .{', .'.join(sorted(touched))}"
+
+
+def class_lengths() -> dict[str, int]:
+    """``module.Class`` -> lines of every class in the package."""
+    lengths = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lengths[f"{path.stem}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return lengths
+
+
+def test_page_group_is_split_by_concern():
+    """Rows, steps, plans, eviction state, layers and the attention view: each its own class of modest size."""
+    lengths = class_lengths()
+    for name in ("page_group.PageGroup", "page_rows.PageRows", "step_plan.StepPlan", "eviction.GroupEviction",
+                 "cache_layer.PagedLayer", "paged_kv.PagedView"):
+        assert lengths[name] <= 220, f"{name} has {lengths[name]} lines"
+
+
+def test_layers_never_touch_their_siblings_or_their_groups_members():
+    """Membership (which layer wrote which tokens) is the group's: no module outside page_group.py reads or
+    writes a layer's written-token count, and no layer calls another layer's private methods."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        assert "seen" not in names, f"{path.name} uses a layer's .seen"
+        calls = [node.func for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("_")
+                 and not node.func.attr.startswith("__") and isinstance(node.func.value, ast.Name)
+                 and node.func.value.id == "layer"]
+        assert not calls, f"{path.name} calls a private method of another layer"
+
+
+def test_the_cache_delegates_to_its_groups():
+    """PagedCache edits no page tables and reads no block manager: its groups do (PageGroups spans them)."""
+    touched = attribute_names("cache") & {"rows", "manager", "free", "cached", "seen", "first_page", "abort_step",
+                                          "register_hashes", "can_restore", "_finish_or_rollback"}
+    assert not touched, f"cache.py reaches into its groups: .{', .'.join(sorted(touched))}"
+    assert class_lengths()["cache.PagedCache"] <= 280  # toward ~200: the groups hold the rest

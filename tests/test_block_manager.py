@@ -202,7 +202,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert got + length <= self.bm.num_pages <= m.cap(max(got + length, 2 * m.num_pages))
         m.num_pages = self.bm.num_pages
         assert all(p in self.bm.free for p in range(got, got + length))
-        if take:  # place a new row on the run, as PageGroup._allocate does
+        if take:  # place a new row on the run, as step_plan.place_rows does
             pages = [self.bm.allocate(p) for p in range(got, got + length)]
             assert pages == list(range(got, got + length))
             for p in pages:
@@ -273,7 +273,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.rows)
     @rule(sel=SELECT)
     def evict_entry(self, sel):
-        """A lossy eviction policy drops one live page of a row (PageGroup._evict)."""
+        """A lossy eviction policy drops one live page of a row (GroupEviction.evict)."""
         slots = self._live_slots()
         r, i = slots[sel % len(slots)]
         page, self.rows[r][i] = self.rows[r][i], EVICTED

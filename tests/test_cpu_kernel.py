@@ -13,7 +13,7 @@ from kernel_cases import KERNEL_CASES, assert_matches_reference, make_case
 from tiny_models import left_padded_batch, make_pair
 
 import hf_paged
-from hf_paged import attention
+from hf_paged import backends
 from hf_paged.kernels import cpu_paged_attention as cpu_kernel
 
 pytestmark = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
@@ -88,7 +88,7 @@ def test_missing_compiler_falls_back_to_torch_with_a_warning(tmp_path):
     """No compiler: the kernel says why, "auto" warns and uses the torch path, "cpu" raises."""
     code = (
         "import warnings, torch, hf_paged\n"
-        "from hf_paged.attention import resolve_backend\n"
+        "from hf_paged.backends import resolve_backend\n"
         "from hf_paged.kernels import cpu_paged_attention as k\n"
         "assert 'no C compiler' in k.unavailable_reason(), k.unavailable_reason()\n"
         "with warnings.catch_warnings(record=True) as w:\n"
@@ -132,7 +132,7 @@ def test_builds_into_a_fresh_cache_dir(tmp_path):
 
 
 def test_auto_backend_on_cpu_is_the_kernel():
-    assert attention.resolve_backend("auto", torch.device("cpu")) == "cpu"
+    assert backends.resolve_backend("auto", torch.device("cpu")) == "cpu"
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])

@@ -190,7 +190,7 @@ def test_pages_computed_after_an_eviction_are_not_reused():
     batch = dict(input_ids=tokens(2, 4, seed=30), attention_mask=torch.ones(2, 4, dtype=torch.long))
     out = paged.generate(**batch, cache=cache, max_new_tokens=20, **GREEDY)
     assert cache.stats()["evictions"] > 0
-    exact = min(g.exact_tokens for g in cache.groups.values())
+    exact = min(g.eviction.exact_tokens for g in cache.groups.values())
     cache.reset()
     row = out[1:]
     # recompute row 1's evicted stretch exactly (pool room comes from row 0's cached pages first) ...

@@ -121,7 +121,7 @@ def test_damaged_library_is_rebuilt_without_a_crash(tmp_path, built_kernel, dama
     shutil.copy(built_kernel.with_name(built_kernel.name + ".sha256"), target.with_name(target.name + ".sha256"))
     data = built_kernel.read_bytes()
     target.write_bytes({"truncated": data[: len(data) // 3], "zero bytes": b"", "not ELF": b"MZ" + data[2:]}[damage])
-    out = run_python(LOAD_KERNEL + "import torch; from hf_paged.attention import resolve_backend\n"
+    out = run_python(LOAD_KERNEL + "import torch; from hf_paged.backends import resolve_backend\n"
                      "assert resolve_backend('auto', torch.device('cpu')) == 'cpu'\n",
                      HF_PAGED_CACHE_DIR=str(tmp_path / "cache"))
     assert "REASON None" in out.stdout and "rebuilding the CPU kernel" in out.stderr
@@ -136,7 +136,7 @@ def test_library_without_the_kernel_symbols_falls_back_with_a_message(tmp_path, 
         from pathlib import Path
         import torch
         from hf_paged.kernels import library_cache
-        from hf_paged.attention import resolve_backend
+        from hf_paged.backends import resolve_backend
         from hf_paged.kernels import cpu_paged_attention as k
         target = Path(os.environ["TARGET"])
         target.parent.mkdir(mode=0o700, parents=True)

@@ -1,0 +1,106 @@
+"""`PageGroups`: the page groups of one `PagedCache`, keyed by sliding window (None: full attention).
+
+A step of the cache spans every group: it is final only when every member layer of every group
+wrote it, and a failed step rolls back in all of them together. Row edits (remap, crop, prefix
+restore, release) apply to every group or, when one group cannot take them, to none.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import CacheUsageError
+from .page_group import PageGroup
+
+
+class PageGroups(dict[int | None, PageGroup]):
+    """Every page group of a cache; a dict by sliding window, with the operations that span them all."""
+
+    @property
+    def step_open(self) -> bool:
+        """Some group planned a step that is not yet committed or rolled back."""
+        return any(g.step_open for g in self.values())
+
+    def step_failed(self, group: PageGroup | None = None) -> bool:
+        """The last step never reached every layer: some group's layers did not all write it, or some group
+        never began it (groups begin a step in layer order). With ``group``: as a layer of ``group`` about to
+        start new tokens sees it."""
+        if group is not None:
+            return (group.step_open and not group.step_complete()) or any(
+                g.num_tokens < group.num_tokens for g in self.values())
+        return len({g.num_tokens for g in self.values()}) > 1 or any(
+            g.step_open and not g.step_complete() for g in self.values())
+
+    def level_with(self, group: PageGroup) -> bool:
+        """Every group holds as many tokens as ``group``: none has begun a step that ``group`` has not."""
+        return all(g.num_tokens == group.num_tokens for g in self.values())
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens every group holds (committed, or planned by an open step)."""
+        return next(iter(self.values())).num_tokens if self else 0
+
+    def commit(self, row_hashes: list[list[bytes]] | None = None) -> None:
+        """Make every group's step final, then give full pages their content hashes (``row_hashes``, per row),
+        but not pages computed after an eviction in any group: every layer's later K/V differ from a full
+        forward's."""
+        for group in self.values():
+            group.commit()
+        if row_hashes is None:
+            return
+        exact = min((g.eviction.exact_tokens for g in self.values()), default=math.inf)
+        for group in self.values():
+            group.register_hashes(row_hashes if exact == math.inf else
+                                  [h[:exact // group.page_size] for h in row_hashes])
+
+    def rollback(self) -> None:
+        for group in self.values():
+            group.abort_step()
+
+    def restore_prefix(self, row_hashes: list[list[bytes]], pages: int) -> int:
+        """Share the cached pages of the longest prefix of at most ``pages`` full pages that every group
+        still finds; returns its length in pages (0: nothing restored)."""
+        while pages > 0 and not all(g.can_restore(row_hashes, pages) for g in self.values()):
+            pages -= 1
+        for group in self.values() if pages else ():
+            group.restore(row_hashes, pages)
+        return pages
+
+    def remap(self, rows_for) -> None:
+        for group in self.values():
+            group.remap(rows_for)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for group in self.values():  # all groups are checked before any is cropped
+            group.check_crop(tokens_to_remove)
+        for group in self.values():
+            group.crop(tokens_to_remove)
+
+    def clear(self) -> None:
+        for group in self.values():
+            group.clear()
+
+    def fork(self) -> "PageGroups":
+        return PageGroups({w: g.fork() for w, g in self.items()})
+
+    def set_max_pages(self, max_pages: int | None) -> None:
+        """Bound every group's pool (None: unbounded); raises, changing nothing, below what a group holds."""
+        held = max((g.manager.num_used for g in self.values()), default=0)
+        if max_pages is not None and max_pages < held:
+            raise CacheUsageError(f"set_max_pages({max_pages}): a layer group holds {held} pages; evict by "
+                                  "generating within the old bound, or reset() first.")
+        for group in self.values():
+            group.manager.max_pages = max_pages
+
+    def stats(self) -> dict:
+        """Page and memory accounting summed over the groups (see `PageGroup.stats`); ``tokens_held``: the
+        most tokens one group holds (what max_pages bounds)."""
+        out = dict(pages_total=0, pages_used=0, pages_free=0, pages_cached=0, tokens_stored=0, kv_bytes=0,
+                   pool_bytes=0, evictions=0, prefix_hits=0)
+        out["tokens_held"] = 0
+        for group in self.values():
+            group_stats = group.stats()
+            for key, value in group_stats.items():
+                out[key] += value
+            out["tokens_held"] = max(out["tokens_held"], group_stats["tokens_stored"])
+        return out

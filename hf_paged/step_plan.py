@@ -1,0 +1,181 @@
+"""`StepPlan`: what every layer of a group needs for one forward step, and how it is built.
+
+A plan is made once per step by the group (on the CPU) and read by every layer: the slot of
+each new token, the pages to copy before writing (copy-on-write), and how the rows' pages are
+read: a strided view when the batch's pages form a regular slab, else a gather index, and the
+live pages only when rows have holes (evicted pages) or the policy observes attention.
+`place_rows` and `relocate_rows` choose page ids so that slabs stay regular while decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import EVICTED, BlockManager
+from .kernels.arguments import mark_checked
+
+
+@dataclass
+class StepPlan:
+    """What every layer of a group needs for one forward step; computed once, on the CPU."""
+
+    batch_size: int
+    q_len: int
+    past: int  # tokens cached before this step
+    num_tokens: int  # tokens cached after this step
+    first_pos: int  # logical position of the first token still held (same for every row)
+    table: torch.Tensor  # long [B, N]: the rows' pages, logical order
+    slots: torch.Tensor  # long [B * q_len]: flat slot (page * S + offset) of each new token
+    copy_src: torch.Tensor | None  # long [C]: pages to copy before writing (copy-on-write)
+    copy_dst: torch.Tensor | None
+    slab: tuple[int, int] | None  # (first page, row stride in pages) when rows form a regular slab
+    page_size: int = 1
+    same_as: list[int] | None = None  # rows assumed identical to an earlier row (sharing its pages)
+    read_table: torch.Tensor | None = None  # long [B, Nk]: live pages only (-1 padded), when rows have holes
+    read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
+    usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
+    _on_device: dict = field(default_factory=dict)
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_tokens - self.first_pos
+
+    def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) for the paged kernels, contiguous, once per
+        device: int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type). The page ids are
+        checked here, once per step and device, against pools of ``num_pages`` pages (the kernels
+        read pools unchecked)."""
+        key = ("kernel", device)
+        if key not in self._on_device:
+            table, page_pos = self.live_pages()
+            q_pos = torch.arange(self.past, self.num_tokens).expand(table.shape[0], -1)
+            table = table.int() if device.type == "cuda" else table.long()
+            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+            mark_checked(*index, num_pages)
+            self._on_device[key] = index
+        return self._on_device[key]
+
+    def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""
+        if self.read_table is not None:
+            return self.read_table, self.read_pos
+        B, N = self.table.shape
+        return self.table, (self.first_pos + torch.arange(N) * self.page_size).expand(B, N)
+
+    def add_usage(self, page_mass: torch.Tensor) -> None:
+        """Add one layer's attention mass per live page [B, Nk] to this step's usage."""
+        page_mass = page_mass.float()  # stays on its device: moved to the host once, at commit
+        self.usage = page_mass if self.usage is None else self.usage + page_mass.to(self.usage.device)
+
+    def on(self, device: torch.device) -> "StepPlan":
+        """This plan's index tensors on ``device``, moved once per step per device."""
+        if device.type == "cpu":
+            return self
+        moved = self._on_device.get(device)
+        if moved is None:
+            move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+            moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots), copy_src=move(self.copy_src),
+                                        copy_dst=move(self.copy_dst), read_table=move(self.read_table),
+                                        read_pos=move(self.read_pos), usage=None, _on_device={})
+            self._on_device[device] = moved
+        return moved
+
+
+def build_plan(rows: list[list[int]], first_page: int, past: int, num_tokens: int, page_size: int,
+               src: list[int], dst: list[int], same_as: list[int] | None, live_read: bool) -> StepPlan:
+    """The plan of a step that wrote tokens ``[past, num_tokens)`` into ``rows`` (logical pages from
+    ``first_page``); the live pages are indexed when ``live_read`` or when a row has holes."""
+    S = page_size
+    table = torch.tensor(rows, dtype=torch.long)
+    pos = torch.arange(past, num_tokens)
+    slots = (table[:, pos // S - first_page] * S + pos % S).reshape(-1)
+    read_table = read_pos = None
+    if live_read or bool((table == EVICTED).any()):
+        live = [[(p, (first_page + i) * S) for i, p in enumerate(r) if p != EVICTED] for r in rows]
+        width = max(len(r) for r in live)
+        read_table = torch.tensor([[p for p, _ in r] + [EVICTED] * (width - len(r)) for r in live])
+        read_pos = torch.tensor([[q for _, q in r] + [num_tokens] * (width - len(r)) for r in live])
+    return StepPlan(
+        len(rows), num_tokens - past, past, num_tokens, first_page * S, table, slots,
+        torch.tensor(src, dtype=torch.long) if src else None,
+        torch.tensor(dst, dtype=torch.long) if dst else None,
+        _slab(table) if read_table is None else None, S, same_as, read_table, read_pos,
+    )
+
+
+def _slab(table: torch.Tensor) -> tuple[int, int] | None:
+    """(base, stride) if ``table[b, i] == base + b * stride + i`` for all rows, else None."""
+    B, n = table.shape
+    if n == 0:
+        return None
+    if n > 1 and not bool((table[:, 1:] - table[:, :-1] == 1).all()):
+        return None
+    base = int(table[0, 0])
+    if B == 1:
+        return base, n
+    stride = int(table[1, 0]) - base
+    if stride < n or not bool((table[:, 0] == base + stride * torch.arange(B)).all()):
+        return None
+    return base, stride
+
+
+def place_rows(manager: BlockManager, rows: list[list[int]], count: int) -> None:
+    """Give each row ``count`` more pages, keeping a row's pages consecutive when possible.
+
+    A fresh batch of several rows is placed on a slab (row b starts at ``base + b * stride``,
+    with 25% headroom per row), so that decode can keep growing each row into its own region.
+    """
+    if count <= 0:
+        return
+    if all(not r for r in rows):
+        stride = count + (count // 4 + 1 if len(rows) > 1 else 0)
+        base = manager.free_run(len(rows) * stride)
+        if base is not None:
+            for b, r in enumerate(rows):
+                r.extend(manager.allocate(base + b * stride + i) for i in range(count))
+            return
+    for r in rows:
+        for _ in range(count):
+            r.append(manager.allocate(r[-1] + 1 if r else None))
+
+
+def relocate_rows(manager: BlockManager, rows: list[list[int]], src: list[int], dst: list[int],
+                  replaced: list[int]) -> bool:
+    """Move rows that outgrew their slab region onto a new slab with 25% more room per row.
+
+    Like a vector's growth: each move copies the cache once and adds 25% room, so the
+    cost per token is amortised, and decode keeps reading views instead of gathering.
+    Only unshared rows of an unbounded pool move (a shared page stays shared); the copies
+    are appended to ``src``/``dst``, the pages left behind to ``replaced``. Returns whether
+    they moved.
+    """
+    if manager.max_pages is not None or any(p == EVICTED or manager.ref[p] != 1 for r in rows for p in r):
+        return False
+    stride = len(rows[0]) + len(rows[0]) // 4 + 1
+    base = manager.free_run(len(rows) * stride)
+    copied_from = dict(zip(dst, src))  # a page copied on write this step moves from its source
+    for b, r in enumerate(rows):
+        moved = [manager.allocate(base + b * stride + i) for i in range(len(r))]
+        src.extend(copied_from.get(p, p) for p in r), dst.extend(moved)
+        replaced.extend(r)
+        r[:] = moved
+    return True
+
+
+def continue_plan(last: StepPlan | None, rows: list[list[int]], q_len: int, ref: list[int]) -> StepPlan | None:
+    """The plan of the next step from ``last`` when nothing but the slots changes: the rows are those ``last``
+    planned, and their ``q_len`` new tokens each fit in the row's last page, which no other row shares (no
+    allocation, copy-on-write or trim). None when that does not hold: the step is then planned in full."""
+    if last is None or last.same_as is not None:
+        return None
+    S, past = last.page_size, last.num_tokens
+    if past % S == 0 or past % S + q_len > S or any(ref[r[-1]] != 1 for r in rows) or last.table.tolist() != rows:
+        return None
+    end, offsets = past + q_len, range(past % S, past % S + q_len)
+    slots = torch.tensor([r[-1] * S + offset for r in rows for offset in offsets])
+    read_pos = None if last.read_pos is None else last.read_pos.masked_fill(last.read_table == EVICTED, end)
+    return dataclasses.replace(last, q_len=q_len, past=past, num_tokens=end, slots=slots, copy_src=None,
+                               copy_dst=None, read_pos=read_pos, usage=None, _on_device={})
