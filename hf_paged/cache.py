@@ -8,16 +8,15 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .block_manager import BlockManager
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
 from .eviction import DEFAULT_POLICY, EvictionPolicy
-from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG, layer_windows
+from .model_config import ATTN_IMPLEMENTATION, layer_windows
 from .page_group import PageGroup
 from .page_groups import PageGroups
 from .paged_kv import warn_gathered_pages
-from .prefix_cache import TokenLog, model_fingerprint
-from .prefix_hook import PrefixHook
+from .prefix_cache import TokenLog
+from .prefix_hook import PrefixCaching, PrefixHook
 from .thread_owner import ThreadOwner
 
 MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
@@ -46,7 +45,7 @@ def _check_arguments(config, model, lru_threshold) -> None:
                               f"got {type(model).__name__}.")
 
 
-class PagedCache(Cache):
+class PagedCache(PrefixCaching, Cache):
     """A paged KV cache for ``model.generate`` (``past_key_values=`` or ``cache=``).
 
     Args:
@@ -118,24 +117,14 @@ class PagedCache(Cache):
         self.config = config
         windows = layer_windows(config)
         self.layers = [PagedLayer(self._group(w, i), i, self.backend) for i, w in enumerate(windows)]
-        keys = {self._group_key(w, i) for i, w in enumerate(windows)}
-        self.groups = PageGroups({k: g for k, g in self.groups.items() if k in keys})  # another model's groups go
+        self.groups.keep({id(layer.group) for layer in self.layers})  # another model's groups go
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             warn_gathered_pages()
 
-    def _group_key(self, sliding_window: int | None, layer_idx: int):
-        """Layers of one key share page tables: those of one sliding window, or each layer alone when it
-        chooses its own victims (``per_layer_eviction``)."""
-        return (sliding_window, layer_idx) if self.per_layer_eviction else sliding_window
-
     def _group(self, sliding_window: int | None, layer_idx: int) -> PageGroup:
-        key = self._group_key(sliding_window, layer_idx)
-        group = self.groups.get(key)
-        if group is None:
-            manager = BlockManager(self.page_size, self.max_pages)
-            group = self.groups[key] = PageGroup(manager, sliding_window, self.policy)
-        return group
+        return self.groups.for_layer(sliding_window, layer_idx, self.page_size, self.max_pages, self.policy,
+                                     self.per_layer_eviction)
 
     def _layer(self, layer_idx: int) -> PagedLayer:
         while len(self.layers) <= layer_idx:
@@ -196,30 +185,6 @@ class PagedCache(Cache):
         self._drop_failed_step(layer_idx)
         return super().get_mask_sizes(query_length, layer_idx)
 
-    # -------------------------------------------------------- prefix caching
-    def fingerprint(self, model) -> bytes:
-        """The root of this cache's page hashes when ``model`` computes its K/V (see `model_fingerprint`)."""
-        windows = [layer.group.sliding_window for layer in self.layers]
-        return model_fingerprint(model, self.page_size, windows)
-
-    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0) -> int:
-        """On an empty bound cache: share the longest cached, page-aligned prefix of every row.
-
-        Returns the number of tokens reused: the same for every row, and small enough that the
-        tokens left to compute cover ``logits_to_keep`` (the last N; 0 = all, so nothing is reused;
-        or a tensor of indices), so a forward returns the logits it would return without reuse.
-        The prefix hook trims the inputs by that much.
-        """
-        self.commit()
-        if self.get_seq_length() > 0 or not self.groups:
-            return 0
-        rows, most = self.token_log.prompt_pages(input_ids, attention_mask, position_ids, logits_to_keep)
-        pages = self.groups.restore_prefix(rows, most)
-        if pages:
-            self.token_log.restart(input_ids, attention_mask, position_ids, pages * self.page_size)
-        return pages * self.page_size
-
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":
         """A cache holding the same tokens that shares every page with this one, copy-on-write.
@@ -239,21 +204,6 @@ class PagedCache(Cache):
         key_of = {id(g): k for k, g in self.groups.items()}
         twin.layers = [layer.fork(twin.groups[key_of[id(layer.group)]]) for layer in self.layers]
         return twin
-
-    def unbind(self) -> None:
-        """Stop prefix caching: the hook leaves the model, the token log goes; pages stay as they are."""
-        if self.prefix_hook is not None:
-            self.prefix_hook.remove()
-        self.prefix_hook = self.token_log = None
-
-    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-        """Run ``model`` on a prompt with this bound cache, reusing its cached prefix pages explicitly:
-        only the tokens after the reused pages are computed, and the output holds the logits of the
-        last token (what ``generate`` asks for). Returns the model output."""
-        if self.prefix_hook is None or self.prefix_hook.model() is not model:
-            raise CacheUsageError("prefill() needs a cache bound to this model: PagedCache(model=model).")
-        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
-                     **{CACHE_KWARG: self}, **kwargs)
 
     def __deepcopy__(self, memo) -> "PagedCache":
         return self.fork()

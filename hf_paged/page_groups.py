@@ -9,12 +9,29 @@ from __future__ import annotations
 
 import math
 
+from .block_manager import BlockManager
 from .errors import CacheUsageError
+from .eviction import EvictionPolicy
 from .page_group import PageGroup
 
 
-class PageGroups(dict[int | None, PageGroup]):
-    """Every page group of a cache; a dict by sliding window, with the operations that span them all."""
+class PageGroups(dict):
+    """Every page group of a cache; a dict by sliding window (and layer, per-layer eviction), with the
+    operations that span them all."""
+
+    def for_layer(self, sliding_window: int | None, layer_idx: int, page_size: int, max_pages: int | None,
+                  policy: EvictionPolicy, per_layer: bool) -> PageGroup:
+        """The group of a layer, made on first use: the layers of one sliding window share one, or each layer
+        has its own when it chooses its own victims (``per_layer``, keyed ``(window, layer)``)."""
+        key = (sliding_window, layer_idx) if per_layer else sliding_window
+        if key not in self:
+            self[key] = PageGroup(BlockManager(page_size, max_pages), sliding_window, policy)
+        return self[key]
+
+    def keep(self, groups: set[int]) -> None:
+        """Drop the groups whose ``id`` is not in ``groups`` (another model's, after `bind_config`)."""
+        for key in [k for k, g in self.items() if id(g) not in groups]:
+            del self[key]
 
     @property
     def step_open(self) -> bool:

@@ -1,4 +1,5 @@
-"""`PrefixHook`: the forward pre-hook that connects a bound `PagedCache` to its model.
+"""`PrefixHook`: the forward pre-hook that connects a bound `PagedCache` to its model, and `PrefixCaching`,
+the cache's side of prefix caching (reuse, explicit prefill, unbind).
 
 A cache made with ``PagedCache(model=model)`` registers one hook on ``model`` and keeps its handle:
 ``cache.unbind()`` (or the cache being garbage collected) removes it again. The hook acts only on
@@ -17,7 +18,52 @@ import weakref
 
 import torch
 
-from .prefix_cache import check_hashable
+from .errors import CacheUsageError
+from .model_config import CACHE_KWARG
+from .prefix_cache import check_hashable, model_fingerprint
+
+
+class PrefixCaching:
+    """The prefix-caching part of `PagedCache` (``token_log``, ``prefix_hook``; see `PagedCache(model=...)`)."""
+
+    def fingerprint(self, model) -> bytes:
+        """The root of this cache's page hashes when ``model`` computes its K/V (see `model_fingerprint`)."""
+        windows = [layer.group.sliding_window for layer in self.layers]
+        return model_fingerprint(model, self.page_size, windows)
+
+    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0) -> int:
+        """On an empty bound cache: share the longest cached, page-aligned prefix of every row.
+
+        Returns the number of tokens reused: the same for every row, and small enough that the
+        tokens left to compute cover ``logits_to_keep`` (the last N; 0 = all, so nothing is reused;
+        or a tensor of indices), so a forward returns the logits it would return without reuse.
+        The prefix hook trims the inputs by that much.
+        """
+        self.commit()
+        if self.get_seq_length() > 0 or not self.groups:
+            return 0
+        rows, most = self.token_log.prompt_pages(input_ids, attention_mask, position_ids, logits_to_keep)
+        pages = self.groups.restore_prefix(rows, most)
+        if pages:
+            self.token_log.restart(input_ids, attention_mask, position_ids, pages * self.page_size)
+        return pages * self.page_size
+
+    def unbind(self) -> None:
+        """Stop prefix caching: the hook leaves the model, the token log goes; pages stay as they are."""
+        if self.prefix_hook is not None:
+            self.prefix_hook.remove()
+        self.prefix_hook = self.token_log = None
+
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Run ``model`` on a prompt with this bound cache, reusing its cached prefix pages explicitly:
+        only the tokens after the reused pages are computed, and the output holds the logits of the
+        last token (what ``generate`` asks for). Returns the model output."""
+        if self.prefix_hook is None or self.prefix_hook.model() is not model:
+            raise CacheUsageError("prefill() needs a cache bound to this model: PagedCache(model=model).")
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+                     **{CACHE_KWARG: self}, **kwargs)
+
 
 
 class PrefixHook:
