@@ -344,3 +344,23 @@ def test_set_max_pages_lifts_or_lowers_the_bound():
     _attended(cache, [None], 1)
     assert most_pages_held(cache) == 7 and cache.stats()["evictions"] == 5
     check_pages(cache)
+
+
+def test_a_decode_step_after_compression_attends_only_the_kept_pages(llama):
+    """The prompt's last page is partial, so the next token goes into it: its plan must come from the rows as
+    compression left them (the reference hides the evicted positions), not from the prompt's step."""
+    ref, paged = llama
+    ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(2))
+    cache = hf_paged.PagedCache(page_size=4, max_pages=2, config=paged.config, compress_prompt=True,
+                                per_layer_eviction=False)
+    paged(input_ids=ids[:, :10], cache=cache)
+    cache.commit()  # the 10-token prompt (pages 0, 1 and a partial 2) is cut to 2 pages: the sink and the last
+    assert cache.layers[0].group.rows[0][1] == EVICTED
+    got = paged(input_ids=ids[:, 10:], cache=cache).logits
+    keep = torch.ones(1, 1, 1, 11, dtype=torch.bool)
+    keep[..., 4:8] = False
+    dyn = DynamicCache(config=ref.config)
+    ref(input_ids=ids[:, :10], cache=dyn)
+    want = ref(input_ids=ids[:, 10:], cache=dyn, attention_mask=keep).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    check_pages(cache)
