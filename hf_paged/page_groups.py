@@ -114,10 +114,12 @@ class PageGroups(dict):
         most tokens one group holds (what max_pages bounds)."""
         out = dict(pages_total=0, pages_used=0, pages_free=0, pages_cached=0, tokens_stored=0, kv_bytes=0,
                    pool_bytes=0, evictions=0, prefix_hits=0)
-        out["tokens_held"] = 0
         for group in self.values():
-            group_stats = group.stats()
-            for key, value in group_stats.items():
+            for key, value in group.stats().items():
                 out[key] += value
-            out["tokens_held"] = max(out["tokens_held"], group_stats["tokens_stored"])
+        out["tokens_held"] = self.tokens_held()
         return out
+
+    def tokens_held(self) -> int:
+        """The most tokens one group holds, counted as they are (an open step's included: nothing commits)."""
+        return max((g.tokens_stored() for g in self.values()), default=0)

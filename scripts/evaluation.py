@@ -154,7 +154,7 @@ class Held:
 
     def __call__(self) -> None:
         if isinstance(self.cache, hf_paged.PagedCache):
-            self.peak = max(self.peak, max(g.tokens_stored() for g in self.cache.groups.values()))
+            self.peak = max(self.peak, self.cache.groups.tokens_held())
 
 
 def forward(model, cache, ids: torch.Tensor, start: int, device) -> torch.Tensor:
