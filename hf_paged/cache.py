@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
-from .eviction import DEFAULT_POLICY, EvictionPolicy
+from .eviction import DEFAULT_POLICY, EvictionPolicy, default_sink_pages, usage_signal_defaults
 from .model_config import ATTN_IMPLEMENTATION, layer_windows
 from .page_group import PageGroup
 from .page_groups import PageGroups
@@ -58,11 +58,15 @@ class PagedCache(PrefixCaching, Cache):
             on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
         eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise
             `PagePoolExhausted`); default "score"; see `hf_paged.eviction`.
-        sink_pages / recent_pages: pages never evicted at the start / end of each row.
+        sink_pages / recent_pages: pages never evicted at the start / end of each row (default sinks: the
+            pages of the first 4 tokens, StreamingLLM's attention sinks).
         lru_threshold: "lru" counts a page as used in a step when its attention share is at least
             this multiple of an even share.
         score_decay: "score" keeps this weight of a page's past score per step (0: the last step only).
         observation_window: the last queries of a step whose attention scores pages.
+        score_heads: a page's attention from the heads' "mean" or their "max".
+            The three default by page size (`hf_paged.eviction.usage_signal_defaults`): pages of one token
+            follow the last query's head-averaged attention (TOVA); larger pages a smoothed window's.
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
@@ -75,17 +79,23 @@ class PagedCache(PrefixCaching, Cache):
     """
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
-                 model=None, eviction: str | None = None, sink_pages: int = 1, recent_pages: int = 1,
-                 lru_threshold: float = 1.0, score_decay: float = 0.9, observation_window: int = 32,
-                 compress_prompt: bool = False, per_layer_eviction: bool | None = None):
+                 model=None, eviction: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
+                 lru_threshold: float = 1.0, score_decay: float | None = None, observation_window: int | None = None,
+                 score_heads: str | None = None, compress_prompt: bool = False,
+                 per_layer_eviction: bool | None = None):
         _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
-        self.policy = EvictionPolicy(eviction or DEFAULT_POLICY, sink_pages, recent_pages,
-                                     lru_threshold, score_decay, observation_window, compress_prompt)
+        signal = usage_signal_defaults(page_size)
+        self.policy = EvictionPolicy(
+            eviction or DEFAULT_POLICY, default_sink_pages(page_size) if sink_pages is None else sink_pages,
+            recent_pages, lru_threshold,
+            signal["decay"] if score_decay is None else score_decay,
+            signal["window"] if observation_window is None else observation_window,
+            compress_prompt, signal["heads"] if score_heads is None else score_heads)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages

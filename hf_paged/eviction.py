@@ -13,7 +13,8 @@ used cached (unreferenced) page, then, per policy, one of the row's own live pag
 With ``compress_prompt``, a prompt larger than the bound is prefilled whole, then cut to the bound
 by these scores, i.e. by the attention of the prompt's last ``window`` tokens (SnapKV): a question
 at the end of a prompt steers what is kept. The attention share of a page is its mass averaged
-over the observed queries and taken from the head that attends it most; by default each layer of
+over the observed queries and over the heads, or taken from the head that attends it most
+(`usage_signal_defaults` picks window, decay and heads by page size); by default each layer of
 a bounded "score" or "lru" cache keeps its own pages and is its own group (``per_layer_eviction``),
 otherwise the shares of a group's layers are summed. The first ``sink_pages`` logical pages and
 the last ``recent_pages`` live pages (always including the page being written) are never
@@ -24,7 +25,7 @@ never change.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging
@@ -34,33 +35,62 @@ from .errors import CacheUsageError
 
 logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
+HEAD_REDUCTIONS = ("mean", "max")
+
+
+SINK_TOKENS = 4  # StreamingLLM keeps the first 4 tokens: attention sinks
+
+
+def default_sink_pages(page_size: int) -> int:
+    """Pages that hold the first `SINK_TOKENS` tokens."""
+    return math.ceil(SINK_TOKENS / page_size)
+
+
+def usage_signal_defaults(page_size: int) -> dict:
+    """The usage signal measured best for a page size (README, "Eviction"): a one-token page follows the
+    attention of the step's last query averaged over heads (TOVA); a page of several tokens, whose tokens
+    matter unevenly, a decayed average over a 32-query window taken from its most attentive head."""
+    if page_size == 1:
+        return dict(decay=0.0, window=1, heads="mean")
+    return dict(decay=0.9, window=32, heads="max")
 
 
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
 
 
-@dataclass
 class PageUsage:
-    """What a group has observed of its pages' attention (keys: page ids, shared by forks).
+    """What a group has observed of its pages' attention, indexed by page id (shared by forks).
 
     ``last_used[p]``: ``2 * step`` when written, ``2 * step + 1`` when used (so use outranks a write);
     ``ema[p]`` / ``observed[p]``: moving average of the relative share and how many steps fed it.
+    Host tensors, grown with the largest page id seen: a decode step folds and ranks hundreds of
+    pages per layer, which a tensor op does in microseconds.
     """
 
-    last_used: dict[int, int] = field(default_factory=dict)
-    ema: dict[int, float] = field(default_factory=dict)
-    observed: dict[int, int] = field(default_factory=dict)
+    def __init__(self):
+        self.last_used = torch.zeros(0, dtype=torch.long)
+        self.ema = torch.zeros(0, dtype=torch.float64)
+        self.observed = torch.zeros(0, dtype=torch.long)
+
+    def _fit(self, pages: torch.Tensor) -> None:
+        need = int(pages.max()) + 1 if pages.numel() else 0
+        if need > len(self.ema):
+            size = max(need, 2 * len(self.ema), 64)
+            grow = size - len(self.ema)
+            self.last_used = torch.cat([self.last_used, torch.zeros(grow, dtype=torch.long)])
+            self.ema = torch.cat([self.ema, torch.zeros(grow, dtype=torch.float64)])
+            self.observed = torch.cat([self.observed, torch.zeros(grow, dtype=torch.long)])
 
     def allocated(self, pages: list[int], step: int) -> None:
         """Fresh pages (their first token written at ``step``) start with no history."""
-        for page in pages:
-            self.ema.pop(page, None)
-            self.observed.pop(page, None)
-            self.last_used[page] = 2 * step
+        index = torch.as_tensor(pages, dtype=torch.long)
+        self._fit(index)
+        self.ema[index], self.observed[index], self.last_used[index] = 0.0, 0, 2 * step
 
     def written(self, pages: list[int], step: int) -> None:
-        for page in pages:
-            self.last_used[page] = 2 * step
+        index = torch.as_tensor(pages, dtype=torch.long)
+        self._fit(index)
+        self.last_used[index] = 2 * step
 
 
 @dataclass(frozen=True)
@@ -72,6 +102,7 @@ class EvictionPolicy:
     decay: float = 0.9
     window: int = 32
     compress_prompt: bool = False
+    heads: str = "max"
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -84,6 +115,8 @@ class EvictionPolicy:
         if not self.threshold > 0:
             raise CacheUsageError(f"lru_threshold must be a positive multiple of an even attention share, got "
                                   f"{self.threshold!r}.")
+        if self.heads not in HEAD_REDUCTIONS:
+            raise CacheUsageError(f"score_heads must be one of {HEAD_REDUCTIONS}, got {self.heads!r}.")
         if not 0.0 <= self.decay < 1.0:
             raise CacheUsageError(f"score_decay must be in [0, 1) (the weight of the past per step), got "
                                   f"{self.decay!r}.")
@@ -96,47 +129,64 @@ class EvictionPolicy:
     def tracks_usage(self) -> bool:
         return self.name in ("score", "lru")
 
-    @staticmethod
-    def page_signal(page_mass: torch.Tensor) -> torch.Tensor:
+    def page_signal(self, page_mass: torch.Tensor) -> torch.Tensor:
         """One layer's attention mass per live page ``[B, H, Nk]`` (averaged over queries) -> ``[B, Nk]``: the
-        largest over the heads, so that a page one head relies on counts as used (the pages are shared by
-        every head; kvpress's presses choose per head)."""
-        return page_mass.float().amax(dim=1)
+        heads' mean (``heads="mean"``, TOVA) or the largest over the heads (``"max"``: a page one head relies
+        on counts as used; the pages are shared by every head)."""
+        page_mass = page_mass.float()
+        return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
-        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``.
+        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""
+        pages, mass = pages.cpu(), mass.detach().double().cpu()
+        usage._fit(pages)
+        for row_pages, row_mass in zip(pages, mass):
+            live = row_pages != EVICTED
+            ids, values = row_pages[live], row_mass[live]
+            if not len(ids):
+                continue
+            even = float(values.sum()) / len(ids)
+            relative = values / even if even > 0 else torch.zeros_like(values)
+            if self.name == "lru":
+                usage.last_used[ids[relative >= self.threshold]] = 2 * step + 1
+            else:
+                usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative
+                usage.observed[ids] += 1
 
-        Plain Python on the host: a row holds tens of pages, where a torch op costs more than the loop."""
-        for row_pages, row_mass in zip(pages.tolist(), mass.double().cpu().tolist()):
-            live = [(page, value) for page, value in zip(row_pages, row_mass) if page != EVICTED]
-            total = sum(value for _, value in live)
-            even = total / len(live) if live else 0.0
-            for page, value in live:
-                relative = value / even if even > 0 else 0.0
-                if self.name == "lru":
-                    if relative >= self.threshold:
-                        usage.last_used[page] = 2 * step + 1
-                else:
-                    usage.ema[page] = self.decay * usage.ema.get(page, 0.0) + (1 - self.decay) * relative
-                    usage.observed[page] = usage.observed.get(page, 0) + 1
+    def scores(self, usage: PageUsage, pages: torch.Tensor) -> torch.Tensor:
+        """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
+        usage._fit(pages)
+        steps = usage.observed[pages]
+        seen = steps > 0
+        unbiased = usage.ema[pages] / (1 - self.decay ** steps.double()).clamp_min(1e-300)
+        return torch.where(seen, unbiased, torch.ones_like(unbiased))
 
     def score(self, usage: PageUsage, page: int) -> float:
-        """The page's bias-corrected moving average (1.0, an even share, before any observation)."""
-        steps = usage.observed.get(page, 0)
-        return usage.ema[page] / (1 - self.decay ** steps) if steps else 1.0
+        return float(self.scores(usage, torch.tensor([page]))[0])
+
+    def victims(self, row: list[int], first_page: int, usage: PageUsage, count: int) -> list[int]:
+        """Indices in ``row`` of up to ``count`` pages to evict, in the order the policy gives them up
+        (ties: the oldest first); fewer when the rest is protected. Equal to ``count`` single picks: a
+        pick changes no other page's rank, nor which pages are protected."""
+        table = torch.tensor(row, dtype=torch.long)
+        live = (table != EVICTED).nonzero().flatten()
+        candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
+        candidates = candidates[candidates + first_page >= self.sink_pages]
+        if self.name == "fifo" or not len(candidates):
+            return candidates[:count].tolist()
+        pages = table[candidates]
+        if self.name == "lru":
+            usage._fit(pages)
+            rank = usage.last_used[pages]
+        else:
+            rank = self.scores(usage, pages)
+        order = torch.sort(rank, stable=True).indices[:count]
+        return candidates[order].tolist()
 
     def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
         """Index in ``row`` of the page to evict, or None when every live page is protected."""
-        live = [i for i, page in enumerate(row) if page != EVICTED]
-        recent = set(live[-max(self.recent_pages, 1):])
-        candidates = [i for i in live if first_page + i >= self.sink_pages and i not in recent]
-        if not candidates:
-            return None
-        if self.name == "fifo":
-            return candidates[0]
-        if self.name == "lru":
-            return min(candidates, key=lambda i: (usage.last_used.get(row[i], -1), i))
-        return min(candidates, key=lambda i: (self.score(usage, row[i]), i))
+        picked = self.victims(row, first_page, usage, 1)
+        return picked[0] if picked else None
 
 
 def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
@@ -222,15 +272,16 @@ class GroupEviction:
         self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
         while manager.available() < needed:
             evicted = False
-            for row in rows:
-                i = self.policy.victim(row, first_page, self.usage)
-                if i is None:
-                    continue
-                manager.release(row[i])
-                row[i] = EVICTED
-                self.evictions += 1
-                evicted = True
-                if manager.available() >= needed:
-                    return
+            rounds = -(-(needed - manager.available()) // max(len(rows), 1))
+            picks = [self.policy.victims(row, first_page, self.usage, rounds) for row in rows]
+            for k in range(rounds):  # round-robin: one page per row at a time, in each row's order
+                for row, picked in zip(rows, picks):
+                    if k < len(picked):
+                        manager.release(row[picked[k]])
+                        row[picked[k]] = EVICTED
+                        self.evictions += 1
+                        evicted = True
+                        if manager.available() >= needed:
+                            return
             if not evicted:
                 return  # everything left is protected: `require` raises with the numbers

@@ -93,11 +93,13 @@ def build_plan(rows: list[list[int]], first_page: int, past: int, num_tokens: in
     pos = torch.arange(past, num_tokens)
     slots = (table[:, pos // S - first_page] * S + pos % S).reshape(-1)
     read_table = read_pos = None
-    if live_read or bool((table == EVICTED).any()):
-        live = [[(p, (first_page + i) * S) for i, p in enumerate(r) if p != EVICTED] for r in rows]
-        width = max(len(r) for r in live)
-        read_table = torch.tensor([[p for p, _ in r] + [EVICTED] * (width - len(r)) for r in live])
-        read_pos = torch.tensor([[q for _, q in r] + [num_tokens] * (width - len(r)) for r in live])
+    live = table != EVICTED
+    if live_read or not bool(live.all()):
+        width = int(live.sum(1).max()) if table.numel() else 0
+        order = torch.sort((~live).to(torch.int8), dim=1, stable=True).indices[:, :width]  # live first, in order
+        kept = live.gather(1, order)
+        read_table = table.gather(1, order).masked_fill(~kept, EVICTED)
+        read_pos = ((first_page + order) * S).masked_fill(~kept, num_tokens)
     return StepPlan(
         len(rows), num_tokens - past, past, num_tokens, first_page * S, table, slots,
         torch.tensor(src, dtype=torch.long) if src else None,

@@ -188,6 +188,8 @@ def parse_args(argv=None):
                    "many tokens per row (max_pages = budget // page size, the default eviction policy; a longer prompt is "
                    "cut to it after prefill, compress_prompt=True), alternated "
                    "with the other two; the table adds its decode speed against the unbounded PagedCache")
+    p.add_argument("--budget-page-size", type=int, default=None, help="page size of the bounded PagedCache "
+                   "(default: the configuration's; 1 is what bounded caches are measured best with, README Eviction)")
     p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
                    "README's reference results are in results/benchmark)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -201,6 +203,8 @@ def parse_args(argv=None):
         p.error("--new-tokens must be >= 2 (decode speed needs at least one step after prefill)")
     if args.budget is not None and args.budget < 1:
         p.error("--budget must be a positive number of tokens")
+    if args.budget_page_size is not None and (args.budget is None or args.budget_page_size < 1):
+        p.error("--budget-page-size needs --budget and must be a positive int")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args
@@ -353,7 +357,7 @@ def prompt_batch(token_ids: list[int], context: int, batch: int, device):
 
 # ----------------------------------------------------------------------------------------- runs
 def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, seed: int, meter: MemoryMeter,
-             sync, budget: int | None = None) -> dict:
+             sync, budget: int | None = None, budget_page_size: int | None = None) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
@@ -361,8 +365,9 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
 
     mode = parse_mode(cfg.mode)
     use_attention(model, "dynamic" if kind == "dynamic" else "paged")
-    bound = dict(max_pages=budget // cfg.page_size, compress_prompt=True) if kind == "bounded" else {}
-    cache = make_cache("dynamic" if kind == "dynamic" else "paged", model, cfg.page_size, **bound)
+    page_size = budget_page_size or cfg.page_size if kind == "bounded" else cfg.page_size
+    bound = dict(max_pages=budget // page_size, compress_prompt=True) if kind == "bounded" else {}
+    cache = make_cache("dynamic" if kind == "dynamic" else "paged", model, page_size, **bound)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)
     meter.start()
@@ -492,11 +497,11 @@ def markdown_table(configs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bounded_table(configs: list[dict], budget: int) -> str:
+def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None = None) -> str:
     """Decode speed of the bounded PagedCache (``--budget``) against the unbounded one, same runs."""
     lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, default eviction policy, a longer prompt "
              "cut to it after prefill) against the unbounded PagedCache, alternated in the same run:", "",
-             "| context | batch | mode | page | decode tok/s unbounded | bounded | bounded / unbounded | spread % "
+             "| context | batch | mode | page unbounded / bounded | decode tok/s unbounded | bounded | bounded / unbounded | spread % "
              "unbounded / bounded | tokens held per layer at end | evictions (all layers) | new tokens equal to "
              "unbounded |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -507,7 +512,8 @@ def bounded_table(configs: list[dict], budget: int) -> str:
         worst = max(v or 0.0 for v in spreads)
         ratio = f"noisy ({100 * worst:.0f}%)" if worst > NOISE else f"{b['decode_vs_unbounded']:.2f}"
         stats = b["runs"][-1]["stats_end"]
-        lines.append(f"| {c['context']} | {c['batch']} | {c['mode']} | {c['page_size']} | {p['decode_tok_s']:.2f} "
+        pages = f"{c['page_size']} / {budget_page_size or c['page_size']}"
+        lines.append(f"| {c['context']} | {c['batch']} | {c['mode']} | {pages} | {p['decode_tok_s']:.2f} "
                      f"| {b['decode_tok_s']:.2f} | {ratio} | {spread_cell} | {stats['tokens_held']} "
                      f"| {stats['evictions']} | {100 * c['bounded_agreement']:.0f}% |")
     return "\n".join(lines)
@@ -530,7 +536,7 @@ def markdown_report(result: dict) -> str:
         "",
         markdown_table(result["configs"]),
         "",
-        *([bounded_table(result["configs"], s["budget"]), ""] if s.get("budget") else []),
+        *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size")), ""] if s.get("budget") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
@@ -679,7 +685,7 @@ def main(argv=None) -> dict:
     )
     settings = dict(model=model_name, dtype=str(dtype).replace("torch.", ""), new_tokens=args.new_tokens,
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
-                    seed=args.seed, budget=args.budget, argv=list(sys.argv[1:] if argv is None else argv),
+                    seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size, argv=list(sys.argv[1:] if argv is None else argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
     results = []
@@ -695,7 +701,8 @@ def main(argv=None) -> dict:
             for i in range(args.warmup):
                 for kind in kinds:
                     bar.set_postfix_str(f"{cfg.name} warm-up {kind}")
-                    run_once(model, kind, cfg, warm_inputs, warm_tokens, pad_id, args.seed, meter, sync, args.budget)
+                    run_once(model, kind, cfg, warm_inputs, warm_tokens, pad_id, args.seed, meter, sync, args.budget,
+                             args.budget_page_size)
                     bar.update()
             runs = {k: [] for k in kinds}
             matches, agreement, bounded_agreement = [], [], []
@@ -705,7 +712,7 @@ def main(argv=None) -> dict:
                 for kind in order:
                     bar.set_postfix_str(f"{cfg.name} repeat {rep + 1} {kind}")
                     res, seqs[kind] = run_once(model, kind, cfg, inputs, args.new_tokens, pad_id, args.seed + rep,
-                                               meter, sync, args.budget)
+                                               meter, sync, args.budget, args.budget_page_size)
                     runs[kind].append(res)
                     bar.update()
                 same, frac = compare(seqs["dynamic"], seqs["paged"], cfg.context)

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged import assets  # noqa: E402
+from hf_paged.eviction import default_sink_pages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perplexity  # noqa: E402  (text loading, token NLL, streaming loop, versions)
@@ -134,8 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------- caches
 def policy_kwargs(policy: str, page_size: int) -> dict:
     if policy == "fifo+sinks":
-        return dict(eviction="fifo", sink_pages=perplexity.sink_pages_for(page_size))
-    return dict(eviction=policy, sink_pages=perplexity.sink_pages_for(page_size))
+        return dict(eviction="fifo", sink_pages=default_sink_pages(page_size))
+    return dict(eviction=policy, sink_pages=default_sink_pages(page_size))
 
 
 def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_paged.PagedCache:

@@ -52,8 +52,8 @@ import torch  # noqa: E402
 import hf_paged  # noqa: E402  (registers the "hf_paged" attention)
 from common import int_list, make_cache  # noqa: E402
 from hf_paged import assets  # noqa: E402
+from hf_paged.eviction import default_sink_pages  # noqa: E402
 
-SINK_TOKENS = 4  # StreamingLLM keeps 4 attention-sink tokens
 POLICIES = ("score", "lru", "fifo+sinks", "fifo")
 # What the README's table is made of, and what --quick shortens it to.
 DEFAULTS = dict(max_tokens=2048, budgets="128,256,512,1024")
@@ -148,10 +148,6 @@ def load_token_ids(args, tokenizer) -> tuple[torch.Tensor, dict]:
 
 
 # ---------------------------------------------------------------------------------------- caches
-def sink_pages_for(page_size: int) -> int:
-    return math.ceil(SINK_TOKENS / page_size)
-
-
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """-log p(target) per position, float64; ``logits [T, V]``, ``targets [T]``."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -238,7 +234,7 @@ def streaming_configs(args) -> list[dict]:
         dict(name="unbounded", label="PagedCache unbounded", kind="paged", policy="unbounded", budget=None,
              max_pages=None, policy_kwargs={}),
     ]
-    sinks = sink_pages_for(args.page_size)
+    sinks = default_sink_pages(args.page_size)
     kwargs = {"score": dict(eviction="score", sink_pages=sinks), "lru": dict(eviction="lru", sink_pages=sinks),
               "fifo+sinks": dict(eviction="fifo", sink_pages=sinks),
               "fifo": dict(eviction="fifo", sink_pages=0)}
@@ -323,7 +319,7 @@ def run_streaming(args, state, models, ids, progress) -> dict:
     rel = relative_diff(unb, full) if unb is not None and full is not None else float("nan")
     parity = dict(compare="PagedCache unbounded vs DynamicCache (full)", relative_diff=rel,
                   tolerance=args.tolerance, ok=bool(rel <= args.tolerance))
-    return dict(rows=rows, parity=parity, sink_pages=sink_pages_for(args.page_size))
+    return dict(rows=rows, parity=parity, sink_pages=default_sink_pages(args.page_size))
 
 
 def _tokens_held(cache) -> int:

@@ -65,6 +65,37 @@ def test_score_decays_old_attention_and_is_not_biased_by_age():
     assert tova.victim([30, 31, 32], 0, usage) == 1
 
 
+def test_usage_signal_defaults_follow_the_page_size():
+    """One-token pages follow the last query's head-averaged attention (TOVA); larger pages a decayed window's
+    most attentive head; explicit arguments win."""
+    tova = hf_paged.PagedCache(page_size=1, max_pages=8).policy
+    assert (tova.decay, tova.window, tova.heads) == (0.0, 1, "mean")
+    pages = hf_paged.PagedCache(page_size=4, max_pages=8).policy
+    assert (pages.decay, pages.window, pages.heads) == (0.9, 32, "max")
+    mine = hf_paged.PagedCache(page_size=1, max_pages=8, score_decay=0.5, observation_window=4, score_heads="max")
+    assert (mine.policy.decay, mine.policy.window, mine.policy.heads) == (0.5, 4, "max")
+    mass = torch.tensor([[[0.9, 0.1], [0.1, 0.1]]])  # [B=1, H=2, pages=2]
+    assert torch.allclose(tova.page_signal(mass), torch.tensor([[0.5, 0.1]]))
+    assert torch.allclose(pages.page_signal(mass), torch.tensor([[0.9, 0.1]]))
+
+
+@pytest.mark.parametrize("name", ["score", "lru", "fifo"])
+def test_victims_in_one_call_equal_single_picks(name):
+    """Choosing k victims at once (a prompt cut, a chunk's room) gives the pages k single picks would."""
+    policy = EvictionPolicy(name, sink_pages=2, recent_pages=3, decay=0.5)
+    g = torch.Generator().manual_seed(1)
+    pages = list(range(40, 70))
+    usage = _usage(policy, pages, torch.rand(4, len(pages), generator=g).round(decimals=1).tolist())
+    row = [p if i % 7 else EVICTED for i, p in enumerate(pages)]
+    batch = policy.victims(row, 1, usage, 12)
+    single, left = [], list(row)
+    for _ in range(12):
+        i = policy.victim(left, 1, usage)
+        single.append(i)
+        left[i] = EVICTED
+    assert batch == single and len(set(batch)) == 12
+
+
 def test_lru_threshold_is_relative_to_an_even_share():
     """The signal discriminates: with 4 live pages, 0.2 of the mass is below an even share (0.25), 0.3 above."""
     policy = EvictionPolicy("lru", sink_pages=0, recent_pages=1, threshold=1.0)
@@ -219,7 +250,7 @@ def test_evicted_cache_refuses_other_attention(llama):
 
 @pytest.mark.parametrize("bad", [dict(eviction="random"), dict(sink_pages=-1), dict(recent_pages=1.5),
                                  dict(lru_threshold=0.0), dict(score_decay=1.0),
-                                 dict(observation_window=0)])
+                                 dict(observation_window=0), dict(score_heads="median")])
 def test_bad_eviction_arguments(bad):
     with pytest.raises(hf_paged.CacheUsageError):
         hf_paged.PagedCache(max_pages=8, **bad)
