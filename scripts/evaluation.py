@@ -91,7 +91,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--split", default="train")
     p.add_argument("--column", default="text")
     p.add_argument("--text-file", default=None, help="local text file")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=1, help="PagedCache page size (1 keeps best when bounded)")
+    p.add_argument("--score-decay", type=float, default=None,
+                   help="continuation/passkey caches: PagedCache(score_decay=...); none: by page size")
+    p.add_argument("--recent-pages", type=int, default=1, help="continuation/passkey caches: PagedCache(recent_pages=...)")
+    p.add_argument("--observation-window", type=int, default=None,
+                   help="continuation/passkey caches: PagedCache(observation_window=...); none: by page size")
+    p.add_argument("--score-heads", choices=("mean", "max"), default=None,
+                   help="continuation/passkey caches: PagedCache(score_heads=...); none: by page size")
     p.add_argument("--per-layer-eviction", choices=("on", "off"), default="on",
                    help="on: each layer keeps its own pages (the default of a bounded cache); off: the layers of a "
                    "group share one page table, victims chosen by their summed attention")
@@ -127,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"budget {b} must be a multiple of the page size {args.page_size}")
     if any(not 0 <= d <= 1 for d in args.depths):
         p.error("--depths must be in [0, 1]")
+    if args.score_decay is not None and not 0 <= args.score_decay < 1:
+        p.error("--score-decay must be in [0, 1)")
+    if (args.observation_window is not None and args.observation_window < 1) or args.recent_pages < 0:
+        p.error("--observation-window must be positive and --recent-pages non-negative")
     if min(args.windows, args.context, args.continuation, args.trials, args.chunk, args.new_tokens) <= 0:
         p.error("--windows, --context, --continuation, --trials, --chunk, --new-tokens must be positive")
     return args
@@ -143,6 +154,8 @@ def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_page
     return hf_paged.PagedCache(page_size=args.page_size, max_pages=budget // args.page_size, config=model.config,
                                compress_prompt=regime.startswith("compress"),
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
+                               score_decay=args.score_decay, observation_window=args.observation_window,
+                               score_heads=args.score_heads, recent_pages=args.recent_pages,
                                **policy_kwargs(policy, args.page_size))
 
 

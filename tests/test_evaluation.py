@@ -99,8 +99,9 @@ def test_passkey_prompts_have_the_length_and_the_key(script):
     assert script.answer_of(" 71432. Remember") == "71432" and script.answer_of(" none") == ""
 
 
-@pytest.mark.parametrize("bad", [["--tasks", "nope"], ["--budgets", "100"], ["--depths", "1.5"],
-                                 ["--policies", "random"]])
+@pytest.mark.parametrize("bad", [["--tasks", "nope"], ["--budgets", "100", "--page-size", "16"], ["--depths", "1.5"],
+                                 ["--policies", "random"], ["--score-decay", "1"], ["--observation-window", "0"],
+                                 ["--recent-pages", "-1"]])
 def test_bad_arguments_exit_with_a_message(script, bad, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(bad)
