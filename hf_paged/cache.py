@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from .cache_layer import PagedLayer
 from .errors import CacheUsageError
-from .eviction import DEFAULT_POLICY, EvictionPolicy, default_sink_pages, usage_signal_defaults
+from .eviction import EvictionPolicy
 from .model_config import ATTN_IMPLEMENTATION, layer_windows
 from .page_group import PageGroup
 from .page_groups import PageGroups
@@ -64,9 +64,8 @@ class PagedCache(PrefixCaching, Cache):
             this multiple of an even share.
         score_decay: "score" keeps this weight of a page's past score per step (0: the last step only).
         observation_window: the last queries of a step whose attention scores pages.
-        score_heads: a page's attention from the heads' "mean" or their "max".
-            The three default by page size (`hf_paged.eviction.usage_signal_defaults`): pages of one token
-            follow the last query's head-averaged attention (TOVA); larger pages a smoothed window's.
+        score_heads: a page's attention from the heads' "mean" or their "max" (these three default by page
+            size: `hf_paged.eviction.usage_signal_defaults`).
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
@@ -81,21 +80,15 @@ class PagedCache(PrefixCaching, Cache):
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
                  lru_threshold: float = 1.0, score_decay: float | None = None, observation_window: int | None = None,
-                 score_heads: str | None = None, compress_prompt: bool = False,
-                 per_layer_eviction: bool | None = None):
+                 score_heads: str | None = None, compress_prompt: bool = False, per_layer_eviction: bool | None = None):
         _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
-        signal = usage_signal_defaults(page_size)
-        self.policy = EvictionPolicy(
-            eviction or DEFAULT_POLICY, default_sink_pages(page_size) if sink_pages is None else sink_pages,
-            recent_pages, lru_threshold,
-            signal["decay"] if score_decay is None else score_decay,
-            signal["window"] if observation_window is None else observation_window,
-            compress_prompt, signal["heads"] if score_heads is None else score_heads)
+        self.policy = EvictionPolicy.for_pages(page_size, eviction, sink_pages, recent_pages, lru_threshold,
+                                               score_decay, observation_window, score_heads, compress_prompt)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages

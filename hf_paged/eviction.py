@@ -32,6 +32,7 @@ from transformers.utils import logging
 
 from .block_manager import EVICTED
 from .errors import CacheUsageError
+from .step_plan import page_table
 
 logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
@@ -121,6 +122,18 @@ class EvictionPolicy:
             raise CacheUsageError(f"score_decay must be in [0, 1) (the weight of the past per step), got "
                                   f"{self.decay!r}.")
 
+    @classmethod
+    def for_pages(cls, page_size: int, name: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
+                  threshold: float = 1.0, decay: float | None = None, window: int | None = None,
+                  heads: str | None = None, compress_prompt: bool = False) -> "EvictionPolicy":
+        """A policy for pages of ``page_size`` tokens; what is None takes its default for that size (the
+        default policy, the pages of the first `SINK_TOKENS` tokens as sinks, `usage_signal_defaults`)."""
+        signal = usage_signal_defaults(page_size)
+        return cls(name or DEFAULT_POLICY, default_sink_pages(page_size) if sink_pages is None else sink_pages,
+                   recent_pages, threshold, signal["decay"] if decay is None else decay,
+                   signal["window"] if window is None else window, compress_prompt,
+                   signal["heads"] if heads is None else heads)
+
     @property
     def lossy(self) -> bool:
         return self.name != "error"
@@ -168,7 +181,7 @@ class EvictionPolicy:
         """Indices in ``row`` of up to ``count`` pages to evict, in the order the policy gives them up
         (ties: the oldest first); fewer when the rest is protected. Equal to ``count`` single picks: a
         pick changes no other page's rank, nor which pages are protected."""
-        table = torch.tensor(row, dtype=torch.long)
+        table = page_table([row])[0]
         live = (table != EVICTED).nonzero().flatten()
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
         candidates = candidates[candidates + first_page >= self.sink_pages]

@@ -222,7 +222,8 @@ def test_eviction_changes_output_and_logs_once(llama, caplog):
 
 def test_eviction_with_batch_and_beams_keeps_reference_counts(llama):
     _, paged = llama
-    cache = hf_paged.PagedCache(page_size=2, max_pages=14, config=paged.config, eviction="lru")
+    cache = hf_paged.PagedCache(page_size=2, max_pages=14, config=paged.config, eviction="lru",
+                                sink_pages=1)
     paged.generate(**left_padded_batch((10, 7)), max_new_tokens=12, num_beams=3, **GEN, cache=cache)
     assert cache.stats()["evictions"] > 0
     check_pages(cache)
@@ -343,7 +344,7 @@ def test_per_layer_eviction_is_the_default_only_where_it_can_differ(llama):
 
 def test_per_layer_eviction_with_beams_forks_and_reset(llama):
     _, paged = llama
-    cache = hf_paged.PagedCache(page_size=2, max_pages=16, config=paged.config, eviction="score")
+    cache = hf_paged.PagedCache(page_size=2, max_pages=16, config=paged.config, eviction="score", sink_pages=1)
     paged.generate(**left_padded_batch((9, 6)), max_new_tokens=24, num_beams=2, **GEN, cache=cache)
     rows = [[tuple(r) for r in layer.group.rows] for layer in cache.layers]
     assert cache.stats()["evictions"] > 0 and most_pages_held(cache) <= 16
