@@ -73,7 +73,8 @@ class PageUsage:
         self.ema = torch.zeros(0, dtype=torch.float64)
         self.observed = torch.zeros(0, dtype=torch.long)
 
-    def _fit(self, pages: torch.Tensor) -> None:
+    def cover(self, pages: torch.Tensor) -> None:
+        """Grow the tensors so that every id in ``pages`` indexes them (new ids: no history)."""
         need = int(pages.max()) + 1 if pages.numel() else 0
         if need > len(self.ema):
             size = max(need, 2 * len(self.ema), 64)
@@ -82,15 +83,15 @@ class PageUsage:
             self.ema = torch.cat([self.ema, torch.zeros(grow, dtype=torch.float64)])
             self.observed = torch.cat([self.observed, torch.zeros(grow, dtype=torch.long)])
 
-    def allocated(self, pages: list[int], step: int) -> None:
+    def allocated(self, pages: torch.Tensor | list[int], step: int) -> None:
         """Fresh pages (their first token written at ``step``) start with no history."""
         index = torch.as_tensor(pages, dtype=torch.long)
-        self._fit(index)
+        self.cover(index)
         self.ema[index], self.observed[index], self.last_used[index] = 0.0, 0, 2 * step
 
-    def written(self, pages: list[int], step: int) -> None:
+    def written(self, pages: torch.Tensor | list[int], step: int) -> None:
         index = torch.as_tensor(pages, dtype=torch.long)
-        self._fit(index)
+        self.cover(index)
         self.last_used[index] = 2 * step
 
 
@@ -152,7 +153,7 @@ class EvictionPolicy:
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
         """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""
         pages, mass = pages.cpu(), mass.detach().double().cpu()
-        usage._fit(pages)
+        usage.cover(pages)
         for row_pages, row_mass in zip(pages, mass):
             live = row_pages != EVICTED
             ids, values = row_pages[live], row_mass[live]
@@ -168,14 +169,11 @@ class EvictionPolicy:
 
     def scores(self, usage: PageUsage, pages: torch.Tensor) -> torch.Tensor:
         """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
-        usage._fit(pages)
+        usage.cover(pages)
         steps = usage.observed[pages]
         seen = steps > 0
         unbiased = usage.ema[pages] / (1 - self.decay ** steps.double()).clamp_min(1e-300)
         return torch.where(seen, unbiased, torch.ones_like(unbiased))
-
-    def score(self, usage: PageUsage, page: int) -> float:
-        return float(self.scores(usage, torch.tensor([page]))[0])
 
     def victims(self, row: list[int], first_page: int, usage: PageUsage, count: int) -> list[int]:
         """Indices in ``row`` of up to ``count`` pages to evict, in the order the policy gives them up
@@ -189,7 +187,7 @@ class EvictionPolicy:
             return candidates[:count].tolist()
         pages = table[candidates]
         if self.name == "lru":
-            usage._fit(pages)
+            usage.cover(pages)
             rank = usage.last_used[pages]
         else:
             rank = self.scores(usage, pages)
@@ -239,8 +237,8 @@ class GroupEviction:
         if plan.read_table is None:
             return
         pages, S = plan.slots // plan.page_size, plan.page_size
-        self.usage.written(pages.unique().tolist(), self.clock)
-        self.usage.allocated(pages[plan.slots % S == 0].unique().tolist(), self.clock)
+        self.usage.written(pages, self.clock)
+        self.usage.allocated(pages[plan.slots % S == 0], self.clock)
 
     def sink(self, plan):
         """Where attention adds a layer's mass per live page ``[B, H, Nk]`` in ``plan``'s step, or None

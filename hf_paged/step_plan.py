@@ -108,9 +108,8 @@ def build_plan(rows: list[list[int]], first_page: int, past: int, num_tokens: in
     if live_read or not bool(live.all()):
         width = int(live.sum(1).max()) if table.numel() else 0
         order = torch.sort((~live).to(torch.int8), dim=1, stable=True).indices[:, :width]  # live first, in order
-        kept = live.gather(1, order)
-        read_table = table.gather(1, order).masked_fill(~kept, EVICTED)
-        read_pos = ((first_page + order) * S).masked_fill(~kept, num_tokens)
+        read_table = table.gather(1, order)  # a shorter row is padded with its own holes: EVICTED entries
+        read_pos = ((first_page + order) * S).masked_fill(read_table == EVICTED, num_tokens)
     return StepPlan(
         len(rows), num_tokens - past, past, num_tokens, first_page * S, table, slots,
         torch.tensor(src, dtype=torch.long) if src else None,

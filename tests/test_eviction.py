@@ -59,7 +59,8 @@ def test_score_decays_old_attention_and_is_not_biased_by_age():
     for step in range(8, 10):
         policy.record(usage, torch.tensor([[20, 21, 22, 23]]), torch.tensor([[0.1, 0.4, 0.4, 0.1]]), step)
     assert policy.victim([20, 21, 22, 23], 0, usage) == 0  # the old heavy hitter faded
-    assert policy.score(usage, 22) == pytest.approx(policy.score(usage, 21), rel=0.2)  # newcomer not penalised
+    newcomer, veteran = policy.scores(usage, torch.tensor([22, 21])).tolist()
+    assert newcomer == pytest.approx(veteran, rel=0.2)  # newcomer not penalised
     tova = EvictionPolicy("score", sink_pages=0, recent_pages=1, decay=0.0)  # the last step only
     usage = _usage(tova, [30, 31, 32], [[0.0, 1.0, 0.0], [0.6, 0.1, 0.3]])
     assert tova.victim([30, 31, 32], 0, usage) == 1
@@ -94,6 +95,13 @@ def test_victims_in_one_call_equal_single_picks(name):
         single.append(i)
         left[i] = EVICTED
     assert batch == single and len(set(batch)) == 12
+    # the order, worked out independently: unprotected live pages (logical index >= 2 sinks, not among the
+    # 3 newest live ones) by rank, ties by age
+    live = [i for i, p in enumerate(row) if p != EVICTED]
+    candidates = [i for i in live[:-3] if 1 + i >= 2]
+    rank = {"fifo": lambda i: 0, "lru": lambda i: int(usage.last_used[row[i]]),
+            "score": lambda i: float(policy.scores(usage, torch.tensor([row[i]]))[0])}[name]
+    assert batch == sorted(candidates, key=lambda i: (rank(i), i))[:12]
 
 
 def test_lru_threshold_is_relative_to_an_even_share():
@@ -396,3 +404,19 @@ def test_a_decode_step_after_compression_attends_only_the_kept_pages(llama):
     want = ref(input_ids=ids[:, 10:], cache=dyn, attention_mask=keep).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     check_pages(cache)
+
+
+def test_rows_with_different_holes_are_read_through_padded_live_tables():
+    """A step's live-page index: each row's live pages in order, -1 padded, and the padding placed at
+    ``num_tokens``, a position no query of the step may attend."""
+    from hf_paged.step_plan import build_plan
+
+    rows = [[10, EVICTED, 12, 13], [20, EVICTED, EVICTED, 23]]  # logical pages 1..4 of 2 tokens: tokens 2..9
+    plan = build_plan(rows, first_page=1, past=9, num_tokens=10, page_size=2, src=[], dst=[], same_as=None,
+                      live_read=False)
+    assert plan.read_table.tolist() == [[10, 12, 13], [20, 23, EVICTED]]
+    assert plan.read_pos.tolist() == [[2, 6, 8], [2, 8, 10]]
+    assert plan.slots.tolist() == [13 * 2 + 1, 23 * 2 + 1] and plan.slab is None
+    whole = build_plan([[4, 5, 6]], first_page=0, past=5, num_tokens=6, page_size=2, src=[], dst=[], same_as=None,
+                       live_read=False)
+    assert whole.read_table is None and whole.slab == (4, 3)
