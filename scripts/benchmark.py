@@ -365,7 +365,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
 
     mode = parse_mode(cfg.mode)
     use_attention(model, "dynamic" if kind == "dynamic" else "paged")
-    page_size = budget_page_size or cfg.page_size if kind == "bounded" else cfg.page_size
+    page_size = (budget_page_size or cfg.page_size) if kind == "bounded" else cfg.page_size
     bound = dict(max_pages=budget // page_size, compress_prompt=True) if kind == "bounded" else {}
     cache = make_cache("dynamic" if kind == "dynamic" else "paged", model, page_size, **bound)
     probe = StepProbe(kind, cache, sync)

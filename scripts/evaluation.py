@@ -48,7 +48,6 @@ import torch  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged import assets  # noqa: E402
-from hf_paged.eviction import default_sink_pages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perplexity  # noqa: E402  (text loading, token NLL, streaming loop, versions)
@@ -144,10 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------- caches
-def policy_kwargs(policy: str, page_size: int) -> dict:
-    if policy == "fifo+sinks":
-        return dict(eviction="fifo", sink_pages=default_sink_pages(page_size))
-    return dict(eviction=policy, sink_pages=default_sink_pages(page_size))
+def policy_kwargs(policy: str) -> dict:
+    """PagedCache arguments of a policy; sinks are PagedCache's default (the pages of the first 4 tokens)."""
+    return dict(eviction="fifo" if policy == "fifo+sinks" else policy)
 
 
 def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_paged.PagedCache:
@@ -156,7 +154,7 @@ def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_page
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
                                score_decay=args.score_decay, observation_window=args.observation_window,
                                score_heads=args.score_heads, recent_pages=args.recent_pages,
-                               **policy_kwargs(policy, args.page_size))
+                               **policy_kwargs(policy))
 
 
 class Held:
@@ -357,9 +355,8 @@ def run_streaming_task(args, text: str) -> dict:
     rows = [dict(policy="unbounded", budget=None, perplexity=full, excess=0.0)]
     for policy in args.policies:
         for budget in args.streaming_budgets:
-            kw = policy_kwargs(policy, args.page_size)
             value = metric.compute(**common, max_pages=budget // args.page_size, chunk_size=args.chunk,
-                                   eviction=kw["eviction"], sink_pages=kw["sink_pages"])["mean_perplexity"]
+                                   **policy_kwargs(policy))["mean_perplexity"]
             rows.append(dict(policy=policy, budget=budget, perplexity=value, excess=value / full - 1))
     return dict(tokens=args.max_tokens, rows=rows)
 
