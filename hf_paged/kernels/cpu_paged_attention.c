@@ -6,8 +6,9 @@
  * Work item = (batch row, split): the Q queries of all Hq heads form R = Q * Hq rows; each slot's
  * K and V rows (all KV heads, contiguous in the pool) are read once, in page order, so that the
  * hardware prefetcher sees a sequential stream. A split covers a range of page-table entries;
- * it walks them in chunks of at most CHUNK slots: scores for the chunk, one rescale of the running
- * (max, sum, acc) per row, then the weighted sum of V. Slots that no row may attend are never read
+ * it walks their slots in chunks of CHUNK slots (a chunk spans several entries when pages are smaller,
+ * and part of one when they are larger): scores for the chunk, one rescale of the running (max, sum,
+ * acc) per row, then the weighted sum of V. Slots that no row may attend are never read
  * into the result (they may hold garbage, even NaN). Splits write unnormalised partials that
  * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
  */
@@ -66,18 +67,25 @@ static inline float load_bf16(const uint16_t *p, int64_t i) {
     return x.f;
 }
 
-/* ok[c] = 1 iff query qi of head h in row b may attend the token at position pos0 + c. */
-static inline void allowed_slots(const PagedArgs *a, int64_t b, int64_t h, int64_t qi, int64_t pos0, int64_t C,
+/* The slots of one chunk: where each slot's K and V rows start in the pools (element offsets), the
+ * position of its token, and the page-table entry it belongs to. */
+typedef struct {
+    int64_t C;
+    int64_t k_off[CHUNK], v_off[CHUNK], pos[CHUNK], entry[CHUNK];
+} Chunk;
+
+/* ok[c] = 1 iff query qi of head h in row b may attend the token of the chunk's slot c. */
+static inline void allowed_slots(const PagedArgs *a, int64_t b, int64_t h, int64_t qi, const Chunk *ch,
                                  uint8_t *ok) {
-    const int64_t qp = a->q_pos[b * a->Q + qi];
-    for (int64_t c = 0; c < C; c++) ok[c] = pos0 + c <= qp;
+    const int64_t qp = a->q_pos[b * a->Q + qi], C = ch->C;
+    for (int64_t c = 0; c < C; c++) ok[c] = ch->pos[c] <= qp;
     if (a->window > 0)
-        for (int64_t c = 0; c < C; c++) ok[c] &= qp - (pos0 + c) < a->window;
+        for (int64_t c = 0; c < C; c++) ok[c] &= qp - ch->pos[c] < a->window;
     if (a->mask) {
         const int64_t *ms = a->mask_stride;
         const uint8_t *row = a->mask + b * ms[0] + h * ms[1] + qi * ms[2];
         for (int64_t c = 0; c < C; c++) {
-            int64_t mi = pos0 + c - a->mask_offset;
+            int64_t mi = ch->pos[c] - a->mask_offset;
             ok[c] &= mi >= 0 && mi < a->mask_len && row[mi * ms[3]];
         }
     }
@@ -111,7 +119,7 @@ static inline __attribute__((always_inline)) v16 load16(const void *pool, int64_
             for (int k = 0; k < (NB); k++) memcpy(&t[j][k], ar[j] + d0 + 16 * k, sizeof(v16));            \
         for (int64_t c = 0; c < C; c++) {                                                                 \
             if (!slot_used[c]) continue;                                                                  \
-            const int64_t off = head + c * a->v_stride[1] + d0;                                           \
+            const int64_t off = ch->v_off[c] + head + d0;                                                 \
             v16 v[NB];                                                                                    \
             for (int k = 0; k < (NB); k++) v[k] = load16(a->v, off + 16 * k, bf16);                       \
             for (int j = 0; j < 4; j++) {                                                                 \
@@ -123,13 +131,13 @@ static inline __attribute__((always_inline)) v16 load16(const void *pool, int64_
             for (int k = 0; k < (NB); k++) memcpy(ar[j] + d0 + 16 * k, &t[j][k], sizeof(v16));            \
     }
 
-static inline __attribute__((always_inline)) void add_values(const PagedArgs *a, int64_t page, int64_t s0,
-                                                              int64_t C, const uint8_t *slot_used,
-                                                              const float *score, float *acc, int bf16) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G;
+static inline __attribute__((always_inline)) void add_values(const PagedArgs *a, const Chunk *ch,
+                                                              const uint8_t *slot_used, const float *score,
+                                                              float *acc, int bf16) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, C = ch->C;
     float spare[4][D]; /* accumulators of the padding rows of a block */
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-        const int64_t head = page * a->v_stride[0] + s0 * a->v_stride[1] + kvh * a->v_stride[2];
+        const int64_t head = kvh * a->v_stride[2];
         for (int64_t i0 = 0; i0 < rows; i0 += 4) {
             float *ar[4];
             const float *pr[4];
@@ -144,7 +152,7 @@ static inline __attribute__((always_inline)) void add_values(const PagedArgs *a,
             for (int64_t c = 0; c < C; c++) /* head dims that are not a multiple of 16 */
                 if (slot_used[c])
                     for (int64_t d = d0; d < D; d++) {
-                        const int64_t off = head + c * a->v_stride[1] + d;
+                        const int64_t off = ch->v_off[c] + head + d;
                         const float v = bf16 ? load_bf16((const uint16_t *)a->v, off) : ((const float *)a->v)[off];
                         for (int j = 0; j < 4; j++) ar[j][d] += pr[j][c] * v;
                     }
@@ -159,13 +167,12 @@ static inline __attribute__((always_inline)) const float *load_slot(const void *
     return buffer;
 }
 
-static inline void prefetch_rows(const void *pool, int64_t page, int64_t s0, int64_t C, const int64_t *stride,
-                                 int64_t heads, int64_t head_bytes, int64_t elem) {
-    for (int64_t c = 0; c < C; c++) {
-        const char *row = (const char *)pool + (page * stride[0] + (s0 + c) * stride[1]) * elem;
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t byte = 0; byte < head_bytes; byte += 64) __builtin_prefetch(row + h * stride[2] * elem + byte);
-    }
+/* Prefetch one slot's rows of every head (the slot starts at element offset ``off``). */
+static inline void prefetch_slot(const void *pool, int64_t off, const int64_t *stride, int64_t heads,
+                                 int64_t head_bytes, int64_t elem) {
+    const char *row = (const char *)pool + off * elem;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t byte = 0; byte < head_bytes; byte += 64) __builtin_prefetch(row + h * stride[2] * elem + byte);
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -205,12 +212,11 @@ static inline __attribute__((always_inline)) void store_scores(const PagedArgs *
 /* Scores of a chunk, head dims a multiple of 16: slots in order (each K row, all heads, read once), 16 at a
  * time; each (row, slot) dot product leaves a 16-lane partial in `partial` [R][16 slots][16 lanes], and one
  * lane-sum tree per row turns 16 partials into 16 scores. */
-static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs *a, int64_t page, int64_t s0,
-                                                                  int64_t C, const uint8_t *slot_used,
+static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs *a, const Chunk *ch,
+                                                                  const uint8_t *slot_used,
                                                                   const uint8_t *allowed, const float *q,
-                                                                  float *score, int bf16, v16 *partial,
-                                                                  int64_t next_page) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq;
+                                                                  float *score, int bf16, v16 *partial) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -218,15 +224,9 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
                 continue;
             }
-            const int64_t off = page * a->k_stride[0] + (s0 + c0 + j) * a->k_stride[1];
-            /* add_values reads V head by head: fetch the slot's whole V row in order now, and the K row
-             * 16 slots ahead (maybe in the next entry's page) */
-            prefetch_rows(a->v, page, s0 + c0 + j, 1, a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
-            const int64_t ahead = s0 + c0 + j + 16;
-            if (ahead < a->S)
-                prefetch_rows(a->k, page, ahead, 1, a->k_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
-            else if (next_page >= 0 && ahead - a->S < a->S)
-                prefetch_rows(a->k, next_page, ahead - a->S, 1, a->k_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            const int64_t off = ch->k_off[c0 + j];
+            /* add_values reads V head by head: fetch the slot's whole V row in order now */
+            prefetch_slot(a->v, ch->v_off[c0 + j], a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
                 for (int64_t i = 0; i < a->Q * G; i++) {
                     const int64_t r = (i / G) * Hq + kvh * G + i % G;
@@ -249,18 +249,18 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
 }
 
 /* Scores of a chunk, any head dim: one dot product (and horizontal sum) per row and slot. */
-static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *a, int64_t page, int64_t s0,
-                                                                int64_t C, const uint8_t *slot_used,
+static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *a, const Chunk *ch,
+                                                                const uint8_t *slot_used,
                                                                 const uint8_t *allowed, const float *q,
                                                                 float *score, int bf16, float *slot) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D;
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, C = ch->C;
     for (int64_t c = 0; c < C; c++) {
         if (!slot_used[c]) { /* never read: may be garbage */
             for (int64_t r = 0; r < a->Q * Hq; r++) score[r * CHUNK + c] = MASKED;
             continue;
         }
-        const int64_t off = page * a->k_stride[0] + (s0 + c) * a->k_stride[1];
-        prefetch_rows(a->v, page, s0 + c, 1, a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+        const int64_t off = ch->k_off[c];
+        prefetch_slot(a->v, ch->v_off[c], a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
             const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
             for (int64_t i = 0; i < a->Q * G; i++) {
@@ -275,15 +275,64 @@ static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *
     }
 }
 
+/* Fill ``ch`` with the next CHUNK slots (fewer at the end) of row b's entries from slot *s0 of entry *n,
+ * skipping -1 entries; *n and *s0 then name the slot after the chunk. */
+static inline void next_chunk(const PagedArgs *a, int64_t b, int64_t *n, int64_t *s0, int64_t n_end, Chunk *ch) {
+    const int64_t S = a->S;
+    while (*n < n_end && ch->C < CHUNK) {
+        const int64_t page = a->table[b * a->N + *n];
+        if (page < 0) {
+            ++*n;
+            *s0 = 0;
+            continue;
+        }
+        const int64_t first = a->page_pos[b * a->N + *n];
+        const int64_t end = S - *s0 < CHUNK - ch->C ? S : *s0 + CHUNK - ch->C;
+        for (int64_t s = *s0; s < end; s++, ch->C++) {
+            ch->k_off[ch->C] = page * a->k_stride[0] + s * a->k_stride[1];
+            ch->v_off[ch->C] = page * a->v_stride[0] + s * a->v_stride[1];
+            ch->pos[ch->C] = first + s;
+            ch->entry[ch->C] = *n;
+        }
+        *s0 = end;
+        if (end == S) {
+            ++*n;
+            *s0 = 0;
+        }
+    }
+}
+
+/* Fold row r's probability weights ``p`` of a chunk (relative to ``max``) into its entries' (max, sum),
+ * entry_stats [B, R, N, 2] (sum 0: nothing seen yet); an entry's slots are consecutive in the chunk. */
+static inline void add_entry_stats(const PagedArgs *a, int64_t b, int64_t r, const Chunk *ch, const float *p,
+                                   float max) {
+    const int64_t R = a->Q * a->Hq;
+    for (int64_t c = 0; c < ch->C;) {
+        const int64_t e = ch->entry[c];
+        float sum = 0.0f;
+        for (; c < ch->C && ch->entry[c] == e; c++) sum += p[c];
+        if (sum <= 0.0f) continue;
+        float *st = a->entry_stats + ((b * R + r) * a->N + e) * 2;
+        if (st[1] <= 0.0f) {
+            st[0] = max;
+            st[1] = sum;
+        } else {
+            const float m = st[0] > max ? st[0] : max;
+            st[1] = st[1] * exp_approx(st[0] - m) + sum * exp_approx(max - m);
+            st[0] = m;
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int bf16,
                                                                 float *work) {
-    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, S = a->S, N = a->N;
+    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, N = a->N;
     const int64_t split = item % a->splits, b = item / a->splits;
     const int64_t per_split = (N + a->splits - 1) / a->splits;
     const int64_t n_begin = split * per_split, n_end = n_begin + per_split < N ? n_begin + per_split : N;
     float *partial16 = work;                              /* [R][16][16], 64-byte aligned at the start */
     float *q = partial16 + R * 256, *acc = q + R * D, *run_max = acc + R * D, *run_sum = run_max + R;
-    float *entry_max = run_sum + R, *entry_sum = entry_max + R, *slot = entry_sum + R; /* slot: Hkv * D */
+    float *slot = run_sum + R;                            /* Hkv * D */
     float *score = slot + a->Hkv * D;                     /* [R][CHUNK] */
     uint8_t *allowed = (uint8_t *)(score + R * CHUNK);   /* [R][CHUNK] */
     uint8_t slot_used[CHUNK];
@@ -296,66 +345,60 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     }
     memset(acc, 0, sizeof(float) * R * D);
 
-    for (int64_t n = n_begin; n < n_end; n++) {
-        const int64_t page = a->table[b * N + n];
-        if (page < 0) continue;
-        const int64_t first = a->page_pos[b * N + n];
-        for (int64_t r = 0; r < R; r++) { entry_max[r] = MASKED; entry_sum[r] = 0.0f; }
-        for (int64_t s0 = 0; s0 < S; s0 += CHUNK) {
-            const int64_t C = S - s0 < CHUNK ? S - s0 : CHUNK;
-            int any = 0;
-            memset(slot_used, 0, CHUNK);
-            for (int64_t r = 0; r < R; r++) {
-                uint8_t *ok = allowed + r * CHUNK;
-                if (r % Hq && !a->mask_per_head) { /* same query, another head: same pattern */
-                    memcpy(ok, ok - CHUNK, C);
-                    continue;
-                }
-                allowed_slots(a, b, r % Hq, r / Hq, first + s0, C, ok);
-                for (int64_t c = 0; c < C; c++) { slot_used[c] |= ok[c]; any |= ok[c]; }
+    /* the chunk being read, and the next one, whose K rows are fetched meanwhile (pages may lie anywhere) */
+    Chunk chunks[2];
+    int64_t n = n_begin, s0 = 0; /* the slot after the next chunk: slot s0 of entry n */
+    chunks[0].C = 0;
+    next_chunk(a, b, &n, &s0, n_end, &chunks[0]);
+    for (int cur = 0; chunks[cur].C > 0; cur ^= 1) {
+        const Chunk *ch = &chunks[cur];
+        Chunk *next = &chunks[cur ^ 1];
+        next->C = 0;
+        next_chunk(a, b, &n, &s0, n_end, next);
+        for (int64_t c = 0; c < next->C; c++)
+            prefetch_slot(a->k, next->k_off[c], a->k_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+        const int64_t C = ch->C;
+        int any = 0;
+        memset(slot_used, 0, CHUNK);
+        for (int64_t r = 0; r < R; r++) {
+            uint8_t *ok = allowed + r * CHUNK;
+            if (r % Hq && !a->mask_per_head) { /* same query, another head: same pattern */
+                memcpy(ok, ok - CHUNK, C);
+                continue;
             }
-            if (!any) continue;
-            if (D % 16 == 0)
-                chunk_scores16(a, page, s0, C, slot_used, allowed, q, score, bf16, (v16 *)partial16,
-                               n + 1 < n_end ? a->table[b * N + n + 1] : -1);
-            else
-                chunk_scores(a, page, s0, C, slot_used, allowed, q, score, bf16, slot);
-            /* online softmax: one rescale per row and chunk; score becomes the probability weight */
-            for (int64_t r = 0; r < R; r++) {
-                float *sr = score + r * CHUNK;
-                float chunk_max = MASKED;
-                for (int64_t c = 0; c < C; c++) chunk_max = sr[c] > chunk_max ? sr[c] : chunk_max;
-                if (chunk_max <= MASKED) {
-                    for (int64_t c = 0; c < C; c++) sr[c] = 0.0f;
-                    continue;
-                }
-                const float new_max = run_max[r] > chunk_max ? run_max[r] : chunk_max;
-                const float rescale = exp_approx(run_max[r] - new_max);
-                float chunk_sum = 0.0f;
-#pragma omp simd reduction(+ : chunk_sum)
-                for (int64_t c = 0; c < C; c++) {
-                    const float p = sr[c] <= MASKED ? 0.0f : exp_approx(sr[c] - new_max);
-                    sr[c] = p;
-                    chunk_sum += p;
-                }
-                run_sum[r] = run_sum[r] * rescale + chunk_sum;
-                if (rescale != 1.0f)
-                    for (int64_t d = 0; d < D; d++) acc[r * D + d] *= rescale;
-                run_max[r] = new_max;
-                if (a->entry_stats) { /* the entry's own (max, sum) */
-                    const float m = entry_max[r] > new_max ? entry_max[r] : new_max;
-                    entry_sum[r] = entry_sum[r] * exp_approx(entry_max[r] - m) + chunk_sum * exp_approx(new_max - m);
-                    entry_max[r] = m;
-                }
-            }
-            add_values(a, page, s0, C, slot_used, score, acc, bf16);
+            allowed_slots(a, b, r % Hq, r / Hq, ch, ok);
+            for (int64_t c = 0; c < C; c++) { slot_used[c] |= ok[c]; any |= ok[c]; }
         }
-        if (a->entry_stats)
-            for (int64_t r = 0; r < R; r++) {
-                float *st = a->entry_stats + ((b * R + r) * N + n) * 2;
-                st[0] = entry_max[r];
-                st[1] = entry_sum[r];
+        if (!any) continue;
+        if (D % 16 == 0)
+            chunk_scores16(a, ch, slot_used, allowed, q, score, bf16, (v16 *)partial16);
+        else
+            chunk_scores(a, ch, slot_used, allowed, q, score, bf16, slot);
+        /* online softmax: one rescale per row and chunk; score becomes the probability weight */
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = score + r * CHUNK;
+            float chunk_max = MASKED;
+            for (int64_t c = 0; c < C; c++) chunk_max = sr[c] > chunk_max ? sr[c] : chunk_max;
+            if (chunk_max <= MASKED) {
+                for (int64_t c = 0; c < C; c++) sr[c] = 0.0f;
+                continue;
             }
+            const float new_max = run_max[r] > chunk_max ? run_max[r] : chunk_max;
+            const float rescale = exp_approx(run_max[r] - new_max);
+            float chunk_sum = 0.0f;
+#pragma omp simd reduction(+ : chunk_sum)
+            for (int64_t c = 0; c < C; c++) {
+                const float p = sr[c] <= MASKED ? 0.0f : exp_approx(sr[c] - new_max);
+                sr[c] = p;
+                chunk_sum += p;
+            }
+            run_sum[r] = run_sum[r] * rescale + chunk_sum;
+            if (rescale != 1.0f)
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] *= rescale;
+            run_max[r] = new_max;
+            if (a->entry_stats) add_entry_stats(a, b, r, ch, sr, new_max);
+        }
+        add_values(a, ch, slot_used, score, acc, bf16);
     }
     float *dst = a->partial + (b * a->splits + split) * R * (D + 2);
     for (int64_t r = 0; r < R; r++) {
@@ -398,7 +441,7 @@ static void finalize(const PagedArgs *a, int64_t item) {
 /* Returns 0, or -1 when scratch memory cannot be allocated (nothing written). */
 static int run(PagedArgs *a, int bf16) {
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
-    const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 4 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
+    const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
