@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.utils import logging
 
 from .block_manager import EVICTED
 from .errors import CacheUsageError
-from .step_plan import page_table
 
 logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
@@ -64,35 +64,41 @@ class PageUsage:
 
     ``last_used[p]``: ``2 * step`` when written, ``2 * step + 1`` when used (so use outranks a write);
     ``ema[p]`` / ``observed[p]``: moving average of the relative share and how many steps fed it.
-    Host tensors, grown with the largest page id seen: a decode step folds and ranks hundreds of
-    pages per layer, which a tensor op does in microseconds.
+    Host numpy arrays, grown with the largest page id seen: every layer of a decode step folds and
+    ranks hundreds of pages, which numpy does in about a microsecond a call.
     """
 
     def __init__(self):
-        self.last_used = torch.zeros(0, dtype=torch.long)
-        self.ema = torch.zeros(0, dtype=torch.float64)
-        self.observed = torch.zeros(0, dtype=torch.long)
+        self.last_used = np.zeros(0, dtype=np.int64)
+        self.ema = np.zeros(0, dtype=np.float64)
+        self.observed = np.zeros(0, dtype=np.int64)
 
-    def cover(self, pages: torch.Tensor) -> None:
-        """Grow the tensors so that every id in ``pages`` indexes them (new ids: no history)."""
-        need = int(pages.max()) + 1 if pages.numel() else 0
+    def cover(self, pages: np.ndarray) -> None:
+        """Grow the arrays so that every id in ``pages`` indexes them (new ids: no history)."""
+        need = int(pages.max()) + 1 if pages.size else 0
         if need > len(self.ema):
-            size = max(need, 2 * len(self.ema), 64)
-            grow = size - len(self.ema)
-            self.last_used = torch.cat([self.last_used, torch.zeros(grow, dtype=torch.long)])
-            self.ema = torch.cat([self.ema, torch.zeros(grow, dtype=torch.float64)])
-            self.observed = torch.cat([self.observed, torch.zeros(grow, dtype=torch.long)])
+            grow = max(need, 2 * len(self.ema), 64) - len(self.ema)
+            self.last_used = np.concatenate([self.last_used, np.zeros(grow, dtype=np.int64)])
+            self.ema = np.concatenate([self.ema, np.zeros(grow, dtype=np.float64)])
+            self.observed = np.concatenate([self.observed, np.zeros(grow, dtype=np.int64)])
 
-    def allocated(self, pages: torch.Tensor | list[int], step: int) -> None:
+    def allocated(self, pages, step: int) -> None:
         """Fresh pages (their first token written at ``step``) start with no history."""
-        index = torch.as_tensor(pages, dtype=torch.long)
+        index = _ids(pages)
         self.cover(index)
         self.ema[index], self.observed[index], self.last_used[index] = 0.0, 0, 2 * step
 
-    def written(self, pages: torch.Tensor | list[int], step: int) -> None:
-        index = torch.as_tensor(pages, dtype=torch.long)
+    def written(self, pages, step: int) -> None:
+        index = _ids(pages)
         self.cover(index)
         self.last_used[index] = 2 * step
+
+
+def _ids(pages) -> np.ndarray:
+    """Page ids (a list, tensor or array) as an int64 array (a tensor on the host is viewed, not copied)."""
+    if isinstance(pages, torch.Tensor):
+        return pages.detach().cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(pages, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ class EvictionPolicy:
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
         """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""
-        pages, mass = pages.cpu(), mass.detach().double().cpu()
+        pages, mass = _ids(pages), mass.detach().cpu().numpy().astype(np.float64)
         usage.cover(pages)
         for row_pages, row_mass in zip(pages, mass):
             live = row_pages != EVICTED
@@ -160,27 +166,29 @@ class EvictionPolicy:
             if not len(ids):
                 continue
             even = float(values.sum()) / len(ids)
-            relative = values / even if even > 0 else torch.zeros_like(values)
+            relative = values / even if even > 0 else np.zeros_like(values)
             if self.name == "lru":
                 usage.last_used[ids[relative >= self.threshold]] = 2 * step + 1
             else:
                 usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative
                 usage.observed[ids] += 1
 
-    def scores(self, usage: PageUsage, pages: torch.Tensor) -> torch.Tensor:
+    def scores(self, usage: PageUsage, pages) -> np.ndarray:
         """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
+        pages = _ids(pages)
         usage.cover(pages)
         steps = usage.observed[pages]
-        seen = steps > 0
-        unbiased = usage.ema[pages] / (1 - self.decay ** steps.double()).clamp_min(1e-300)
-        return torch.where(seen, unbiased, torch.ones_like(unbiased))
+        unbiased = usage.ema[pages]
+        if self.decay > 0:  # (with no decay the average is the last share: nothing to correct)
+            unbiased = unbiased / np.maximum(1 - self.decay ** steps.astype(np.float64), 1e-300)
+        return np.where(steps > 0, unbiased, 1.0)
 
     def victims(self, row: list[int], first_page: int, usage: PageUsage, count: int) -> list[int]:
         """Indices in ``row`` of up to ``count`` pages to evict, in the order the policy gives them up
         (ties: the oldest first); fewer when the rest is protected. Equal to ``count`` single picks: a
         pick changes no other page's rank, nor which pages are protected."""
-        table = page_table([row])[0]
-        live = (table != EVICTED).nonzero().flatten()
+        table = np.asarray(row, dtype=np.int64)
+        live = np.flatnonzero(table != EVICTED)
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
         candidates = candidates[candidates + first_page >= self.sink_pages]
         if self.name == "fifo" or not len(candidates):
@@ -191,7 +199,7 @@ class EvictionPolicy:
             rank = usage.last_used[pages]
         else:
             rank = self.scores(usage, pages)
-        order = torch.sort(rank, stable=True).indices[:count]
+        order = [int(np.argmin(rank))] if count == 1 else np.argsort(rank, kind="stable")[:count]  # first of ties
         return candidates[order].tolist()
 
     def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
@@ -217,6 +225,7 @@ class GroupEviction:
         self.usage = PageUsage() if usage is None else usage
         self.clock = clock  # steps planned so far
         self.evictions = 0  # live pages dropped
+        self.evicted: list[tuple[int, int]] = []  # (row, index in row) of the pages dropped since the last plan
         self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
 
@@ -234,11 +243,13 @@ class GroupEviction:
     def planned(self, plan) -> None:
         """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
         self.clock += 1
+        self.evicted = []
         if plan.read_table is None:
             return
-        pages, S = plan.slots // plan.page_size, plan.page_size
+        slots = _ids(plan.slots)
+        pages = slots // plan.page_size
         self.usage.written(pages, self.clock)
-        self.usage.allocated(pages[plan.slots % S == 0], self.clock)
+        self.usage.allocated(pages[slots % plan.page_size == 0], self.clock)
 
     def sink(self, plan):
         """Where attention adds a layer's mass per live page ``[B, H, Nk]`` in ``plan``'s step, or None
@@ -286,11 +297,12 @@ class GroupEviction:
             rounds = -(-(needed - manager.available()) // max(len(rows), 1))
             picks = [self.policy.victims(row, first_page, self.usage, rounds) for row in rows]
             for k in range(rounds):  # round-robin: one page per row at a time, in each row's order
-                for row, picked in zip(rows, picks):
+                for b, (row, picked) in enumerate(zip(rows, picks)):
                     if k < len(picked):
                         manager.release(row[picked[k]])
                         row[picked[k]] = EVICTED
                         self.evictions += 1
+                        self.evicted.append((b, picked[k]))
                         evicted = True
                         if manager.available() >= needed:
                             return

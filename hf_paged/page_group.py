@@ -18,7 +18,7 @@ from .errors import CacheUsageError
 from .eviction import EvictionPolicy, GroupEviction
 from .page_rows import PageRows, RowsUndo
 from .paged_kv import PagedView
-from .step_plan import StepPlan, build_plan, continue_plan, place_rows, relocate_rows
+from .step_plan import StepPlan, build_plan, continue_plan, extend_plan, place_rows, relocate_rows
 
 
 class Members:
@@ -102,6 +102,7 @@ class PageGroup(PageRows):
 
     def restore(self, row_hashes: list[list[bytes]], pages: int) -> None:
         super().restore(row_hashes, pages)
+        self.step = None
         self.members.set_all(self.num_tokens)
 
     def remap(self, rows_for) -> None:
@@ -212,8 +213,12 @@ class PageGroup(PageRows):
         return self.step
 
     def _plan(self, past, src, dst, same_as) -> StepPlan:
-        plan = build_plan(self.rows, self.first_page, past, self.num_tokens, self.page_size, src, dst, same_as,
-                          self.eviction.tracks_usage)
+        """The step's plan: the last one edited when the rows only lost pages to eviction and gained pages since,
+        else built in full."""
+        plan = None if src or same_as else extend_plan(self.step, self.rows, self.first_page, past, self.num_tokens,
+                                                       self.eviction.evicted)
+        plan = plan or build_plan(self.rows, self.first_page, past, self.num_tokens, self.page_size, src, dst, same_as,
+                                  self.eviction.tracks_usage)
         self.eviction.planned(plan)
         return plan
 

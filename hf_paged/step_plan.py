@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .block_manager import EVICTED, BlockManager
@@ -40,6 +41,8 @@ class StepPlan:
     read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
     usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
     _on_device: dict = field(default_factory=dict)
+    rows: list[list[int]] | None = None  # a copy of the rows as planned (`extend_plan`, `continue_plan` compare)
+    _columns: "PlanColumns | None" = None  # the buffers `extend_plan` appends to, once it has extended this plan
 
     @property
     def kv_len(self) -> int:
@@ -114,8 +117,84 @@ def build_plan(rows: list[list[int]], first_page: int, past: int, num_tokens: in
         len(rows), num_tokens - past, past, num_tokens, first_page * S, table, slots,
         torch.tensor(src, dtype=torch.long) if src else None,
         torch.tensor(dst, dtype=torch.long) if dst else None,
-        _slab(table) if read_table is None else None, S, same_as, read_table, read_pos,
+        _slab(table) if read_table is None else None, S, same_as, read_table, read_pos, rows=[list(r) for r in rows],
     )
+
+
+class PlanColumns:
+    """Host buffers ``[B, capacity]`` behind a plan's ``table``, ``read_table`` and ``read_pos``, which
+    `extend_plan` edits in place: evicted pages become holes, new pages' columns are appended (capacity
+    doubles, like a vector). Plans extended from one another share them: each views its own first columns;
+    only the newest plan is extended (an older one is finished). ``holes``: the live table's -1 entries."""
+
+    def __init__(self, plan: StepPlan):
+        self.widths = (plan.table.shape[1], plan.read_table.shape[1])
+        self.buffers = [self._buffer(t) for t in (plan.table, plan.read_table, plan.read_pos)]
+        self.holes = int((plan.read_table == EVICTED).sum())
+
+    @staticmethod
+    def _buffer(tensor: torch.Tensor, capacity: int = 0) -> np.ndarray:
+        B, n = tensor.shape
+        buffer = np.empty((B, max(capacity, 2 * n, 64)), dtype=np.int64)
+        buffer[:, :n] = tensor.numpy()
+        return buffer
+
+    def extends(self, plan: StepPlan) -> bool:
+        """``plan`` is the newest plan of these buffers."""
+        return self.widths == (plan.table.shape[1], plan.read_table.shape[1])
+
+    def drop(self, row: int, index: int, page: int) -> None:
+        """Entry ``index`` of ``row`` (page ``page``) was evicted: a hole in both tables."""
+        self.buffers[0][row, index] = EVICTED
+        live = self.buffers[1][row, :self.widths[1]]
+        live[np.flatnonzero(live == page)] = EVICTED
+        self.holes += 1
+
+    def append(self, pages: list[list[int]], positions: list[int], num_tokens: int):
+        """Add ``pages[b]`` (first tokens at ``positions``) to every row; -> (table, read_table, read_pos)."""
+        n, live = self.widths
+        k = len(positions)
+        for i, (buffer, width) in enumerate(zip(self.buffers, (n, live, live))):
+            if width + k > buffer.shape[1]:
+                self.buffers[i] = buffer = self._buffer(torch.from_numpy(buffer[:, :width]), 2 * (width + k))
+            buffer[:, width:width + k] = positions if i == 2 else pages
+        self.widths = (n + k, live + k)
+        table, read_table, read_pos = (torch.from_numpy(b[:, :w]) for b, w in zip(self.buffers, (n + k, live + k,
+                                                                                                   live + k)))
+        pos = self.buffers[2][:, :live + k]
+        pos[self.buffers[1][:, :live + k] == EVICTED] = num_tokens  # padding: a position no query attends
+        return table, read_table, read_pos
+
+
+def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, past: int, num_tokens: int,
+                evicted: list[tuple[int, int]]) -> StepPlan | None:
+    """The plan of a step whose rows, since ``last`` (read through live pages), only lost the pages at
+    ``evicted`` (row, index) and gained fresh pages: ``last``'s tables edited in place (`PlanColumns`), where
+    a full plan re-indexes every row. None when anything else changed (a trim, copy-on-write, shared rows, an
+    edit it was not told of) or when holes fill 1/8 of the live table: plan in full (which packs them)."""
+    if last is None or last.read_table is None or last.same_as is not None or last.num_tokens != past \
+            or last.first_pos != first_page * last.page_size:
+        return None
+    S, (B, n) = last.page_size, last.table.shape
+    if any(i >= n for _, i in evicted):
+        return None
+    expected = [list(r) for r in last.rows]
+    for b, i in evicted:
+        expected[b][i] = EVICTED
+    if [r[:n] for r in rows] != expected:
+        return None
+    columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    if columns.holes + len(evicted) > last.read_table.numel() // 8:
+        return None
+    for b, i in evicted:
+        columns.drop(b, i, last.rows[b][i])
+    new = [r[n:] for r in rows]
+    table, read_table, read_pos = columns.append(new, [(first_page + i) * S for i in range(n, n + len(new[0]))],
+                                                 num_tokens)
+    slots = torch.tensor([r[p // S - first_page] * S + p % S for r in rows for p in range(past, num_tokens)])
+    return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table, slots=slots,
+                               copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos, usage=None,
+                               rows=[list(r) for r in rows], _on_device={}, _columns=columns)
 
 
 def _slab(table: torch.Tensor) -> tuple[int, int] | None:
@@ -184,7 +263,7 @@ def continue_plan(last: StepPlan | None, rows: list[list[int]], q_len: int, ref:
     if last is None or last.same_as is not None:
         return None
     S, past = last.page_size, last.num_tokens
-    if past % S == 0 or past % S + q_len > S or any(ref[r[-1]] != 1 for r in rows) or last.table.tolist() != rows:
+    if past % S == 0 or past % S + q_len > S or any(ref[r[-1]] != 1 for r in rows) or last.rows != rows:
         return None
     end, offsets = past + q_len, range(past % S, past % S + q_len)
     slots = torch.tensor([r[-1] * S + offset for r in rows for offset in offsets])

@@ -420,3 +420,49 @@ def test_rows_with_different_holes_are_read_through_padded_live_tables():
     whole = build_plan([[4, 5, 6]], first_page=0, past=5, num_tokens=6, page_size=2, src=[], dst=[], same_as=None,
                        live_read=False)
     assert whole.read_table is None and whole.slab == (4, 3)
+
+
+def _live_entries(plan) -> list[list[tuple[int, int]]]:
+    """Each row's (page, position) of its live entries, in position order."""
+    return [sorted((p, q) for p, q in zip(pages, pos) if p != EVICTED)
+            for pages, pos in zip(plan.read_table.tolist(), plan.read_pos.tolist())]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_steps_extend_the_last_plan_as_a_full_plan_would_build_it(rows, monkeypatch):
+    """A decode step into a full pool evicts a page per row and appends one: its plan edits the last one in place
+    (no full re-index, until holes fill 1/8 of the live table) and equals the plan built from scratch, holes and
+    padding included; a row edited behind the plan's back is planned in full."""
+    from hf_paged import page_group
+    from hf_paged.step_plan import build_plan
+
+    full_plans = []
+    monkeypatch.setattr(page_group, "build_plan", lambda *a, **k: full_plans.append(a) or build_plan(*a, **k))
+    cache = hf_paged.PagedCache(page_size=1, max_pages=256 * rows, eviction="score", sink_pages=1, recent_pages=1)
+    group = None
+
+    def step(tokens, seed):
+        k = torch.randn(rows, 1, tokens, 2, generator=torch.Generator().manual_seed(seed))
+        cache.update(k, k, 0)
+        plan = cache.layers[0].group.step
+        plan.add_usage(torch.rand(plan.read_table.shape, generator=torch.Generator().manual_seed(seed)))
+        return plan
+
+    step(256, 0)
+    group = cache.layers[0].group
+    for i in range(200):  # an eviction every step; buffers grow past their first capacity
+        if rows > 1 and i == 50:  # one row loses a page no other row loses: padded live tables from here on
+            cache.commit()
+            index = next(j for j in range(1, 256) if group.rows[1][j] != EVICTED)
+            group.manager.release(group.rows[1][index])
+            group.rows[1][index] = EVICTED
+            planned = len(full_plans)
+        plan = step(1, i + 1)
+        if rows > 1 and i == 50:
+            assert len(full_plans) == planned + 1 and bool((plan.read_table == EVICTED).any())  # padding
+        want = build_plan(group.rows, group.first_page, plan.past, plan.num_tokens, 1, [], [], None, True)
+        assert torch.equal(plan.table, want.table) and torch.equal(plan.slots, want.slots)
+        assert _live_entries(plan) == _live_entries(want), i  # holes may sit anywhere in a live table
+        assert (plan.read_pos[plan.read_table == EVICTED] == plan.num_tokens).all()
+    assert len(full_plans) <= 1 + 200 // 25 + 1 and cache.stats()["evictions"] == 200 * rows - (rows > 1)  # one by hand
+    check_pages(cache)
