@@ -5,6 +5,8 @@ each new token, the pages to copy before writing (copy-on-write), and how the ro
 read: a strided view when the batch's pages form a regular slab, else a gather index, and the
 live pages only when rows have holes (evicted pages) or the policy observes attention.
 `place_rows` and `relocate_rows` choose page ids so that slabs stay regular while decoding.
+A decode step reuses the last plan where it can: `continue_plan` when only the slots move,
+`extend_plan` when rows lost pages to eviction and gained new ones (a bounded cache's step).
 """
 
 from __future__ import annotations
@@ -129,14 +131,15 @@ class PlanColumns:
 
     def __init__(self, plan: StepPlan):
         self.widths = (plan.table.shape[1], plan.read_table.shape[1])
-        self.buffers = [self._buffer(t) for t in (plan.table, plan.read_table, plan.read_pos)]
+        self.buffers = [self._buffer(t.numpy()) for t in (plan.table, plan.read_table, plan.read_pos)]
         self.holes = int((plan.read_table == EVICTED).sum())
 
     @staticmethod
-    def _buffer(tensor: torch.Tensor, capacity: int = 0) -> np.ndarray:
-        B, n = tensor.shape
+    def _buffer(columns: np.ndarray, capacity: int = 0) -> np.ndarray:
+        """``columns [B, n]`` at the start of a buffer with room for ``capacity`` (at least ``2 n``) columns."""
+        B, n = columns.shape
         buffer = np.empty((B, max(capacity, 2 * n, 64)), dtype=np.int64)
-        buffer[:, :n] = tensor.numpy()
+        buffer[:, :n] = columns
         return buffer
 
     def extends(self, plan: StepPlan) -> bool:
@@ -156,7 +159,7 @@ class PlanColumns:
         k = len(positions)
         for i, (buffer, width) in enumerate(zip(self.buffers, (n, live, live))):
             if width + k > buffer.shape[1]:
-                self.buffers[i] = buffer = self._buffer(torch.from_numpy(buffer[:, :width]), 2 * (width + k))
+                self.buffers[i] = buffer = self._buffer(buffer[:, :width], 2 * (width + k))
             buffer[:, width:width + k] = positions if i == 2 else pages
         self.widths = (n + k, live + k)
         table, read_table, read_pos = (torch.from_numpy(b[:, :w]) for b, w in zip(self.buffers, (n + k, live + k,
