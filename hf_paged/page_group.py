@@ -102,7 +102,6 @@ class PageGroup(PageRows):
 
     def restore(self, row_hashes: list[list[bytes]], pages: int) -> None:
         super().restore(row_hashes, pages)
-        self.step = None
         self.members.set_all(self.num_tokens)
 
     def remap(self, rows_for) -> None:
@@ -213,8 +212,7 @@ class PageGroup(PageRows):
         return self.step
 
     def _plan(self, past, src, dst, same_as) -> StepPlan:
-        """The step's plan: the last one edited when the rows only lost pages to eviction and gained pages since,
-        else built in full."""
+        """The step's plan: the last one edited in place (evictions and new pages only), else built in full."""
         plan = None if src or same_as else extend_plan(self.step, self.rows, self.first_page, past, self.num_tokens,
                                                        self.eviction.evicted)
         plan = plan or build_plan(self.rows, self.first_page, past, self.num_tokens, self.page_size, src, dst, same_as,
