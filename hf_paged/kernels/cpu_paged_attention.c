@@ -167,12 +167,13 @@ static inline __attribute__((always_inline)) const float *load_slot(const void *
     return buffer;
 }
 
-/* Prefetch one slot's rows of every head (the slot starts at element offset ``off``). */
-static inline void prefetch_slot(const void *pool, int64_t off, const int64_t *stride, int64_t heads,
-                                 int64_t head_bytes, int64_t elem) {
+/* Prefetch one slot's rows of every KV head from ``pool`` (K or V, strides ``stride``; the slot starts at
+ * element offset ``off``). */
+static inline void prefetch_slot(const PagedArgs *a, const void *pool, int64_t off, const int64_t *stride, int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     const char *row = (const char *)pool + off * elem;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t byte = 0; byte < head_bytes; byte += 64) __builtin_prefetch(row + h * stride[2] * elem + byte);
+    for (int64_t h = 0; h < a->Hkv; h++)
+        for (int64_t byte = 0; byte < a->D * elem; byte += 64) __builtin_prefetch(row + h * stride[2] * elem + byte);
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -226,7 +227,7 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
             const int64_t off = ch->k_off[c0 + j];
             /* add_values reads V head by head: fetch the slot's whole V row in order now */
-            prefetch_slot(a->v, ch->v_off[c0 + j], a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            prefetch_slot(a, a->v, ch->v_off[c0 + j], a->v_stride, bf16);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
                 for (int64_t i = 0; i < a->Q * G; i++) {
                     const int64_t r = (i / G) * Hq + kvh * G + i % G;
@@ -260,7 +261,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *
             continue;
         }
         const int64_t off = ch->k_off[c];
-        prefetch_slot(a->v, ch->v_off[c], a->v_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+        prefetch_slot(a, a->v, ch->v_off[c], a->v_stride, bf16);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
             const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
             for (int64_t i = 0; i < a->Q * G; i++) {
@@ -275,10 +276,11 @@ static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *
     }
 }
 
-/* Fill ``ch`` with the next CHUNK slots (fewer at the end) of row b's entries from slot *s0 of entry *n,
- * skipping -1 entries; *n and *s0 then name the slot after the chunk. */
+/* Fill ``ch`` with the next CHUNK slots (fewer at the end, none past n_end) of row b's entries from slot *s0
+ * of entry *n, skipping -1 entries; *n and *s0 then name the slot after the chunk. */
 static inline void next_chunk(const PagedArgs *a, int64_t b, int64_t *n, int64_t *s0, int64_t n_end, Chunk *ch) {
     const int64_t S = a->S;
+    ch->C = 0;
     while (*n < n_end && ch->C < CHUNK) {
         const int64_t page = a->table[b * a->N + *n];
         if (page < 0) {
@@ -348,15 +350,13 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     /* the chunk being read, and the next one, whose K rows are fetched meanwhile (pages may lie anywhere) */
     Chunk chunks[2];
     int64_t n = n_begin, s0 = 0; /* the slot after the next chunk: slot s0 of entry n */
-    chunks[0].C = 0;
     next_chunk(a, b, &n, &s0, n_end, &chunks[0]);
     for (int cur = 0; chunks[cur].C > 0; cur ^= 1) {
         const Chunk *ch = &chunks[cur];
         Chunk *next = &chunks[cur ^ 1];
-        next->C = 0;
         next_chunk(a, b, &n, &s0, n_end, next);
         for (int64_t c = 0; c < next->C; c++)
-            prefetch_slot(a->k, next->k_off[c], a->k_stride, a->Hkv, D * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+            prefetch_slot(a, a->k, next->k_off[c], a->k_stride, bf16);
         const int64_t C = ch->C;
         int any = 0;
         memset(slot_used, 0, CHUNK);
