@@ -187,7 +187,7 @@ class EvictionPolicy:
         """Indices in ``row`` of up to ``count`` pages to evict, in the order the policy gives them up
         (ties: the oldest first); fewer when the rest is protected. Equal to ``count`` single picks: a
         pick changes no other page's rank, nor which pages are protected."""
-        table = np.asarray(row, dtype=np.int64)
+        table = _ids(row)
         live = np.flatnonzero(table != EVICTED)
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
         candidates = candidates[candidates + first_page >= self.sink_pages]

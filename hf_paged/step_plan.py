@@ -165,7 +165,7 @@ class PlanColumns:
         table, read_table, read_pos = (torch.from_numpy(b[:, :w]) for b, w in zip(self.buffers, (n + k, live + k,
                                                                                                    live + k)))
         pos = self.buffers[2][:, :live + k]
-        pos[self.buffers[1][:, :live + k] == EVICTED] = num_tokens  # padding: a position no query attends
+        pos[self.buffers[1][:, :live + k] == EVICTED] = num_tokens  # holes, padding: a position no query attends
         return table, read_table, read_pos
 
 
@@ -195,9 +195,9 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
     table, read_table, read_pos = columns.append(new, [(first_page + i) * S for i in range(n, n + len(new[0]))],
                                                  num_tokens)
     slots = torch.tensor([r[p // S - first_page] * S + p % S for r in rows for p in range(past, num_tokens)])
-    return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table, slots=slots,
-                               copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos, usage=None,
-                               rows=[list(r) for r in rows], _on_device={}, _columns=columns)
+    return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table,
+                               slots=slots, copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos,
+                               usage=None, rows=[list(r) for r in rows], _on_device={}, _columns=columns)
 
 
 def _slab(table: torch.Tensor) -> tuple[int, int] | None:
