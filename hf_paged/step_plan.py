@@ -178,7 +178,7 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
     if last is None or last.read_table is None or last.same_as is not None or last.num_tokens != past \
             or last.first_pos != first_page * last.page_size:
         return None
-    S, (B, n) = last.page_size, last.table.shape
+    S, n = last.page_size, last.table.shape[1]
     if any(i >= n for _, i in evicted):
         return None
     expected = [list(r) for r in last.rows]
