@@ -85,13 +85,15 @@ class PageUsage:
     def allocated(self, pages, step: int) -> None:
         """Fresh pages (their first token written at ``step``) start with no history."""
         index = _ids(pages)
-        self.cover(index)
-        self.ema[index], self.observed[index], self.last_used[index] = 0.0, 0, 2 * step
+        self.written(index, step, np.ones(len(index), dtype=bool))
 
-    def written(self, pages, step: int) -> None:
+    def written(self, pages, step: int, fresh: np.ndarray | None = None) -> None:
+        """``pages`` were written at ``step``; those where the mask ``fresh`` holds start with no history."""
         index = _ids(pages)
         self.cover(index)
         self.last_used[index] = 2 * step
+        if fresh is not None:
+            self.ema[index[fresh]], self.observed[index[fresh]] = 0.0, 0
 
 
 def _ids(pages) -> np.ndarray:
@@ -183,14 +185,14 @@ class EvictionPolicy:
             unbiased = unbiased / np.maximum(1 - self.decay ** steps.astype(np.float64), 1e-300)
         return np.where(steps > 0, unbiased, 1.0)
 
-    def victims(self, row: list[int], first_page: int, usage: PageUsage, count: int) -> list[int]:
-        """Indices in ``row`` of up to ``count`` pages to evict, in the order the policy gives them up
-        (ties: the oldest first); fewer when the rest is protected. Equal to ``count`` single picks: a
-        pick changes no other page's rank, nor which pages are protected."""
+    def victims(self, row, first_page: int, usage: PageUsage, count: int) -> list[int]:
+        """Indices in ``row`` (page ids, a list or an array) of up to ``count`` pages to evict, in the order the
+        policy gives them up (ties: the oldest first); fewer when the rest is protected. Equal to ``count``
+        single picks: a pick changes no other page's rank, nor which pages are protected."""
         table = _ids(row)
-        live = np.flatnonzero(table != EVICTED)
+        start = max(self.sink_pages - first_page, 0)  # the sinks' entries, if any are left, come first
+        live = np.flatnonzero(table[start:] != EVICTED) + start
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
-        candidates = candidates[candidates + first_page >= self.sink_pages]
         if self.name == "fifo" or not len(candidates):
             return candidates[:count].tolist()
         pages = table[candidates]
@@ -228,6 +230,8 @@ class GroupEviction:
         self.evicted: list[tuple[int, int]] = []  # (row, index in row) of the pages dropped since the last plan
         self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
+        self._warned_for = None  # the bound the first eviction under it was logged for
+        self._last = None  # the last plan that read live pages (its table mirrors its rows, `evict` reads it)
 
     @property
     def compressing(self) -> bool:
@@ -244,12 +248,11 @@ class GroupEviction:
         """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
         self.clock += 1
         self.evicted = []
+        self._last = None if plan.read_table is None else plan
         if plan.read_table is None:
             return
         slots = _ids(plan.slots)
-        pages = slots // plan.page_size
-        self.usage.written(pages, self.clock)
-        self.usage.allocated(pages[slots % plan.page_size == 0], self.clock)
+        self.usage.written(slots // plan.page_size, self.clock, slots % plan.page_size == 0)
 
     def sink(self, plan):
         """Where attention adds a layer's mass per live page ``[B, H, Nk]`` in ``plan``'s step, or None
@@ -290,12 +293,17 @@ class GroupEviction:
 
     def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
-        warn_first_eviction(self.policy, manager.max_pages)
+        if self._warned_for != manager.max_pages:
+            warn_first_eviction(self.policy, manager.max_pages)
+            self._warned_for = manager.max_pages
         self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
+        last = self._last
+        tables = last.table.numpy() if last is not None and last.rows == rows else rows  # rows as arrays: no copy
         while manager.available() < needed:
             evicted = False
             rounds = -(-(needed - manager.available()) // max(len(rows), 1))
-            picks = [self.policy.victims(row, first_page, self.usage, rounds) for row in rows]
+            picks = [self.policy.victims(row, first_page, self.usage, rounds) for row in tables]
+            tables = rows  # (a next round sees the rows as this one left them)
             for k in range(rounds):  # round-robin: one page per row at a time, in each row's order
                 for b, (row, picked) in enumerate(zip(rows, picks)):
                     if k < len(picked):

@@ -150,7 +150,7 @@ class PlanColumns:
         """Entry ``index`` of ``row`` (page ``page``) was evicted: a hole in both tables."""
         self.buffers[0][row, index] = EVICTED
         live = self.buffers[1][row, :self.widths[1]]
-        live[np.flatnonzero(live == page)] = EVICTED
+        live[live == page] = EVICTED
         self.holes += 1
 
     def append(self, pages: list[list[int]], positions: list[int], num_tokens: int):
@@ -179,10 +179,10 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
             or last.first_pos != first_page * last.page_size:
         return None
     S, n = last.page_size, last.table.shape[1]
-    if any(i >= n for _, i in evicted):
-        return None
     expected = [list(r) for r in last.rows]
     for b, i in evicted:
+        if i >= n:
+            return None
         expected[b][i] = EVICTED
     if [r[:n] for r in rows] != expected:
         return None
