@@ -386,6 +386,22 @@ def test_set_max_pages_lifts_or_lowers_the_bound():
     check_pages(cache)
 
 
+def test_the_first_eviction_under_each_bound_is_logged(monkeypatch):
+    """A group asks for the lossy-eviction warning once per bound, not at every evicting step."""
+    logged = []
+    monkeypatch.setattr(hf_paged.eviction, "warn_first_eviction", lambda policy, bound: logged.append(bound))
+    cache = hf_paged.PagedCache(page_size=1, max_pages=4, eviction="score", sink_pages=1, recent_pages=1)
+    for _ in range(7):  # four tokens fill the pool, three evict
+        _attended(cache, [None], 1)
+    cache.set_max_pages(None)
+    _attended(cache, [None], 1)  # 5 pages held
+    cache.set_max_pages(5)
+    for _ in range(2):
+        _attended(cache, [None], 1)
+    cache.commit()
+    assert cache.stats()["evictions"] == 5 and logged == [4, 5]
+
+
 def test_a_decode_step_after_compression_attends_only_the_kept_pages(llama):
     """The prompt's last page is partial, so the next token goes into it: its plan must come from the rows as
     compression left them (the reference hides the evicted positions), not from the prompt's step."""
