@@ -231,7 +231,6 @@ class GroupEviction:
         self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
         self._warned_for = None  # the bound the first eviction under it was logged for
-        self._last = None  # the last plan that read live pages (its table mirrors its rows, `evict` reads it)
 
     @property
     def compressing(self) -> bool:
@@ -248,7 +247,6 @@ class GroupEviction:
         """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
         self.clock += 1
         self.evicted = []
-        self._last = None if plan.read_table is None else plan
         if plan.read_table is None:
             return
         slots = _ids(plan.slots)
@@ -270,34 +268,36 @@ class GroupEviction:
         plan.usage = None
 
     def reserve(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
-                fresh: bool) -> None:
-        """Make ``needed`` pages available for a step after ``num_tokens`` tokens, or raise `PagePoolExhausted`.
-        With ``compress_prompt``, a fresh prompt over the bound goes in whole (cut at commit, see `committed`)."""
+                fresh: bool, last) -> None:
+        """Make ``needed`` pages available for a step after ``num_tokens`` tokens, or raise `PagePoolExhausted`
+        (``last``: the group's last plan, see `evict`). With ``compress_prompt``, a fresh prompt over the bound
+        goes in whole (cut at commit, see `committed`)."""
         if self.policy.compress_prompt and fresh and manager.max_pages is not None and needed > manager.available():
             self._compress_to, manager.max_pages = manager.max_pages, None
         elif self.policy.lossy and needed > manager.available():
-            self.evict(manager, rows, first_page, num_tokens, needed)
+            self.evict(manager, rows, first_page, num_tokens, needed, last)
         manager.require(needed, self.policy.lossy)
 
-    def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int) -> None:
+    def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, last) -> None:
         """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
         attention of the prompt's last queries; the pool keeps the prompt's size (its peak)."""
         if self._compress_to is not None:
             manager.max_pages, self._compress_to = self._compress_to, None
-            self.evict(manager, rows, first_page, num_tokens, 0)
+            self.evict(manager, rows, first_page, num_tokens, 0, last)
 
     def rolled_back(self, manager) -> None:
         """A compressed prompt's step was undone: nothing is held any more, only the bound comes back."""
         if self._compress_to is not None:
             manager.max_pages, self._compress_to = self._compress_to, None
 
-    def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int) -> None:
-        """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free."""
+    def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int, last) -> None:
+        """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free. The rows are
+        ranked through ``last``'s page table (a numpy view) when the group's last plan ``last`` planned them as
+        they are, else converted from their lists."""
         if self._warned_for != manager.max_pages:
             warn_first_eviction(self.policy, manager.max_pages)
             self._warned_for = manager.max_pages
         self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
-        last = self._last
         tables = last.table.numpy() if last is not None and last.rows == rows else rows  # rows as arrays: no copy
         while manager.available() < needed:
             evicted = False

@@ -176,7 +176,7 @@ class PageGroup(PageRows):
         new_per_row = math.ceil((past + q_len) / S) - (self.first_page + len(rows[0]))
         cow_rows = [b for b, r in enumerate(rows) if past % S != 0 and self.manager.ref[r[-1]] > 1]
         self.eviction.reserve(self.manager, self.rows, self.first_page, past, len(owners) * new_per_row + len(cow_rows),
-                              fresh)
+                              fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
 
     def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:
@@ -264,7 +264,7 @@ class PageGroup(PageRows):
             return
         self._undo.commit(self.manager)
         self._undo = None
-        self.eviction.committed(self.manager, self.rows, self.first_page, self.num_tokens)
+        self.eviction.committed(self.manager, self.rows, self.first_page, self.num_tokens, self.step)
 
     def abort_step(self) -> None:
         """Undo the current step: pages it allocated are released, tables restored."""

@@ -440,7 +440,7 @@ def test_rows_with_different_holes_are_read_through_padded_live_tables():
 
 def _live_entries(plan) -> list[list[tuple[int, int]]]:
     """Each row's (page, position) of its live entries, in position order."""
-    return [sorted((p, q) for p, q in zip(pages, pos) if p != EVICTED)
+    return [sorted(((p, q) for p, q in zip(pages, pos) if p != EVICTED), key=lambda entry: entry[1])
             for pages, pos in zip(plan.read_table.tolist(), plan.read_pos.tolist())]
 
 
@@ -455,7 +455,6 @@ def test_decode_steps_extend_the_last_plan_as_a_full_plan_would_build_it(rows, m
     full_plans = []
     monkeypatch.setattr(page_group, "build_plan", lambda *a, **k: full_plans.append(a) or build_plan(*a, **k))
     cache = hf_paged.PagedCache(page_size=1, max_pages=256 * rows, eviction="score", sink_pages=1, recent_pages=1)
-    group = None
 
     def step(tokens, seed):
         k = torch.randn(rows, 1, tokens, 2, generator=torch.Generator().manual_seed(seed))
