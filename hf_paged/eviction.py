@@ -156,6 +156,10 @@ class EvictionPolicy:
         heads' mean (``heads="mean"``, TOVA) or the largest over the heads (``"max"``: a page one head relies
         on counts as used; the pages are shared by every head)."""
         page_mass = page_mass.float()
+        if page_mass.device.type == "cpu":  # (numpy reduces a decode step's few hundred pages several times faster)
+            mass = page_mass.numpy()
+            reduce = np.add.reduce(mass, axis=1) / mass.shape[1] if self.heads == "mean" else np.maximum.reduce(mass, axis=1)
+            return torch.from_numpy(reduce)
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
@@ -203,6 +207,32 @@ class EvictionPolicy:
             rank = self.scores(usage, pages)
         order = [int(np.argmin(rank))] if count == 1 else np.argsort(rank, kind="stable")[:count]  # first of ties
         return candidates[order].tolist()
+
+    def victim_columns(self, table: np.ndarray, positions: np.ndarray, usage: PageUsage,
+                       page_size: int) -> np.ndarray | None:
+        """Per row of a live table (``table [B, Nk]``: page ids in any order, -1 for holes; ``positions``: each
+        page's first token), the column of the page `victims` would give up first: the lowest rank among the
+        unprotected pages, ties to the oldest. None when a row has every page protected."""
+        each = np.arange(len(table))
+        holes = table == EVICTED
+        age = np.where(holes, -1, positions) if holes.any() else positions
+        if self.name == "fifo":
+            rank = positions.astype(np.float64)
+        else:  # (holes index some page's usage: they are masked below)
+            usage.cover(table)
+            rank = usage.last_used[table].astype(np.float64) if self.name == "lru" else self.scores(usage, table)
+        rank[holes | (positions < self.sink_pages * page_size)] = np.inf
+        recent = max(self.recent_pages, 1)
+        newest = age.argmax(axis=1)[:, None] if recent == 1 else np.argpartition(-age, recent - 1, axis=1)[:, :recent]
+        rank[each[:, None], newest] = np.inf
+        columns = rank.argmin(axis=1)
+        best = rank[each, columns]
+        if np.isinf(best).any():
+            return None
+        ties = rank == best[:, None]
+        if np.count_nonzero(ties) > len(table):  # (rare) the oldest of the pages tied for lowest
+            columns = np.where(ties, age, np.iinfo(np.int64).max).argmin(axis=1)
+        return columns
 
     def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
         """Index in ``row`` of the page to evict, or None when every live page is protected."""
@@ -290,14 +320,46 @@ class GroupEviction:
         if self._compress_to is not None:
             manager.max_pages, self._compress_to = self._compress_to, None
 
+    def _evicting(self, max_pages: int, num_tokens: int) -> None:
+        """Pages are about to be evicted after ``num_tokens`` tokens (logged once per bound)."""
+        if self._warned_for != max_pages:
+            warn_first_eviction(self.policy, max_pages)
+            self._warned_for = max_pages
+        self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
+
+    def recycle(self, manager, rows: list[list[int]], num_tokens: int, q_len: int,
+                last) -> list[tuple[int, int, int]] | None:
+        """The steady step of a full pool: each row starts one new page (``q_len`` tokens from a page boundary) and
+        must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
+        is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
+        nothing is released or allocated. -> [(live column, row entry, page)] per row; None, changing nothing, when the step
+        is not such a step or a victim is shared (the general path then evicts)."""
+        S = manager.page_size
+        if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
+                or q_len > S or last is None or last.read_table is None or last.same_as is not None
+                or last.num_tokens != num_tokens or last.rows != rows):
+            return None
+        table, positions = last.read_table.numpy(), last.read_pos.numpy()
+        columns = self.policy.victim_columns(table, positions, self.usage, S)
+        if columns is None:
+            return None
+        each = np.arange(len(rows))
+        pages = table[each, columns].tolist()
+        if any(manager.ref[page] != 1 for page in pages):
+            return None
+        self._evicting(manager.max_pages, num_tokens)
+        entries = (positions[each, columns] // S - last.first_pos // S).tolist()
+        for row, entry, page in zip(rows, entries, pages):
+            row[entry] = EVICTED
+            manager.forget(page)  # (its content is about to change)
+        self.evictions += len(rows)
+        return list(zip(columns.tolist(), entries, pages))
+
     def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int, last) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free. The rows are
         ranked through ``last``'s page table (a numpy view) when the group's last plan ``last`` planned them as
         they are, else converted from their lists."""
-        if self._warned_for != manager.max_pages:
-            warn_first_eviction(self.policy, manager.max_pages)
-            self._warned_for = manager.max_pages
-        self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
+        self._evicting(manager.max_pages, num_tokens)
         tables = last.table.numpy() if last is not None and last.rows == rows else rows  # rows as arrays: no copy
         while manager.available() < needed:
             evicted = False

@@ -18,7 +18,8 @@ from .errors import CacheUsageError
 from .eviction import EvictionPolicy, GroupEviction
 from .page_rows import PageRows, RowsUndo
 from .paged_kv import PagedView
-from .step_plan import StepPlan, build_plan, continue_plan, extend_plan, place_rows, relocate_rows
+from .step_plan import (StepPlan, build_plan, continue_plan, extend_plan, place_rows, recycle_plan,
+                        relocate_rows)
 
 
 class Members:
@@ -162,12 +163,14 @@ class PageGroup(PageRows):
         """
         self._finish_or_rollback()
         self.check_batch(batch_size)
-        quick = None if self.first_kept_page(self.num_tokens) != self.first_page or self.eviction.compressing else \
-            continue_plan(self.step, self.rows, q_len, self.manager.ref)
-        if quick is not None:  # the common decode step: the tables stay as they are
-            self._undo, self.num_tokens, self.step = RowsUndo(self), quick.num_tokens, quick
-            self.eviction.planned(quick)
-            return quick
+        if self.first_kept_page(self.num_tokens) == self.first_page and not self.eviction.compressing:
+            quick = continue_plan(self.step, self.rows, q_len, self.manager.ref)  # the tables stay as they are
+            self._undo = RowsUndo(self) if quick is not None else None
+            quick = quick or self._recycle(q_len)
+            if quick is not None:  # the common decode steps
+                self.num_tokens, self.step = quick.num_tokens, quick
+                self.eviction.planned(quick)
+                return quick
         S, past = self.page_size, self.num_tokens
         fresh = not self.rows
         rows = self.rows if self.rows else [[] for _ in range(batch_size)]
@@ -178,6 +181,16 @@ class PageGroup(PageRows):
         self.eviction.reserve(self.manager, self.rows, self.first_page, past, len(owners) * new_per_row + len(cow_rows),
                               fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
+
+    def _recycle(self, q_len: int) -> StepPlan | None:
+        """A full pool's steady step (`GroupEviction.recycle`): each row's victim page takes its new tokens."""
+        picks = self.eviction.recycle(self.manager, self.rows, self.num_tokens, q_len, self.step)
+        if picks is None:
+            return None
+        self._undo = RowsUndo(self)  # the evictions are final, the pages' new use is undone by a rollback
+        for row, (_, _, page) in zip(self.rows, picks):
+            row.append(page)
+        return recycle_plan(self.step, self.rows, picks, q_len)
 
     def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:
         """Give the rows their new pages (nothing raises: the pool was reserved) and plan the step.

@@ -58,9 +58,11 @@ class StepPlan:
         key = ("kernel", device)
         if key not in self._on_device:
             table, page_pos = self.live_pages()
-            q_pos = torch.arange(self.past, self.num_tokens).expand(table.shape[0], -1)
-            table = table.int() if device.type == "cuda" else table.long()
-            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
+            q_pos = torch.from_numpy(np.tile(np.arange(self.past, self.num_tokens), (table.shape[0], 1)))
+            dtype = torch.int32 if device.type == "cuda" else torch.long
+            index = tuple(t if t.device == device and t.dtype == want and t.is_contiguous() else
+                          t.to(device, want).contiguous() for t, want in ((table, dtype), (page_pos, torch.long),
+                                                                           (q_pos, torch.long)))
             mark_checked(*index, num_pages)
             self._on_device[key] = index
         return self._on_device[key]
@@ -133,6 +135,7 @@ class PlanColumns:
         self.widths = (plan.table.shape[1], plan.read_table.shape[1])
         self.buffers = [self._buffer(t.numpy()) for t in (plan.table, plan.read_table, plan.read_pos)]
         self.holes = int((plan.read_table == EVICTED).sum())
+        self._live = None  # ((width, buffers), read_table, read_pos): the live tensors of the newest plan
 
     @staticmethod
     def _buffer(columns: np.ndarray, capacity: int = 0) -> np.ndarray:
@@ -157,16 +160,42 @@ class PlanColumns:
         """Add ``pages[b]`` (first tokens at ``positions``) to every row; -> (table, read_table, read_pos)."""
         n, live = self.widths
         k = len(positions)
-        for i, (buffer, width) in enumerate(zip(self.buffers, (n, live, live))):
-            if width + k > buffer.shape[1]:
-                self.buffers[i] = buffer = self._buffer(buffer[:, :width], 2 * (width + k))
-            buffer[:, width:width + k] = positions if i == 2 else pages
+        for i, width in enumerate((n, live, live)):
+            self._room(i, width + k)[:, width:width + k] = positions if i == 2 else pages
         self.widths = (n + k, live + k)
-        table, read_table, read_pos = (torch.from_numpy(b[:, :w]) for b, w in zip(self.buffers, (n + k, live + k,
-                                                                                                   live + k)))
-        pos = self.buffers[2][:, :live + k]
-        pos[self.buffers[1][:, :live + k] == EVICTED] = num_tokens  # holes, padding: a position no query attends
-        return table, read_table, read_pos
+        return self._views(num_tokens)
+
+    def recycle(self, entries: list[int], columns: list[int], pages: list[int], position: int, num_tokens: int):
+        """Row b's logical entry ``entries[b]`` was evicted, but its page, at live column ``columns[b]``, now
+        holds the tokens from ``position``: the logical table gets a hole there and the page at its end, the
+        live table keeps its pages and the column's position changes; -> (table, read_table, read_pos)."""
+        n, live = self.widths
+        each = np.arange(len(pages))
+        table = self._room(0, n + 1)
+        table[each, entries] = EVICTED
+        table[:, n] = pages
+        self.buffers[2][each, columns] = position
+        self.widths = (n + 1, live)
+        return self._views(num_tokens)
+
+    def _room(self, i: int, width: int) -> np.ndarray:
+        """Buffer ``i``, grown (doubling) to hold ``width`` columns."""
+        buffer = self.buffers[i]
+        if width > buffer.shape[1]:
+            self.buffers[i] = buffer = self._buffer(buffer[:, :self.widths[min(i, 1)]], 2 * width)
+        return buffer
+
+    def _views(self, num_tokens: int):
+        """(table, read_table, read_pos) of the newest plan; holes and padding at ``num_tokens``, a position no
+        query attends. The live tensors are the last plan's while the live table keeps its width and buffers (a
+        page table keeps the mark of its ids' check, `mark_checked`: edits only turn ids into holes)."""
+        n, live = self.widths
+        key = (live, id(self.buffers[1]), id(self.buffers[2]))
+        if self._live is None or self._live[0] != key:
+            self._live = key, torch.from_numpy(self.buffers[1][:, :live]), torch.from_numpy(self.buffers[2][:, :live])
+        positions = self.buffers[2][:, :live]
+        positions[self.buffers[1][:, :live] == EVICTED] = num_tokens
+        return torch.from_numpy(self.buffers[0][:, :n]), self._live[1], self._live[2]
 
 
 def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, past: int, num_tokens: int,
@@ -198,6 +227,20 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
     return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table,
                                slots=slots, copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos,
                                usage=None, rows=[list(r) for r in rows], _on_device={}, _columns=columns)
+
+
+def recycle_plan(last: StepPlan, rows: list[list[int]], picks: list[tuple[int, int, int]], q_len: int) -> StepPlan:
+    """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page, at live column
+    ``picks[b][0]`` of ``last``'s plan and row entry ``picks[b][1]``, holds the row's ``q_len`` new tokens; ``rows``
+    already say so (the entry a hole, the page appended). The live table keeps its width and pages, only that
+    column's position changes: it stays free of holes, in no particular order (the kernels take any)."""
+    S, past = last.page_size, last.num_tokens
+    columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    live_columns, entries, pages = (list(picked) for picked in zip(*picks))
+    table, read_table, read_pos = columns.recycle(entries, live_columns, pages, past, past + q_len)
+    slots = torch.from_numpy((np.array(pages)[:, None] * S + np.arange(q_len)).reshape(-1))
+    return StepPlan(last.batch_size, q_len, past, past + q_len, last.first_pos, table, slots, None, None, None, S,
+                    None, read_table, read_pos, rows=[list(r) for r in rows], _columns=columns)
 
 
 def _slab(table: torch.Tensor) -> tuple[int, int] | None:

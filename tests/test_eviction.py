@@ -444,20 +444,24 @@ def _live_entries(plan) -> list[list[tuple[int, int]]]:
             for pages, pos in zip(plan.read_table.tolist(), plan.read_pos.tolist())]
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_decode_steps_extend_the_last_plan_as_a_full_plan_would_build_it(rows, monkeypatch):
-    """A decode step into a full pool evicts a page per row and appends one: its plan edits the last one in place
-    (no full re-index, until holes fill 1/8 of the live table) and equals the plan built from scratch, holes and
-    padding included; a row edited behind the plan's back is planned in full."""
+def test_decode_steps_edit_the_last_plan_as_a_full_plan_would_build_it(rows, tokens, monkeypatch):
+    """A step into a full pool evicts pages and gains as many: its plan edits the last one in place and equals the
+    plan built from scratch (holes and padding included, live entries in any order). One new page per row (a
+    decode step at page size 1) recycles each row's victim page in its live column; more extend the last plan
+    (holes, appended columns, a full re-index once holes fill 1/8 of the live table). A row edited behind the
+    plan's back is planned in full."""
     from hf_paged import page_group
-    from hf_paged.step_plan import build_plan
+    from hf_paged.step_plan import build_plan, recycle_plan
 
-    full_plans = []
+    full_plans, recycled = [], []
     monkeypatch.setattr(page_group, "build_plan", lambda *a, **k: full_plans.append(a) or build_plan(*a, **k))
+    monkeypatch.setattr(page_group, "recycle_plan", lambda *a: recycled.append(a) or recycle_plan(*a))
     cache = hf_paged.PagedCache(page_size=1, max_pages=256 * rows, eviction="score", sink_pages=1, recent_pages=1)
 
-    def step(tokens, seed):
-        k = torch.randn(rows, 1, tokens, 2, generator=torch.Generator().manual_seed(seed))
+    def step(count, seed):
+        k = torch.randn(rows, 1, count, 2, generator=torch.Generator().manual_seed(seed))
         cache.update(k, k, 0)
         plan = cache.layers[0].group.step
         plan.add_usage(torch.rand(plan.read_table.shape, generator=torch.Generator().manual_seed(seed)))
@@ -465,19 +469,55 @@ def test_decode_steps_extend_the_last_plan_as_a_full_plan_would_build_it(rows, m
 
     step(256, 0)
     group = cache.layers[0].group
-    for i in range(200):  # an eviction every step; buffers grow past their first capacity
+    for i in range(200):  # evictions every step; buffers grow past their first capacity
         if rows > 1 and i == 50:  # one row loses a page no other row loses: padded live tables from here on
             cache.commit()
             index = next(j for j in range(1, 256) if group.rows[1][j] != EVICTED)
             group.manager.release(group.rows[1][index])
             group.rows[1][index] = EVICTED
             planned = len(full_plans)
-        plan = step(1, i + 1)
+        plan = step(tokens, i + 1)
         if rows > 1 and i == 50:
             assert len(full_plans) == planned + 1 and bool((plan.read_table == EVICTED).any())  # padding
         want = build_plan(group.rows, group.first_page, plan.past, plan.num_tokens, 1, [], [], None, True)
         assert torch.equal(plan.table, want.table) and torch.equal(plan.slots, want.slots)
         assert _live_entries(plan) == _live_entries(want), i  # holes may sit anywhere in a live table
         assert (plan.read_pos[plan.read_table == EVICTED] == plan.num_tokens).all()
-    assert len(full_plans) <= 1 + 200 // 25 + 1 and cache.stats()["evictions"] == 200 * rows - (rows > 1)  # one by hand
+    assert len(recycled) == (200 - (rows > 1) if tokens == 1 else 0)
+    assert len(full_plans) <= 2 + 200 * tokens // 25 and cache.stats()["evictions"] == 200 * rows * tokens - (rows > 1)
     check_pages(cache)
+
+
+@pytest.mark.parametrize("eviction", ["score", "lru", "fifo"])
+def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch):
+    """A recycled step picks its victims in the live table's columns: the same pages (by position) as the general
+    path, which ranks each row in logical order, under the same attention (a function of each page's position,
+    least on the newest pages, which only their protection keeps; ties among the ranks, which "lru" makes
+    common, go to the oldest page)."""
+    from hf_paged.eviction import GroupEviction
+
+    recycled, general = [], GroupEviction.recycle
+
+    def run(recycle: bool):
+        monkeypatch.setattr(GroupEviction, "recycle",
+                            lambda *a: recycled.append(general(*a)) or recycled[-1] if recycle else None)
+        cache = hf_paged.PagedCache(page_size=1, max_pages=96, eviction=eviction, sink_pages=4, recent_pages=2)
+        kept = []
+        for i in range(120):
+            k = torch.randn(2, 1, 40 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
+            cache.update(k, k, 0)
+            plan = cache.layers[0].group.step
+            if plan.read_table is not None:
+                position = plan.read_pos.double()
+                mass = 0.05 + ((position * 0.37 + i * 0.11) % 1.0).round(decimals=1)
+                newest = position >= plan.num_tokens - 3  # the least attended, the newest least of all
+                mass[newest] = (plan.num_tokens - 1 - position[newest]) * 0.01
+                plan.add_usage(mass * (plan.read_table >= 0))
+            pages, positions = plan.live_pages()
+            kept.append([sorted(p for p, page in zip(row_pos, row) if page != EVICTED)
+                         for row_pos, row in zip(positions.tolist(), pages.tolist())])
+        monkeypatch.undo()
+        return kept, cache.stats()["evictions"]
+
+    assert run(recycle=True) == run(recycle=False)
+    assert sum(picks is not None for picks in recycled) >= 100  # every step after the pool filled

@@ -58,7 +58,10 @@ def check_index(page_table, page_pos, q_pos, num_pages: int) -> None:
 
 def mark_checked(page_table: torch.Tensor, page_pos, q_pos, num_pages: int) -> None:
     """Check the index once and remember it: later kernel calls on pools of at least ``num_pages``
-    pages skip the reduction."""
+    pages skip the reduction, and so does marking the same table again (its owner only ever edits
+    a marked table's ids into holes)."""
+    if getattr(page_table, _CHECKED, -1) >= num_pages:
+        return
     check_index(page_table, page_pos, q_pos, num_pages)
     setattr(page_table, _CHECKED, num_pages)
 
