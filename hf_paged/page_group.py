@@ -72,19 +72,6 @@ class PageGroup(PageRows):
         window = self.policy.window
         return PagedView(keys, values, self.step.on(keys.device), backend, self.eviction.sink(self.step), window)
 
-    def stats(self) -> dict:
-        """This group's page accounting, and the K/V bytes of its layers' used + cached pages and pools."""
-        m = self.manager
-        out = dict(pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free), pages_cached=len(m.cached),
-                   tokens_stored=self.tokens_stored(), kv_bytes=0, pool_bytes=0, evictions=self.eviction.evictions,
-                   prefix_hits=self.prefix_hits)
-        for layer in self.members:
-            if layer.is_initialized:
-                page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
-                out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
-                out["pool_bytes"] += page_bytes * layer.keys.shape[0]
-        return out
-
     def __del__(self):
         """A dropped cache (or fork) gives its pages back: unreferenced, then cached or free."""
         try:
@@ -188,8 +175,6 @@ class PageGroup(PageRows):
         if picks is None:
             return None
         self._undo = RowsUndo(self)  # the evictions are final, the pages' new use is undone by a rollback
-        for row, (_, _, page) in zip(self.rows, picks):
-            row.append(page)
         return recycle_plan(self.step, self.rows, picks, q_len)
 
     def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:

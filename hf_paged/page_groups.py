@@ -110,13 +110,22 @@ class PageGroups(dict):
             group.manager.max_pages = max_pages
 
     def stats(self) -> dict:
-        """Page and memory accounting summed over the groups (see `PageGroup.stats`); ``tokens_held``: the
-        most tokens one group holds (what max_pages bounds)."""
+        """Page accounting summed over the groups, and the K/V bytes of their layers' used + cached pages
+        (``kv_bytes``) and pools (``pool_bytes``); ``tokens_held``: the most tokens one group holds (what
+        max_pages bounds)."""
         out = dict(pages_total=0, pages_used=0, pages_free=0, pages_cached=0, tokens_stored=0, kv_bytes=0,
                    pool_bytes=0, evictions=0, prefix_hits=0)
         for group in self.values():
-            for key, value in group.stats().items():
+            m = group.manager
+            for key, value in dict(pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free),
+                                   pages_cached=len(m.cached), tokens_stored=group.tokens_stored(),
+                                   evictions=group.eviction.evictions, prefix_hits=group.prefix_hits).items():
                 out[key] += value
+            for layer in group.members:
+                if layer.is_initialized:
+                    page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
+                    out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
+                    out["pool_bytes"] += page_bytes * layer.keys.shape[0]
         out["tokens_held"] = self.tokens_held()
         return out
 

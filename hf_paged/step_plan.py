@@ -231,9 +231,11 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
 
 def recycle_plan(last: StepPlan, rows: list[list[int]], picks: list[tuple[int, int, int]], q_len: int) -> StepPlan:
     """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page, at live column
-    ``picks[b][0]`` of ``last``'s plan and row entry ``picks[b][1]``, holds the row's ``q_len`` new tokens; ``rows``
-    already say so (the entry a hole, the page appended). The live table keeps its width and pages, only that
-    column's position changes: it stays free of holes, in no particular order (the kernels take any)."""
+    ``picks[b][0]`` of ``last``'s plan and row entry ``picks[b][1]`` (already a hole), holds the row's ``q_len`` new
+    tokens: it is appended to the row. The live table keeps its width and pages, only that column's position
+    changes: it stays free of holes, in no particular order (the kernels take any)."""
+    for row, (_, _, page) in zip(rows, picks):
+        row.append(page)
     S, past = last.page_size, last.num_tokens
     columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
     live_columns, entries, pages = (list(picked) for picked in zip(*picks))
