@@ -157,7 +157,7 @@ class EvictionPolicy:
         on counts as used; the pages are shared by every head)."""
         page_mass = page_mass.float()
         if page_mass.device.type == "cpu":  # (numpy reduces a decode step's few hundred pages several times faster)
-            mass = page_mass.numpy()
+            mass = page_mass.detach().numpy()
             reduce = np.add.reduce(mass, axis=1) / mass.shape[1] if self.heads == "mean" else np.maximum.reduce(mass, axis=1)
             return torch.from_numpy(reduce)
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
