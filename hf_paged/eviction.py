@@ -168,15 +168,15 @@ class EvictionPolicy:
         usage.cover(pages)
         for row_pages, row_mass in zip(pages, mass):
             live = row_pages != EVICTED
-            ids, values = row_pages[live], row_mass[live]
+            ids, values = (row_pages, row_mass) if live.all() else (row_pages[live], row_mass[live])
             if not len(ids):
                 continue
             even = float(values.sum()) / len(ids)
             relative = values / even if even > 0 else np.zeros_like(values)
             if self.name == "lru":
                 usage.last_used[ids[relative >= self.threshold]] = 2 * step + 1
-            else:
-                usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative
+            else:  # (with no decay the average is the last share)
+                usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative if self.decay else relative
                 usage.observed[ids] += 1
 
     def scores(self, usage: PageUsage, pages) -> np.ndarray:
