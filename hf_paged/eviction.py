@@ -93,7 +93,8 @@ class PageUsage:
         self.cover(index)
         self.last_used[index] = 2 * step
         if fresh is not None:
-            self.ema[index[fresh]], self.observed[index[fresh]] = 0.0, 0
+            start = index if fresh.all() else index[fresh]
+            self.ema[start], self.observed[start] = 0.0, 0
 
 
 def _ids(pages) -> np.ndarray:

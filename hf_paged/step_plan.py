@@ -170,11 +170,11 @@ class PlanColumns:
         holds the tokens from ``position``: the logical table gets a hole there and the page at its end, the
         live table keeps its pages and the column's position changes; -> (table, read_table, read_pos)."""
         n, live = self.widths
-        each = np.arange(len(pages))
-        table = self._room(0, n + 1)
-        table[each, entries] = EVICTED
+        table, positions = self._room(0, n + 1), self.buffers[2]
+        for b, (entry, column) in enumerate(zip(entries, columns)):  # (a few rows: scalar writes beat fancy indexing)
+            table[b, entry] = EVICTED
+            positions[b, column] = position
         table[:, n] = pages
-        self.buffers[2][each, columns] = position
         self.widths = (n + 1, live)
         return self._views(num_tokens)
 
@@ -193,8 +193,9 @@ class PlanColumns:
         key = (live, id(self.buffers[1]), id(self.buffers[2]))
         if self._live is None or self._live[0] != key:
             self._live = key, torch.from_numpy(self.buffers[1][:, :live]), torch.from_numpy(self.buffers[2][:, :live])
-        positions = self.buffers[2][:, :live]
-        positions[self.buffers[1][:, :live] == EVICTED] = num_tokens
+        if self.holes:
+            positions = self.buffers[2][:, :live]
+            positions[self.buffers[1][:, :live] == EVICTED] = num_tokens
         return torch.from_numpy(self.buffers[0][:, :n]), self._live[1], self._live[2]
 
 
@@ -240,7 +241,7 @@ def recycle_plan(last: StepPlan, rows: list[list[int]], picks: list[tuple[int, i
     columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
     live_columns, entries, pages = (list(picked) for picked in zip(*picks))
     table, read_table, read_pos = columns.recycle(entries, live_columns, pages, past, past + q_len)
-    slots = torch.from_numpy((np.array(pages)[:, None] * S + np.arange(q_len)).reshape(-1))
+    slots = torch.tensor([page * S + offset for page in pages for offset in range(q_len)])
     return StepPlan(last.batch_size, q_len, past, past + q_len, last.first_pos, table, slots, None, None, None, S,
                     None, read_table, read_pos, rows=[list(r) for r in rows], _columns=columns)
 
