@@ -159,8 +159,8 @@ class EvictionPolicy:
         page_mass = page_mass.float()
         if page_mass.device.type == "cpu":  # (numpy reduces a decode step's few hundred pages several times faster)
             mass = page_mass.detach().numpy()
-            reduce = np.add.reduce(mass, axis=1) / mass.shape[1] if self.heads == "mean" else np.maximum.reduce(mass, axis=1)
-            return torch.from_numpy(reduce)
+            mean = self.heads == "mean"
+            return torch.from_numpy(np.add.reduce(mass, axis=1) / mass.shape[1] if mean else mass.max(axis=1))
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
@@ -200,14 +200,17 @@ class EvictionPolicy:
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
         if self.name == "fifo" or not len(candidates):
             return candidates[:count].tolist()
-        pages = table[candidates]
-        if self.name == "lru":
-            usage.cover(pages)
-            rank = usage.last_used[pages]
-        else:
-            rank = self.scores(usage, pages)
+        rank = self._rank(usage, table[candidates])
         order = [int(np.argmin(rank))] if count == 1 else np.argsort(rank, kind="stable")[:count]  # first of ties
         return candidates[order].tolist()
+
+    def _rank(self, usage: PageUsage, pages: np.ndarray) -> np.ndarray:
+        """The order in which a usage policy gives ``pages`` up (lowest first): when last used ("lru"), or
+        the score."""
+        if self.name == "lru":
+            usage.cover(pages)
+            return usage.last_used[pages].astype(np.float64)
+        return self.scores(usage, pages)
 
     def victim_columns(self, table: np.ndarray, positions: np.ndarray, usage: PageUsage,
                        page_size: int) -> np.ndarray | None:
@@ -217,11 +220,8 @@ class EvictionPolicy:
         each = np.arange(len(table))
         holes = table == EVICTED
         age = np.where(holes, -1, positions) if holes.any() else positions
-        if self.name == "fifo":
-            rank = positions.astype(np.float64)
-        else:  # (holes index some page's usage: they are masked below)
-            usage.cover(table)
-            rank = usage.last_used[table].astype(np.float64) if self.name == "lru" else self.scores(usage, table)
+        # (holes index some page's usage: they are masked below)
+        rank = positions.astype(np.float64) if self.name == "fifo" else self._rank(usage, table)
         rank[holes | (positions < self.sink_pages * page_size)] = np.inf
         recent = max(self.recent_pages, 1)
         newest = age.argmax(axis=1)[:, None] if recent == 1 else np.argpartition(-age, recent - 1, axis=1)[:, :recent]
@@ -333,8 +333,8 @@ class GroupEviction:
         """The steady step of a full pool: each row starts one new page (``q_len`` tokens from a page boundary) and
         must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
         is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
-        nothing is released or allocated. -> [(live column, row entry, page)] per row; None, changing nothing, when the step
-        is not such a step or a victim is shared (the general path then evicts)."""
+        nothing is released or allocated. -> [(live column, row entry, page)] per row; None, changing nothing,
+        when the step is not such a step or a victim is shared (the general path then evicts)."""
         S = manager.page_size
         if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
                 or q_len > S or last is None or last.read_table is None or last.same_as is not None
