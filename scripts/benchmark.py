@@ -190,6 +190,10 @@ def parse_args(argv=None):
                    "with the other two; the table adds its decode speed against the unbounded PagedCache")
     p.add_argument("--budget-page-size", type=int, default=None, help="page size of the bounded PagedCache "
                    "(default: the configuration's; 1 is what bounded caches are measured best with, README Eviction)")
+    p.add_argument("--budget-eviction", default=None, choices=["score", "lru", "fifo"], help="eviction policy of the "
+                   "bounded PagedCache (default: PagedCache's, score)")
+    p.add_argument("--budget-per-layer", default=None, choices=["on", "off"], help="per_layer_eviction of the bounded "
+                   "PagedCache (default: PagedCache's: on for score and lru)")
     p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
                    "README's reference results are in results/benchmark)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -205,6 +209,8 @@ def parse_args(argv=None):
         p.error("--budget must be a positive number of tokens")
     if args.budget_page_size is not None and (args.budget is None or args.budget_page_size < 1):
         p.error("--budget-page-size needs --budget and must be a positive int")
+    if (args.budget_eviction or args.budget_per_layer) and args.budget is None:
+        p.error("--budget-eviction and --budget-per-layer need --budget")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args
@@ -357,7 +363,8 @@ def prompt_batch(token_ids: list[int], context: int, batch: int, device):
 
 # ----------------------------------------------------------------------------------------- runs
 def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, seed: int, meter: MemoryMeter,
-             sync, budget: int | None = None, budget_page_size: int | None = None) -> dict:
+             sync, budget: int | None = None, budget_page_size: int | None = None,
+             budget_options: dict | None = None) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
@@ -366,7 +373,9 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     mode = parse_mode(cfg.mode)
     use_attention(model, "dynamic" if kind == "dynamic" else "paged")
     page_size = (budget_page_size or cfg.page_size) if kind == "bounded" else cfg.page_size
-    bound = dict(max_pages=budget // page_size, compress_prompt=True) if kind == "bounded" else {}
+    bound = {}
+    if kind == "bounded":
+        bound = dict(max_pages=budget // page_size, compress_prompt=True, **budget_options or {})
     cache = make_cache("dynamic" if kind == "dynamic" else "paged", model, page_size, **bound)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)
@@ -497,9 +506,12 @@ def markdown_table(configs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None = None) -> str:
+def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None = None, eviction: str | None = None,
+                  per_layer: str | None = None) -> str:
     """Decode speed of the bounded PagedCache (``--budget``) against the unbounded one, same runs."""
-    lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, default eviction policy, a longer prompt "
+    policy = f"eviction {eviction or 'score (the default)'}"
+    policy += f", per_layer_eviction {per_layer}" if per_layer else ""
+    lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, {policy}, a longer prompt "
              "cut to it after prefill) against the unbounded PagedCache, alternated in the same run:", "",
              "| context | batch | mode | page unbounded / bounded | decode tok/s unbounded | bounded | bounded / unbounded | spread % "
              "unbounded / bounded | tokens held per layer at end | evictions (all layers) | new tokens equal to "
@@ -536,7 +548,8 @@ def markdown_report(result: dict) -> str:
         "",
         markdown_table(result["configs"]),
         "",
-        *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size")), ""] if s.get("budget") else []),
+        *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size"), s.get("budget_eviction"),
+                        s.get("budget_per_layer")), ""] if s.get("budget") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
@@ -685,9 +698,14 @@ def main(argv=None) -> dict:
     )
     settings = dict(model=model_name, dtype=str(dtype).replace("torch.", ""), new_tokens=args.new_tokens,
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
-                    seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size, argv=list(sys.argv[1:] if argv is None else argv),
+                    seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
+                    budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
+                    argv=list(sys.argv[1:] if argv is None else argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
+    budget_options = {k: v for k, v in (("eviction", args.budget_eviction),
+                                         ("per_layer_eviction", {"on": True, "off": False}.get(args.budget_per_layer)))
+                      if v is not None}
     results = []
     kinds = CACHES + (("bounded",) if args.budget else ())
     total_runs = len(configs) * len(kinds) * (args.warmup + args.repeats)
@@ -702,7 +720,7 @@ def main(argv=None) -> dict:
                 for kind in kinds:
                     bar.set_postfix_str(f"{cfg.name} warm-up {kind}")
                     run_once(model, kind, cfg, warm_inputs, warm_tokens, pad_id, args.seed, meter, sync, args.budget,
-                             args.budget_page_size)
+                             args.budget_page_size, budget_options)
                     bar.update()
             runs = {k: [] for k in kinds}
             matches, agreement, bounded_agreement = [], [], []
@@ -712,7 +730,7 @@ def main(argv=None) -> dict:
                 for kind in order:
                     bar.set_postfix_str(f"{cfg.name} repeat {rep + 1} {kind}")
                     res, seqs[kind] = run_once(model, kind, cfg, inputs, args.new_tokens, pad_id, args.seed + rep,
-                                               meter, sync, args.budget, args.budget_page_size)
+                                               meter, sync, args.budget, args.budget_page_size, budget_options)
                     runs[kind].append(res)
                     bar.update()
                 same, frac = compare(seqs["dynamic"], seqs["paged"], cfg.context)

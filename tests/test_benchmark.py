@@ -55,7 +55,8 @@ def test_modes_and_bad_flags():
     for bad in ("beam", "topk5", "sample0"):
         with pytest.raises(ValueError):
             bench.parse_mode(bad)
-    for argv in (["--modes", "nucleus"], ["--contexts", "0"], ["--new-tokens", "1"]):
+    for argv in (["--modes", "nucleus"], ["--contexts", "0"], ["--new-tokens", "1"], ["--budget-eviction", "fifo"],
+                 ["--budget", "64", "--budget-per-layer", "maybe"]):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
 
@@ -148,11 +149,12 @@ def test_quick_run_json_fields_ratios_and_tokens(quick_run):
 
 
 @pytest.mark.slow
-def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--budget-eviction", "fifo", "--budget-per-layer", "off"]])
+def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--contexts", "48", "--batch-sizes", "1", "--modes", "greedy",
                            "--page-sizes", "8", "--new-tokens", "12", "--repeats", "2", "--warmup", "0", "--budget",
-                           "32", "--threads", "1", "--no-progress", "--out", str(tmp_path)],
+                           "32", "--threads", "1", "--no-progress", "--out", str(tmp_path), *options],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "benchmark.json").read_text())
@@ -165,4 +167,6 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path):
         assert stats["tokens_held"] <= 32 and stats["evictions"] > 0  # the 48-token prompt was cut to the budget
     assert paged["runs"][-1]["stats_end"]["tokens_held"] == 48 + 11
     assert 0.0 <= cfg["bounded_agreement"] <= 1.0
-    assert "Bounded PagedCache (at most 32 tokens" in (tmp_path / "benchmark.md").read_text()
+    policy = "eviction fifo, per_layer_eviction off" if options else "eviction score (the default)"
+    assert f"Bounded PagedCache (at most 32 tokens per row and layer, {policy}," in (tmp_path / "benchmark.md").read_text()
+    assert result["settings"]["budget_eviction"] == ("fifo" if options else None)
