@@ -78,8 +78,10 @@ def attend(
     return (out, probs) if return_probs else out
 
 
-def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux):
-    """A paged kernel walks the page table (holes included); the mask is aligned on its last column."""
+def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux,
+                      **mass_options):
+    """A paged kernel walks the page table (holes included); the mask is aligned on its last column.
+    ``mass_options``: how the kernel reduces the page mass it returns (the C kernel's ``page_mass_heads``)."""
     page_table, page_pos, q_pos = view.kernel_index()
     mask_offset = 0
     if attention_mask is not None:
@@ -90,7 +92,7 @@ def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, s
     result = kernel(
         query, view.keys, view.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
         mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
-        return_page_mass=whole)
+        return_page_mass=whole, **(mass_options if whole else {}))
     if whole:
         out, page_mass = result
         view.usage(page_mass)
@@ -157,7 +159,7 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
                                  softcap, s_aux)
     if view.backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES:
         return _kernel_attention(cpu_kernel.paged_attention_cpu, query, view, attention_mask, scaling,
-                                 sliding_window, softcap, s_aux)
+                                 sliding_window, softcap, s_aux, page_mass_heads=view.usage_heads)
     if view.live_only:
         return _live_attention(query, view, attention_mask, scaling, softcap, s_aux)
     keys, values = view.read()

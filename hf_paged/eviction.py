@@ -155,12 +155,11 @@ class EvictionPolicy:
     def page_signal(self, page_mass: torch.Tensor) -> torch.Tensor:
         """One layer's attention mass per live page ``[B, H, Nk]`` (averaged over queries) -> ``[B, Nk]``: the
         heads' mean (``heads="mean"``, TOVA) or the largest over the heads (``"max"``: a page one head relies
-        on counts as used; the pages are shared by every head)."""
+        on counts as used; the pages are shared by every head). A ``[B, Nk]`` mass was reduced so by the
+        kernel (`PagedView.usage_heads`)."""
         page_mass = page_mass.float()
-        if page_mass.device.type == "cpu":  # (numpy reduces a decode step's few hundred pages several times faster)
-            mass = page_mass.detach().numpy()
-            mean = self.heads == "mean"
-            return torch.from_numpy(np.add.reduce(mass, axis=1) / mass.shape[1] if mean else mass.max(axis=1))
+        if page_mass.dim() == 2:
+            return page_mass
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:

@@ -69,8 +69,9 @@ class PageGroup(PageRows):
 
     def read_view(self, keys, values, backend: str) -> PagedView:
         """What attention reads of a member in the current step (its pools ``keys``/``values``)."""
-        window = self.policy.window
-        return PagedView(keys, values, self.step.on(keys.device), backend, self.eviction.sink(self.step), window)
+        policy = self.policy
+        return PagedView(keys, values, self.step.on(keys.device), backend, self.eviction.sink(self.step), policy.window,
+                         policy.heads)
 
     def __del__(self):
         """A dropped cache (or fork) gives its pages back: unreferenced, then cached or free."""

@@ -42,8 +42,9 @@ class PagedView:
     ``keys``/``values``: the layer's pools ``[P, S, H, D]``; ``plan``: the step's plan on the pools'
     device (page tables, positions, lengths); ``backend``: "torch", "triton" or "cpu", resolved once
     per layer; ``usage``: where attention adds its mass per live page ``[B, H, Nk]`` (averaged over
-    the observed queries), or None when the eviction policy does not want it; ``window``: how many
-    of the step's last queries are observed.
+    the observed queries), or ``[B, Nk]`` reduced over the heads as ``usage_heads`` says ("mean" or
+    "max"), or None when the eviction policy does not want it; ``window``: how many of the step's last
+    queries are observed.
     """
 
     keys: torch.Tensor
@@ -52,6 +53,7 @@ class PagedView:
     backend: str
     usage: Callable[[torch.Tensor], None] | None
     window: int
+    usage_heads: str = "mean"
 
     @property
     def past(self) -> int:

@@ -38,6 +38,22 @@ def test_matches_reference(name, splits):
         check(make_case(seed=1, **KERNEL_CASES[name]), num_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", ["mha-page1-decode-fp32", "gqa-d24-perhead-mask-offset-fp16"])
+def test_page_mass_reduced_over_heads_in_the_kernel(name, splits):
+    """``page_mass_heads`` returns the heads' mean or max ``[B, N]`` of the per-head page mass, the same
+    attention output; anything else is refused."""
+    case = make_case(seed=2, **dict(KERNEL_CASES[name], dtype=torch.float32))
+    out, mass = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits)
+    for heads, reduce in (("mean", lambda m: m.mean(dim=1)), ("max", lambda m: m.amax(dim=1))):
+        reduced_out, reduced = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits,
+                                                              page_mass_heads=heads)
+        assert reduced.shape == mass.shape[::2] and torch.equal(reduced_out, out)
+        torch.testing.assert_close(reduced, reduce(mass), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="page_mass_heads"):
+        cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads="sum")
+
+
 @pytest.mark.parametrize("D", [8, 24, 48, 80])
 def test_head_dims(D):
     """Multiples of 16 take the lane-sum-tree path, others one dot product per slot: both exact."""

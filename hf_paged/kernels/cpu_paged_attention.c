@@ -39,7 +39,8 @@ typedef struct {
     int64_t mask_per_head; /* mask_stride[1] != 0 */
     const float *sinks;    /* [Hq] or NULL */
     float *out;            /* [B, Q, Hq, D] fp32 contiguous */
-    float *page_mass;      /* [B, Hq, N] or NULL */
+    float *page_mass;      /* [B, Hq, N] or NULL; [B, N] when mass_heads != 0 */
+    int64_t mass_heads;    /* 0: per head; 1: the heads' mean; 2: the heads' max */
     int64_t splits;
     int64_t threads;
     float *partial;        /* set by run(): [B, splits, R, D + 2]: acc | max | sum, R = Q * Hq */
@@ -438,8 +439,32 @@ static void finalize(const PagedArgs *a, int64_t item) {
     }
 }
 
+/* The heads' mean or max of the page mass per head [B, Hq, N] into out [B, N]. */
+static void reduce_heads(const PagedArgs *a, const float *per_head, float *out) {
+    const int64_t Hq = a->Hq, N = a->N;
+    for (int64_t b = 0; b < a->B; b++) {
+        float *o = out + b * N;
+        memcpy(o, per_head + b * Hq * N, sizeof(float) * N);
+        for (int64_t h = 1; h < Hq; h++) {
+            const float *m = per_head + (b * Hq + h) * N;
+            if (a->mass_heads == 1)
+                for (int64_t n = 0; n < N; n++) o[n] += m[n];
+            else
+                for (int64_t n = 0; n < N; n++) o[n] = m[n] > o[n] ? m[n] : o[n];
+        }
+        if (a->mass_heads == 1)
+            for (int64_t n = 0; n < N; n++) o[n] /= (float)Hq;
+    }
+}
+
 /* Returns 0, or -1 when scratch memory cannot be allocated (nothing written). */
 static int run(PagedArgs *a, int bf16) {
+    float *reduced = NULL; /* with mass_heads: the caller's [B, N]; the page mass per head goes to scratch */
+    if (a->page_mass && a->mass_heads) {
+        reduced = a->page_mass;
+        a->page_mass = calloc((size_t)(a->B * a->Hq * a->N), sizeof(float));
+        if (a->page_mass == NULL) return -1;
+    }
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
@@ -475,6 +500,11 @@ static int run(PagedArgs *a, int bf16) {
     free(a->partial);
     free(a->entry_stats);
     a->partial = a->entry_stats = NULL;
+    if (reduced) {
+        if (!failed) reduce_heads(a, a->page_mass, reduced);
+        free(a->page_mass);
+        a->page_mass = reduced;
+    }
     return failed ? -1 : 0;
 }
 

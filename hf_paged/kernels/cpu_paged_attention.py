@@ -41,6 +41,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
          "-fassociative-math", "-fno-signed-zeros"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SYMBOLS = ("paged_attention_f32", "paged_attention_bf16")
+MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
 
 _i64 = ctypes.c_int64
@@ -62,7 +63,7 @@ class _PagedArgs(ctypes.Structure):
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", _i64),
         ("mask", _ptr), ("mask_stride", _i64x4), ("mask_offset", _i64), ("mask_len", _i64),
         ("mask_per_head", _i64),
-        ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr),
+        ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr), ("mass_heads", _i64),
         ("splits", _i64), ("threads", _i64), ("partial", _ptr), ("entry_stats", _ptr),
     ]
 
@@ -167,12 +168,14 @@ def paged_attention_cpu(
     s_aux: torch.Tensor | None = None,
     return_page_mass: bool = False,
     num_splits: int | None = None,
+    page_mass_heads: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention of ``query [B, Hq, Q, D]`` over ``k_pool/v_pool [P, S, Hkv, D]`` (CPU tensors).
 
     Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; pools must be
     float32 or bfloat16 with a unit last stride. Returns ``out [B, Q, Hq, D]`` in ``query.dtype``, and
-    float32 ``page_mass [B, Hq, N]`` (averaged over the queries) with ``return_page_mass``.
+    float32 ``page_mass [B, Hq, N]`` (averaged over the queries) with ``return_page_mass``, or its heads'
+    ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``.
     """
     library = _library()
     if isinstance(library, str):
@@ -196,7 +199,10 @@ def paged_attention_cpu(
     q32 = query.float()
     table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
-    page_mass = torch.zeros(B, Hq, N, dtype=torch.float32) if return_page_mass else None
+    if page_mass_heads not in (None, *MASS_HEADS):
+        raise ValueError(f"page_mass_heads must be None or one of {MASS_HEADS}, got {page_mass_heads!r}")
+    mass_shape = (B, N) if page_mass_heads else (B, Hq, N)
+    page_mass = torch.zeros(mass_shape, dtype=torch.float32) if return_page_mass else None
     args = _PagedArgs(
         q32.data_ptr(), _i64x4(*q32.stride()),
         k_pool.data_ptr(), v_pool.data_ptr(), _i64x3(*k_pool.stride()[:3]), _i64x3(*v_pool.stride()[:3]),
@@ -206,7 +212,7 @@ def paged_attention_cpu(
         scale, softcap or 0.0, sliding_window or 0,
         0, _NO_STRIDES, 0, 0, 0,  # no mask (set below)
         None, out.data_ptr(), None if page_mass is None else page_mass.data_ptr(),
-        splits, threads,
+        0 if page_mass_heads is None else 1 + MASS_HEADS.index(page_mass_heads), splits, threads,
     )
     if mask is not None:
         strides = mask_strides(mask)
