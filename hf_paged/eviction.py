@@ -283,8 +283,8 @@ class GroupEviction:
         self.usage.written(slots // plan.page_size, self.clock, slots % plan.page_size == 0)
 
     def sink(self, plan):
-        """Where attention adds a layer's mass per live page ``[B, H, Nk]`` in ``plan``'s step, or None
-        when the policy does not track usage (see `PagedView.usage`)."""
+        """Where attention adds a layer's mass per live page (``[B, H, Nk]``, or ``[B, Nk]`` reduced over the heads)
+        in ``plan``'s step, or None when the policy does not track usage (see `PagedView.usage`)."""
         if not self.tracks_usage:
             return None
         signal = self.policy.page_signal
