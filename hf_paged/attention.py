@@ -92,7 +92,7 @@ def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, s
     result = kernel(
         query, view.keys, view.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
         mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
-        return_page_mass=whole, **(mass_options if whole else {}))
+        return_page_mass=whole, **mass_options)
     if whole:
         out, page_mass = result
         view.usage(page_mass)

@@ -703,9 +703,11 @@ def main(argv=None) -> dict:
                     argv=list(sys.argv[1:] if argv is None else argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
-    budget_options = {k: v for k, v in (("eviction", args.budget_eviction),
-                                         ("per_layer_eviction", {"on": True, "off": False}.get(args.budget_per_layer)))
-                      if v is not None}
+    budget_options = {}  # PagedCache arguments of the bounded cache that --budget-* flags set
+    if args.budget_eviction:
+        budget_options["eviction"] = args.budget_eviction
+    if args.budget_per_layer:
+        budget_options["per_layer_eviction"] = args.budget_per_layer == "on"
     results = []
     kinds = CACHES + (("bounded",) if args.budget else ())
     total_runs = len(configs) * len(kinds) * (args.warmup + args.repeats)
