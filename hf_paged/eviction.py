@@ -84,23 +84,23 @@ class PageUsage:
 
     def allocated(self, pages, step: int) -> None:
         """Fresh pages (their first token written at ``step``) start with no history."""
-        index = _ids(pages)
-        self.written(index, step, np.ones(len(index), dtype=bool))
+        self.written(pages, step, True)
 
-    def written(self, pages, step: int, fresh: np.ndarray | None = None) -> None:
-        """``pages`` were written at ``step``; those where the mask ``fresh`` holds start with no history."""
+    def written(self, pages, step: int, fresh: np.ndarray | bool | None = None) -> None:
+        """``pages`` were written at ``step``; those where the mask ``fresh`` holds (True: all) start afresh."""
         index = _ids(pages)
         self.cover(index)
         self.last_used[index] = 2 * step
         if fresh is not None:
-            start = index if fresh.all() else index[fresh]
+            start = index if fresh is True or fresh.all() else index[fresh]
             self.ema[start], self.observed[start] = 0.0, 0
 
 
 def _ids(pages) -> np.ndarray:
     """Page ids (a list, tensor or array) as an int64 array (a tensor on the host is viewed, not copied)."""
-    if isinstance(pages, torch.Tensor):
-        return pages.detach().cpu().numpy().astype(np.int64, copy=False)
+    if isinstance(pages, torch.Tensor):  # (page ids never require grad)
+        pages = pages.cpu().numpy()
+        return pages if pages.dtype == np.int64 else pages.astype(np.int64)
     return np.asarray(pages, dtype=np.int64)
 
 
@@ -162,22 +162,34 @@ class EvictionPolicy:
             return page_mass
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
-    def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> None:
-        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``."""
-        pages, mass = _ids(pages), mass.detach().cpu().numpy().astype(np.float64)
+    def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> np.ndarray:
+        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``;
+        -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
+        pages, shares = _ids(pages), mass.detach().cpu().numpy().astype(np.float64)
         usage.cover(pages)
-        for row_pages, row_mass in zip(pages, mass):
+        for row_pages, row_shares in zip(pages, shares):  # (each row's mass becomes its shares in place)
             live = row_pages != EVICTED
-            ids, values = (row_pages, row_mass) if live.all() else (row_pages[live], row_mass[live])
-            if not len(ids):
-                continue
-            even = float(values.sum()) / len(ids)
-            relative = values / even if even > 0 else np.zeros_like(values)
+            whole = live.all()
+            ids = row_pages if whole else row_pages[live]
+            even = float((row_shares if whole else row_shares[live]).sum()) / max(len(ids), 1)
+            if even > 0:
+                row_shares /= even
+            else:
+                row_shares[:] = 0.0
+            if not whole:
+                row_shares[~live] = np.inf
+            relative = row_shares if whole else row_shares[live]
             if self.name == "lru":
                 usage.last_used[ids[relative >= self.threshold]] = 2 * step + 1
             else:  # (with no decay the average is the last share)
                 usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative if self.decay else relative
                 usage.observed[ids] += 1
+        return shares
+
+    @property
+    def ranks_by_last_share(self) -> bool:
+        """A page's rank is its share of the last step that observed it (a "score" with no decay: TOVA)."""
+        return self.name == "score" and self.decay == 0
 
     def scores(self, usage: PageUsage, pages) -> np.ndarray:
         """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
@@ -211,27 +223,26 @@ class EvictionPolicy:
             return usage.last_used[pages].astype(np.float64)
         return self.scores(usage, pages)
 
-    def victim_columns(self, table: np.ndarray, positions: np.ndarray, usage: PageUsage,
-                       page_size: int) -> np.ndarray | None:
+    def victim_columns(self, table: np.ndarray, positions: np.ndarray, usage: PageUsage, page_size: int,
+                       num_tokens: int, shares: np.ndarray | None = None) -> np.ndarray | None:
         """Per row of a live table (``table [B, Nk]``: page ids in any order, -1 for holes; ``positions``: each
-        page's first token), the column of the page `victims` would give up first: the lowest rank among the
-        unprotected pages, ties to the oldest. None when a row has every page protected."""
-        each = np.arange(len(table))
-        holes = table == EVICTED
-        age = np.where(holes, -1, positions) if holes.any() else positions
-        # (holes index some page's usage: they are masked below)
-        rank = positions.astype(np.float64) if self.name == "fifo" else self._rank(usage, table)
-        rank[holes | (positions < self.sink_pages * page_size)] = np.inf
-        recent = max(self.recent_pages, 1)
-        newest = age.argmax(axis=1)[:, None] if recent == 1 else np.argpartition(-age, recent - 1, axis=1)[:, :recent]
-        rank[each[:, None], newest] = np.inf
-        columns = rank.argmin(axis=1)
-        best = rank[each, columns]
-        if np.isinf(best).any():
+        page's first token, ``num_tokens`` for holes) of rows holding ``num_tokens`` tokens, the column of the page
+        `victims` would give up first: the lowest rank among the unprotected pages, ties to the oldest. None when
+        a row has every page protected. ``shares``: the last step's shares of these columns (`record`), the ranks
+        when the policy `ranks_by_last_share` (they are overwritten). The recent pages are the rows' last logical
+        pages: never evicted, they are live."""
+        if self.name == "fifo":
+            rank = positions.astype(np.float64)
+        else:  # (holes index some page's usage: they are protected below; the shares are used up)
+            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(usage, table)
+        recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
+        rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
+        columns, best = rank.argmin(axis=1), rank.min(axis=1, keepdims=True)
+        if best.max() == np.inf:
             return None
-        ties = rank == best[:, None]
+        ties = rank == best
         if np.count_nonzero(ties) > len(table):  # (rare) the oldest of the pages tied for lowest
-            columns = np.where(ties, age, np.iinfo(np.int64).max).argmin(axis=1)
+            columns = np.where(ties, positions, np.iinfo(np.int64).max).argmin(axis=1)
         return columns
 
     def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
@@ -280,7 +291,8 @@ class GroupEviction:
         if plan.read_table is None:
             return
         slots = _ids(plan.slots)
-        self.usage.written(slots // plan.page_size, self.clock, slots % plan.page_size == 0)
+        S = plan.page_size
+        self.usage.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
 
     def sink(self, plan):
         """Where attention adds a layer's mass per live page (``[B, H, Nk]``, or ``[B, Nk]`` reduced over the heads)
@@ -291,11 +303,12 @@ class GroupEviction:
         return lambda page_mass: plan.add_usage(signal(page_mass))
 
     def record(self, plan) -> None:
-        """Hand the step's attention per page to the policy (once)."""
+        """Hand the step's attention per page to the policy (once); a policy that ranks pages by their last share
+        keeps the shares on the plan, by live column (`recycle` ranks the columns by them)."""
         if plan is None or plan.usage is None:
             return
-        self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
-        plan.usage = None
+        shares = self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
+        plan.usage, plan.shares = None, shares if self.policy.ranks_by_last_share else None
 
     def reserve(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
                 fresh: bool, last) -> None:
@@ -327,33 +340,33 @@ class GroupEviction:
             self._warned_for = max_pages
         self.exact_tokens = min(self.exact_tokens, num_tokens)  # later tokens see fewer: not reusable
 
-    def recycle(self, manager, rows: list[list[int]], num_tokens: int, q_len: int,
-                last) -> list[tuple[int, int, int]] | None:
+    def recycle(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last):
         """The steady step of a full pool: each row starts one new page (``q_len`` tokens from a page boundary) and
         must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
         is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
-        nothing is released or allocated. -> [(live column, row entry, page)] per row; None, changing nothing,
-        when the step is not such a step or a victim is shared (the general path then evicts)."""
+        nothing is released or allocated. -> (live columns, row entries, pages), an array, a list and an array
+        with one entry per row; None, changing nothing, when the step is not such a step or a victim is shared
+        (the general path then evicts)."""
         S = manager.page_size
         if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
                 or q_len > S or last is None or last.read_table is None or last.same_as is not None
                 or last.num_tokens != num_tokens or last.rows != rows):
             return None
         table, positions = last.read_table.numpy(), last.read_pos.numpy()
-        columns = self.policy.victim_columns(table, positions, self.usage, S)
+        columns = self.policy.victim_columns(table, positions, self.usage, S, num_tokens, last.shares)
         if columns is None:
             return None
         each = np.arange(len(rows))
-        pages = table[each, columns].tolist()
-        if any(manager.ref[page] != 1 for page in pages):
+        pages = table[each, columns]
+        if any(manager.ref[page] != 1 for page in pages.tolist()):
             return None
         self._evicting(manager.max_pages, num_tokens)
         entries = (positions[each, columns] // S - last.first_pos // S).tolist()
-        for row, entry, page in zip(rows, entries, pages):
+        for row, entry, page in zip(rows, entries, pages.tolist()):
             row[entry] = EVICTED
             manager.forget(page)  # (its content is about to change)
         self.evictions += len(rows)
-        return list(zip(columns.tolist(), entries, pages))
+        return columns, entries, pages
 
     def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int, last) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free. The rows are

@@ -153,7 +153,7 @@ class PageGroup(PageRows):
         self.check_batch(batch_size)
         if self.first_kept_page(self.num_tokens) == self.first_page and not self.eviction.compressing:
             quick = continue_plan(self.step, self.rows, q_len, self.manager.ref)  # the tables stay as they are
-            self._undo = RowsUndo(self) if quick is not None else None
+            self._undo = RowsUndo(self, appends_only=True) if quick is not None else None
             quick = quick or self._recycle(q_len)
             if quick is not None:  # the common decode steps
                 self.num_tokens, self.step = quick.num_tokens, quick
@@ -175,8 +175,8 @@ class PageGroup(PageRows):
         picks = self.eviction.recycle(self.manager, self.rows, self.num_tokens, q_len, self.step)
         if picks is None:
             return None
-        self._undo = RowsUndo(self)  # the evictions are final, the pages' new use is undone by a rollback
-        return recycle_plan(self.step, self.rows, picks, q_len)
+        self._undo = RowsUndo(self, appends_only=True)  # the evictions are final, the pages' new use is undone
+        return recycle_plan(self.step, self.rows, *picks, q_len)
 
     def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:
         """Give the rows their new pages (nothing raises: the pool was reserved) and plan the step.

@@ -43,14 +43,16 @@ class PageGroups(dict):
         never began it (groups begin a step in layer order). With ``group``: as a layer of ``group`` about to
         start new tokens sees it."""
         if group is not None:
-            return (group.step_open and not group.step_complete()) or any(
-                g.num_tokens < group.num_tokens for g in self.values())
-        return len({g.num_tokens for g in self.values()}) > 1 or any(
-            g.step_open and not g.step_complete() for g in self.values())
+            return (group.step_open and not group.step_complete()) or min(self.token_counts()) < group.num_tokens
+        return len(self.token_counts()) > 1 or any(g.step_open and not g.step_complete() for g in self.values())
 
     def level_with(self, group: PageGroup) -> bool:
         """Every group holds as many tokens as ``group``: none has begun a step that ``group`` has not."""
-        return all(g.num_tokens == group.num_tokens for g in self.values())
+        return self.token_counts() == {group.num_tokens}
+
+    def token_counts(self) -> set[int]:
+        """The tokens the groups hold (one count when they are level)."""
+        return {g.num_tokens for g in self.values()}
 
     @property
     def num_tokens(self) -> int:

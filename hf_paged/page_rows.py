@@ -168,18 +168,27 @@ class PageRows:
 
 class RowsUndo:
     """The rows as they were before an uncommitted step, and the pages the step took out of them:
-    released when the step commits, given back when it is rolled back."""
+    released when the step commits, given back when it is rolled back. For a step that only appends
+    pages of its own to the rows (``appends_only``), the rows' lengths stand for them."""
 
-    def __init__(self, rows: PageRows):
-        self.rows, self.first_page, self.num_tokens = [list(r) for r in rows.rows], rows.first_page, rows.num_tokens
+    def __init__(self, rows: PageRows, appends_only: bool = False):
+        self.first_page, self.num_tokens, self.appends_only = rows.first_page, rows.num_tokens, appends_only
+        self.rows = [len(r) for r in rows.rows] if appends_only else [list(r) for r in rows.rows]
         self.replaced: list[int] = []
 
     def commit(self, manager: BlockManager) -> None:
-        manager.release_row(self.replaced)
+        if self.replaced:
+            manager.release_row(self.replaced)
 
     def rollback(self, rows: PageRows) -> None:
         """``rows`` return to their state before the step; pages the step allocated are released."""
-        kept = {p for r in self.rows for p in r}
-        for pages in (*rows.rows, self.replaced):
-            rows.manager.release_row([p for p in pages if p not in kept])
-        rows.rows, rows.first_page, rows.num_tokens = self.rows, self.first_page, self.num_tokens
+        if self.appends_only:
+            for row, length in zip(rows.rows, self.rows):
+                rows.manager.release_row(row[length:])
+                del row[length:]
+        else:
+            kept = {p for r in self.rows for p in r}
+            for pages in (*rows.rows, self.replaced):
+                rows.manager.release_row([p for p in pages if p not in kept])
+            rows.rows = self.rows
+        rows.first_page, rows.num_tokens = self.first_page, self.num_tokens

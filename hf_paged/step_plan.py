@@ -42,6 +42,7 @@ class StepPlan:
     read_table: torch.Tensor | None = None  # long [B, Nk]: live pages only (-1 padded), when rows have holes
     read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
     usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
+    shares: np.ndarray | None = None  # float64 [B, Nk]: the live pages' shares of ``usage``, recorded (inf: holes)
     _on_device: dict = field(default_factory=dict)
     rows: list[list[int]] | None = None  # a copy of the rows as planned (`extend_plan`, `continue_plan` compare)
     _columns: "PlanColumns | None" = None  # the buffers `extend_plan` appends to, once it has extended this plan
@@ -56,16 +57,16 @@ class StepPlan:
         checked here, once per step and device, against pools of ``num_pages`` pages (the kernels
         read pools unchecked)."""
         key = ("kernel", device)
-        if key not in self._on_device:
-            table, page_pos = self.live_pages()
-            q_pos = torch.from_numpy(np.tile(np.arange(self.past, self.num_tokens), (table.shape[0], 1)))
-            dtype = torch.int32 if device.type == "cuda" else torch.long
-            index = tuple(t if t.device == device and t.dtype == want and t.is_contiguous() else
-                          t.to(device, want).contiguous() for t, want in ((table, dtype), (page_pos, torch.long),
-                                                                           (q_pos, torch.long)))
+        index = self._on_device.get(key)
+        if index is None:
+            table, page_pos = self.live_pages()  # (long tensors on the host)
+            q_pos = torch.from_numpy(np.arange(self.past, self.num_tokens)[None].repeat(table.shape[0], axis=0))
+            if device.type == "cuda":
+                table = table.to(device, torch.int32)
+            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
             mark_checked(*index, num_pages)
             self._on_device[key] = index
-        return self._on_device[key]
+        return index
 
     def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""
@@ -88,7 +89,7 @@ class StepPlan:
             move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
             moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots), copy_src=move(self.copy_src),
                                         copy_dst=move(self.copy_dst), read_table=move(self.read_table),
-                                        read_pos=move(self.read_pos), usage=None, _on_device={})
+                                        read_pos=move(self.read_pos), usage=None, shares=None, _on_device={})
             self._on_device[device] = moved
         return moved
 
@@ -227,23 +228,27 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
     slots = torch.tensor([r[p // S - first_page] * S + p % S for r in rows for p in range(past, num_tokens)])
     return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table,
                                slots=slots, copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos,
-                               usage=None, rows=[list(r) for r in rows], _on_device={}, _columns=columns)
+                               usage=None, shares=None, rows=[list(r) for r in rows], _on_device={}, _columns=columns)
 
 
-def recycle_plan(last: StepPlan, rows: list[list[int]], picks: list[tuple[int, int, int]], q_len: int) -> StepPlan:
-    """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page, at live column
-    ``picks[b][0]`` of ``last``'s plan and row entry ``picks[b][1]`` (already a hole), holds the row's ``q_len`` new
-    tokens: it is appended to the row. The live table keeps its width and pages, only that column's position
-    changes: it stays free of holes, in no particular order (the kernels take any)."""
-    for row, (_, _, page) in zip(rows, picks):
+def recycle_plan(last: StepPlan, rows: list[list[int]], columns: np.ndarray, entries: list[int], pages: np.ndarray,
+                 q_len: int) -> StepPlan:
+    """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page ``pages[b]``, at live
+    column ``columns[b]`` of ``last``'s plan and row entry ``entries[b]`` (already a hole), holds the row's ``q_len``
+    new tokens: it is appended to the row. The live table keeps its width and pages, only that column's position
+    changes: it stays free of holes, in no particular order (the kernels take any). ``last`` is finished: its copy
+    of the rows becomes the new plan's."""
+    page_ids = pages.tolist()
+    for row, planned, entry, page in zip(rows, last.rows, entries, page_ids):
         row.append(page)
+        planned[entry] = EVICTED
+        planned.append(page)
     S, past = last.page_size, last.num_tokens
-    columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
-    live_columns, entries, pages = (list(picked) for picked in zip(*picks))
-    table, read_table, read_pos = columns.recycle(entries, live_columns, pages, past, past + q_len)
-    slots = torch.tensor([page * S + offset for page in pages for offset in range(q_len)])
-    return StepPlan(last.batch_size, q_len, past, past + q_len, last.first_pos, table, slots, None, None, None, S,
-                    None, read_table, read_pos, rows=[list(r) for r in rows], _columns=columns)
+    plan_columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    table, read_table, read_pos = plan_columns.recycle(entries, columns.tolist(), page_ids, past, past + q_len)
+    slots = pages * S if q_len == 1 else (pages[:, None] * S + np.arange(q_len)).reshape(-1)
+    return StepPlan(last.batch_size, q_len, past, past + q_len, last.first_pos, table, torch.from_numpy(slots), None,
+                    None, None, S, None, read_table, read_pos, rows=last.rows, _columns=plan_columns)
 
 
 def _slab(table: torch.Tensor) -> tuple[int, int] | None:
@@ -318,4 +323,4 @@ def continue_plan(last: StepPlan | None, rows: list[list[int]], q_len: int, ref:
     slots = torch.tensor([r[-1] * S + offset for r in rows for offset in offsets])
     read_pos = None if last.read_pos is None else last.read_pos.masked_fill(last.read_table == EVICTED, end)
     return dataclasses.replace(last, q_len=q_len, past=past, num_tokens=end, slots=slots, copy_src=None,
-                               copy_dst=None, read_pos=read_pos, usage=None, _on_device={})
+                               copy_dst=None, read_pos=read_pos, usage=None, shares=None, _on_device={})
