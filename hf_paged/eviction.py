@@ -165,8 +165,13 @@ class EvictionPolicy:
     def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> np.ndarray:
         """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``;
         -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
-        pages, shares = _ids(pages), mass.detach().cpu().numpy().astype(np.float64)
+        pages = _ids(pages)
         usage.cover(pages)
+        shares = self.whole_shares(pages, mass)
+        if shares is not None:
+            self.fold_last_shares(usage, pages, shares)
+            return shares
+        shares = mass.detach().cpu().numpy().astype(np.float64)
         for row_pages, row_shares in zip(pages, shares):  # (each row's mass becomes its shares in place)
             live = row_pages != EVICTED
             whole = live.all()
@@ -190,6 +195,23 @@ class EvictionPolicy:
     def ranks_by_last_share(self) -> bool:
         """A page's rank is its share of the last step that observed it (a "score" with no decay: TOVA)."""
         return self.name == "score" and self.decay == 0
+
+    def whole_shares(self, pages: np.ndarray, mass: torch.Tensor) -> np.ndarray | None:
+        """`record`'s shares in one pass over the rows (the same numbers), when the policy `ranks_by_last_share` and
+        no row has holes; else None."""
+        if not self.ranks_by_last_share or not pages.size or (pages == EVICTED).any():
+            return None
+        shares = mass.detach().cpu().numpy().astype(np.float64)
+        even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
+        np.divide(shares, even, out=shares, where=even > 0)
+        shares[(even <= 0)[:, 0]] = 0.0
+        return shares
+
+    @staticmethod
+    def fold_last_shares(usage: PageUsage, pages: np.ndarray, shares: np.ndarray) -> None:
+        """The pages' last shares become their scores (`whole_shares`; a page in several rows: the last row's)."""
+        usage.ema[pages] = shares
+        usage.observed[pages] += 1
 
     def scores(self, usage: PageUsage, pages) -> np.ndarray:
         """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
@@ -241,7 +263,7 @@ class EvictionPolicy:
         if best.max() == np.inf:
             return None
         ties = rank == best
-        if np.count_nonzero(ties) > len(table):  # (rare) the oldest of the pages tied for lowest
+        if np.count_nonzero(ties) > len(rank):  # (rare) the oldest of the pages tied for lowest
             columns = np.where(ties, positions, np.iinfo(np.int64).max).argmin(axis=1)
         return columns
 
@@ -344,8 +366,7 @@ class GroupEviction:
         """The steady step of a full pool: each row starts one new page (``q_len`` tokens from a page boundary) and
         must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
         is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
-        nothing is released or allocated. -> (live columns, row entries, pages), an array, a list and an array
-        with one entry per row; None, changing nothing, when the step is not such a step or a victim is shared
+        nothing is released or allocated. -> (live columns, row entries, pages), one entry per row; None, changing nothing, when the step is not such a step or a victim is shared
         (the general path then evicts)."""
         S = manager.page_size
         if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
@@ -353,16 +374,18 @@ class GroupEviction:
                 or last.num_tokens != num_tokens or last.rows != rows):
             return None
         table, positions = last.read_table.numpy(), last.read_pos.numpy()
-        columns = self.policy.victim_columns(table, positions, self.usage, S, num_tokens, last.shares)
+        columns = last.victims
+        if columns is None:
+            columns = self.policy.victim_columns(table, positions, self.usage, S, num_tokens, last.shares)
         if columns is None:
             return None
-        each = np.arange(len(rows))
-        pages = table[each, columns]
-        if any(manager.ref[page] != 1 for page in pages.tolist()):
+        columns = columns.tolist()  # (a few rows: scalar reads beat fancy indexing)
+        pages = [table.item(b, column) for b, column in enumerate(columns)]
+        if any(manager.ref[page] != 1 for page in pages):
             return None
         self._evicting(manager.max_pages, num_tokens)
-        entries = (positions[each, columns] // S - last.first_pos // S).tolist()
-        for row, entry, page in zip(rows, entries, pages.tolist()):
+        entries = [positions.item(b, column) // S - last.first_pos // S for b, column in enumerate(columns)]
+        for row, entry, page in zip(rows, entries, pages):
             row[entry] = EVICTED
             manager.forget(page)  # (its content is about to change)
         self.evictions += len(rows)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import torch
+
 from .block_manager import BlockManager
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
@@ -63,6 +66,7 @@ class PageGroups(dict):
         """Make every group's step final, then give full pages their content hashes (``row_hashes``, per row),
         but not pages computed after an eviction in any group: every layer's later K/V differ from a full
         forward's."""
+        self._record_together()
         for group in self.values():
             group.commit()
         if row_hashes is None:
@@ -71,6 +75,31 @@ class PageGroups(dict):
         for group in self.values():
             group.register_hashes(row_hashes if exact == math.inf else
                                   [h[:exact // group.page_size] for h in row_hashes])
+
+    def _record_together(self) -> None:
+        """Record the step of every group that ranks its pages by their last share (per-layer "score" groups with
+        no decay, `EvictionPolicy.ranks_by_last_share`) and pick their next victims, in one pass over all their
+        live tables: a row's shares and victim depend on its row only. The victims are the live columns
+        `GroupEviction.recycle` evicts if the next step recycles."""
+        picking = [g for g in self.values() if g.eviction.tracks_usage and g.policy.ranks_by_last_share
+                   and g.step is not None and g.step.usage is not None]
+        plans = [g.step for g in picking]
+        if len(plans) < 2 or len({(p.read_table.shape, p.num_tokens, p.page_size, p.usage.device, g.policy)
+                                  for g, p in zip(picking, plans)}) > 1:
+            return  # (each group records its own step when it commits)
+        policy, tables = picking[0].policy, np.concatenate([p.read_table.numpy() for p in plans])
+        shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
+        if shares is None:
+            return
+        for group, plan, pages, plan_shares in zip(picking, plans, np.split(tables, len(plans)),
+                                                   np.split(shares, len(plans))):
+            group.eviction.usage.cover(pages)
+            policy.fold_last_shares(group.eviction.usage, pages, plan_shares)
+            plan.usage, plan.shares = None, plan_shares
+        columns = policy.victim_columns(None, np.concatenate([p.read_pos.numpy() for p in plans]), None,
+                                        plans[0].page_size, plans[0].num_tokens, shares)
+        for plan, victims in zip(plans, np.split(columns, len(plans)) if columns is not None else ()):
+            plan.victims = victims
 
     def rollback(self) -> None:
         for group in self.values():

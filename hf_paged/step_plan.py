@@ -43,6 +43,7 @@ class StepPlan:
     read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
     usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
     shares: np.ndarray | None = None  # float64 [B, Nk]: the live pages' shares of ``usage``, recorded (inf: holes)
+    victims: np.ndarray | None = None  # long [B]: the live columns the next step recycles (`PageGroups.commit`)
     _on_device: dict = field(default_factory=dict)
     rows: list[list[int]] | None = None  # a copy of the rows as planned (`extend_plan`, `continue_plan` compare)
     _columns: "PlanColumns | None" = None  # the buffers `extend_plan` appends to, once it has extended this plan
@@ -89,7 +90,8 @@ class StepPlan:
             move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
             moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots), copy_src=move(self.copy_src),
                                         copy_dst=move(self.copy_dst), read_table=move(self.read_table),
-                                        read_pos=move(self.read_pos), usage=None, shares=None, _on_device={})
+                                        read_pos=move(self.read_pos), usage=None, shares=None, victims=None,
+                                        _on_device={})
             self._on_device[device] = moved
         return moved
 
@@ -228,25 +230,25 @@ def extend_plan(last: StepPlan | None, rows: list[list[int]], first_page: int, p
     slots = torch.tensor([r[p // S - first_page] * S + p % S for r in rows for p in range(past, num_tokens)])
     return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table,
                                slots=slots, copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos,
-                               usage=None, shares=None, rows=[list(r) for r in rows], _on_device={}, _columns=columns)
+                               usage=None, shares=None, victims=None, rows=[list(r) for r in rows], _on_device={},
+                               _columns=columns)
 
 
-def recycle_plan(last: StepPlan, rows: list[list[int]], columns: np.ndarray, entries: list[int], pages: np.ndarray,
+def recycle_plan(last: StepPlan, rows: list[list[int]], columns: list[int], entries: list[int], pages: list[int],
                  q_len: int) -> StepPlan:
     """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page ``pages[b]``, at live
     column ``columns[b]`` of ``last``'s plan and row entry ``entries[b]`` (already a hole), holds the row's ``q_len``
     new tokens: it is appended to the row. The live table keeps its width and pages, only that column's position
     changes: it stays free of holes, in no particular order (the kernels take any). ``last`` is finished: its copy
     of the rows becomes the new plan's."""
-    page_ids = pages.tolist()
-    for row, planned, entry, page in zip(rows, last.rows, entries, page_ids):
+    for row, planned, entry, page in zip(rows, last.rows, entries, pages):
         row.append(page)
         planned[entry] = EVICTED
         planned.append(page)
     S, past = last.page_size, last.num_tokens
     plan_columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
-    table, read_table, read_pos = plan_columns.recycle(entries, columns.tolist(), page_ids, past, past + q_len)
-    slots = pages * S if q_len == 1 else (pages[:, None] * S + np.arange(q_len)).reshape(-1)
+    table, read_table, read_pos = plan_columns.recycle(entries, columns, pages, past, past + q_len)
+    slots = np.array(pages) * S if q_len == 1 else (np.array(pages)[:, None] * S + np.arange(q_len)).reshape(-1)
     return StepPlan(last.batch_size, q_len, past, past + q_len, last.first_pos, table, torch.from_numpy(slots), None,
                     None, None, S, None, read_table, read_pos, rows=last.rows, _columns=plan_columns)
 
@@ -323,4 +325,5 @@ def continue_plan(last: StepPlan | None, rows: list[list[int]], q_len: int, ref:
     slots = torch.tensor([r[-1] * S + offset for r in rows for offset in offsets])
     read_pos = None if last.read_pos is None else last.read_pos.masked_fill(last.read_table == EVICTED, end)
     return dataclasses.replace(last, q_len=q_len, past=past, num_tokens=end, slots=slots, copy_src=None,
-                               copy_dst=None, read_pos=read_pos, usage=None, shares=None, _on_device={})
+                               copy_dst=None, read_pos=read_pos, usage=None, shares=None, victims=None,
+                               _on_device={})
