@@ -203,8 +203,7 @@ class EvictionPolicy:
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
-        np.divide(shares, even, out=shares, where=even > 0)
-        shares[(even <= 0)[:, 0]] = 0.0
+        np.divide(shares, even, out=shares, where=even > 0)  # (a row that attends nothing keeps its zeros)
         return shares
 
     @staticmethod

@@ -1,6 +1,7 @@
 """Bounded pools: eviction order per policy, protected pages, exactness within budget, soak."""
 
 import gc
+import math
 import logging
 
 import pytest
@@ -34,6 +35,28 @@ def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -
     for step, mass in enumerate(steps, start=1):
         policy.record(usage, torch.tensor([pages]), torch.tensor([mass]), step)
     return usage
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_a_no_decay_score_records_each_page_s_share_of_its_row(holes):
+    """A no-decay "score" (TOVA) records a step's attention as each live page's mass over an even share of its
+    row (0 for a row that attends nothing; inf at holes), and that share is the page's score from then on. A
+    table without holes is recorded in one pass over its rows, one with holes row by row: the same numbers."""
+    tova = EvictionPolicy.for_pages(1)
+    pages = torch.tensor([[3, 1, 2, 0], [4, 5, 6, 7], [8, 9, 10, 11]])
+    if holes:
+        pages[0, 1] = pages[2, 3] = EVICTED
+    mass = torch.tensor([[0.1, 0.7, 0.15, 0.05], [0.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2]]) * (pages >= 0)
+    usage = PageUsage()
+    usage.allocated(pages[pages >= 0], 0)
+    shares = tova.record(usage, pages, mass, 1)
+    for row_pages, row_mass, row_shares in zip(pages.tolist(), mass.double().tolist(), shares.tolist()):
+        live = [m for p, m in zip(row_pages, row_mass) if p != EVICTED]
+        even = sum(live) / len(live)
+        want = [math.inf if p == EVICTED else m / even if even > 0 else 0.0 for p, m in zip(row_pages, row_mass)]
+        assert row_shares == pytest.approx(want, rel=1e-15)
+        ids = [p for p in row_pages if p != EVICTED]
+        assert tova.scores(usage, ids).tolist() == [s for p, s in zip(row_pages, row_shares) if p != EVICTED]
 
 
 @pytest.mark.parametrize("name", ["score", "lru"])
@@ -488,36 +511,47 @@ def test_decode_steps_edit_the_last_plan_as_a_full_plan_would_build_it(rows, tok
     check_pages(cache)
 
 
-@pytest.mark.parametrize("eviction", ["score", "lru", "fifo"])
+@pytest.mark.parametrize("eviction", ["score", "score-decayed", "lru", "fifo"])
 def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch):
     """A recycled step picks its victims in the live table's columns: the same pages (by position) as the general
-    path, which ranks each row in logical order, under the same attention (a function of each page's position,
-    least on the newest pages, which only their protection keeps; ties among the ranks, which "lru" makes
-    common, go to the oldest page)."""
+    path, which ranks each row in logical order, under the same attention (a function of each page's position
+    and layer, least on the newest pages, which only their protection keeps, fewer of them in later layers; ties
+    among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage policy: a no-decay
+    "score" records their steps and picks their victims in one pass over all of them (`PageGroups`)."""
     from hf_paged.eviction import GroupEviction
 
     recycled, general = [], GroupEviction.recycle
 
-    def run(recycle: bool):
-        monkeypatch.setattr(GroupEviction, "recycle",
-                            lambda *a: recycled.append(general(*a)) or recycled[-1] if recycle else None)
-        cache = hf_paged.PagedCache(page_size=1, max_pages=96, eviction=eviction, sink_pages=4, recent_pages=2)
+    def recycle(self, manager, rows, num_tokens, q_len, last):
+        together = last is not None and last.victims is not None
+        recycled.append((general(self, manager, rows, num_tokens, q_len, last), together))
+        return recycled[-1][0]
+
+    def run(recycles: bool):
+        monkeypatch.setattr(GroupEviction, "recycle", recycle if recycles else lambda *a: None)
+        name, decay = ("score", 0.5) if eviction == "score-decayed" else (eviction, None)
+        cache = hf_paged.PagedCache(page_size=1, max_pages=96, eviction=name, sink_pages=4, recent_pages=2,
+                                    score_decay=decay)
         kept = []
         for i in range(120):
             k = torch.randn(2, 1, 40 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
-            cache.update(k, k, 0)
-            plan = cache.layers[0].group.step
-            if plan.read_table is not None:
-                position = plan.read_pos.double()
-                mass = 0.05 + ((position * 0.37 + i * 0.11) % 1.0).round(decimals=1)
-                newest = position >= plan.num_tokens - 3  # the least attended, the newest least of all
-                mass[newest] = (plan.num_tokens - 1 - position[newest]) * 0.01
-                plan.add_usage(mass * (plan.read_table >= 0))
-            pages, positions = plan.live_pages()
-            kept.append([sorted(p for p, page in zip(row_pos, row) if page != EVICTED)
-                         for row_pos, row in zip(positions.tolist(), pages.tolist())])
+            for layer in range(3):
+                cache.update(k, k, layer)
+                plan = cache.layers[layer].group.step
+                if plan.read_table is not None:
+                    position = plan.read_pos.double()
+                    mass = 0.05 + ((position * 0.37 + i * 0.11 + layer * 0.29) % 1.0).round(decimals=1)
+                    newest = position >= plan.num_tokens - 3 + layer  # the least attended, the newest least of all
+                    mass[newest] = (plan.num_tokens - 1 - position[newest]) * 0.01
+                    plan.add_usage(mass * (plan.read_table >= 0))
+                pages, positions = plan.live_pages()
+                kept.append([sorted(p for p, page in zip(row_pos, row) if page != EVICTED)
+                             for row_pos, row in zip(positions.tolist(), pages.tolist())])
         monkeypatch.undo()
         return kept, cache.stats()["evictions"]
 
-    assert run(recycle=True) == run(recycle=False)
-    assert sum(picks is not None for picks in recycled) >= 100  # every step after the pool filled
+    assert run(recycles=True) == run(recycles=False)
+    groups = 1 if eviction == "fifo" else 3
+    assert sum(picks is not None for picks, _ in recycled) >= 100 * groups  # every step after the pool filled
+    together = sum(together for _, together in recycled)
+    assert together >= 100 * groups if eviction == "score" else together == 0
