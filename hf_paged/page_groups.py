@@ -50,8 +50,9 @@ class PageGroups(dict):
         return len(self.token_counts()) > 1 or any(g.step_open and not g.step_complete() for g in self.values())
 
     def level_with(self, group: PageGroup) -> bool:
-        """Every group holds as many tokens as ``group``: none has begun a step that ``group`` has not."""
-        return self.token_counts() == {group.num_tokens}
+        """Every group holds as many tokens as ``group``: none has begun a step that ``group`` has not (mid-step, the
+        first group, which began it, tells)."""
+        return all(g.num_tokens == group.num_tokens for g in self.values())
 
     def token_counts(self) -> set[int]:
         """The tokens the groups hold (one count when they are level)."""
