@@ -250,8 +250,8 @@ class EvictionPolicy:
         page's first token, ``num_tokens`` for holes) of rows holding ``num_tokens`` tokens, the column of the page
         `victims` would give up first: the lowest rank among the unprotected pages, ties to the oldest. None when
         a row has every page protected. ``shares``: the last step's shares of these columns (`record`), the ranks
-        when the policy `ranks_by_last_share` (they are overwritten). The recent pages are the rows' last logical
-        pages: never evicted, they are live."""
+        when the policy `ranks_by_last_share` (they are overwritten; ``table`` and ``usage`` may then be None). The
+        recent pages are the rows' last logical pages: never evicted, they are live."""
         if self.name == "fifo":
             rank = positions.astype(np.float64)
         else:  # (holes index some page's usage: they are protected below; the shares are used up)
@@ -365,8 +365,9 @@ class GroupEviction:
         """The steady step of a full pool: each row starts one new page (``q_len`` tokens from a page boundary) and
         must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
         is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
-        nothing is released or allocated. -> (live columns, row entries, pages), one entry per row; None, changing nothing, when the step is not such a step or a victim is shared
-        (the general path then evicts)."""
+        nothing is released or allocated. Its victims are ``last.victims`` when they were picked with other groups'
+        (`PageGroups.commit`). -> (live columns, row entries, pages), one entry per row; None, changing nothing,
+        when the step is not such a step or a victim is shared (the general path then evicts)."""
         S = manager.page_size
         if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
                 or q_len > S or last is None or last.read_table is None or last.same_as is not None

@@ -60,7 +60,7 @@ class StepPlan:
         key = ("kernel", device)
         index = self._on_device.get(key)
         if index is None:
-            table, page_pos = self.live_pages()  # (long tensors on the host)
+            table, page_pos = self.live_pages()
             q_pos = torch.from_numpy(np.arange(self.past, self.num_tokens)[None].repeat(table.shape[0], axis=0))
             if device.type == "cuda":
                 table = table.to(device, torch.int32)
