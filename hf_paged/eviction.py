@@ -166,11 +166,11 @@ class EvictionPolicy:
         """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``;
         -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
         pages = _ids(pages)
-        usage.cover(pages)
         shares = self.whole_shares(pages, mass)
         if shares is not None:
             self.fold_last_shares(usage, pages, shares)
             return shares
+        usage.cover(pages)
         shares = mass.detach().cpu().numpy().astype(np.float64)
         for row_pages, row_shares in zip(pages, shares):  # (each row's mass becomes its shares in place)
             live = row_pages != EVICTED
@@ -203,12 +203,14 @@ class EvictionPolicy:
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
-        np.divide(shares, even, out=shares, where=even > 0)  # (a row that attends nothing keeps its zeros)
+        np.divide(shares, even, out=shares, where=even > 0)
+        shares[~(even[:, 0] > 0)] = 0.0  # a row whose mass sums to nothing (or NaN), as `record`'s rows
         return shares
 
     @staticmethod
     def fold_last_shares(usage: PageUsage, pages: np.ndarray, shares: np.ndarray) -> None:
         """The pages' last shares become their scores (`whole_shares`; a page in several rows: the last row's)."""
+        usage.cover(pages)
         usage.ema[pages] = shares
         usage.observed[pages] += 1
 

@@ -94,7 +94,6 @@ class PageGroups(dict):
             return
         for group, plan, pages, plan_shares in zip(picking, plans, np.split(tables, len(plans)),
                                                    np.split(shares, len(plans))):
-            group.eviction.usage.cover(pages)
             policy.fold_last_shares(group.eviction.usage, pages, plan_shares)
             plan.usage, plan.shares = None, plan_shares
         columns = policy.victim_columns(None, np.concatenate([p.read_pos.numpy() for p in plans]), None,

@@ -40,13 +40,15 @@ def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -
 @pytest.mark.parametrize("holes", [False, True])
 def test_a_no_decay_score_records_each_page_s_share_of_its_row(holes):
     """A no-decay "score" (TOVA) records a step's attention as each live page's mass over an even share of its
-    row (0 for a row that attends nothing; inf at holes), and that share is the page's score from then on. A
-    table without holes is recorded in one pass over its rows, one with holes row by row: the same numbers."""
+    row (0 for a row that attends nothing, or whose mass is not a number; inf at holes), and that share is the
+    page's score from then on. A table without holes is recorded in one pass over its rows, one with holes row by
+    row: the same numbers."""
     tova = EvictionPolicy.for_pages(1)
-    pages = torch.tensor([[3, 1, 2, 0], [4, 5, 6, 7], [8, 9, 10, 11]])
+    pages = torch.tensor([[3, 1, 2, 0], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])
     if holes:
         pages[0, 1] = pages[2, 3] = EVICTED
-    mass = torch.tensor([[0.1, 0.7, 0.15, 0.05], [0.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2]]) * (pages >= 0)
+    mass = torch.tensor([[0.1, 0.7, 0.15, 0.05], [0.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2],
+                         [0.5, math.nan, 0.2, 0.3]]) * (pages >= 0)
     usage = PageUsage()
     usage.allocated(pages[pages >= 0], 0)
     shares = tova.record(usage, pages, mass, 1)
