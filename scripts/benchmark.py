@@ -24,6 +24,9 @@ What is measured, per ``generate`` run (a LogitsProcessor is called once per for
   it is torch.cuda.max_memory_allocated() minus memory_allocated() before the run.
 * tokens_match: the paged run produced exactly the dynamic run's tokens, in every repeat
   (sampling uses the same seed for both).
+* with ``--budget``, greedy configurations: after the whole runs, one round per repeat in which the
+  unbounded and the bounded PagedCache decode taking turns token by token; per step the ratio of
+  their times (median and quartiles), which load drifting over seconds does not skew.
 
 Outputs: a markdown table on stdout and, in ``--out`` (default runs/benchmark, git-ignored), benchmark.md,
 benchmark.json (every number, settings, versions) and benchmark.png (decode speed and peak KV
@@ -187,7 +190,9 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=int, default=None, help="also time a bounded PagedCache holding at most this "
                    "many tokens per row (max_pages = budget // page size, the default eviction policy; a longer prompt is "
                    "cut to it after prefill, compress_prompt=True), alternated "
-                   "with the other two; the table adds its decode speed against the unbounded PagedCache")
+                   "with the other two; the table adds its decode speed against the unbounded PagedCache, from "
+                   "the whole runs and, for greedy configurations, from rounds (one per repeat) in which the two "
+                   "PagedCaches decode taking turns token by token")
     p.add_argument("--budget-page-size", type=int, default=None, help="page size of the bounded PagedCache "
                    "(default: the configuration's; 1 is what bounded caches are measured best with, README Eviction)")
     p.add_argument("--budget-eviction", default=None, choices=["score", "lru", "fifo"], help="eviction policy of the "
@@ -362,6 +367,77 @@ def prompt_batch(token_ids: list[int], context: int, batch: int, device):
 
 
 # ----------------------------------------------------------------------------------------- runs
+def fresh_cache(model, kind: str, cfg: Config, budget: int | None = None, budget_page_size: int | None = None,
+                budget_options: dict | None = None):
+    """A new cache of ``kind``: DynamicCache, the unbounded PagedCache ("paged"), or the PagedCache held to
+    ``budget`` tokens per row and layer ("bounded": a pool of ``budget // page size`` pages per row the
+    configuration decodes; a longer prompt is cut to it after prefill)."""
+    if kind != "bounded":
+        return make_cache(kind, model, cfg.page_size)
+    page_size = budget_page_size or cfg.page_size
+    rows = cfg.batch * parse_mode(cfg.mode)["rows_per_prompt"]
+    return make_cache("paged", model, page_size, max_pages=rows * (budget // page_size), compress_prompt=True,
+                      **budget_options or {})
+
+
+def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, budget: int,
+                           budget_page_size: int | None = None, budget_options: dict | None = None) -> dict:
+    """One round of greedy decoding with the unbounded and the bounded PagedCache taking turns token by token.
+
+    Each cache is prefilled with ``inputs``, then decodes ``new_tokens - 1`` steps of its own greedy tokens
+    (what ``generate`` decodes), one model step each in turn, the order swapped every step. Every step
+    is timed (forward and arg-max); load that drifts over seconds hits both caches' steps of a pair
+    alike, so their ratios are far tighter than those of whole runs. -> per cache: step times (s) and
+    the new tokens ``[rows, new_tokens]``.
+    """
+    import inspect
+
+    import torch
+
+    import hf_paged
+
+    use_attention(model, "paged")
+    kinds = ("paged", "bounded")
+    caches = {kind: fresh_cache(model, kind, cfg, budget, budget_page_size, budget_options) for kind in kinds}
+    ids = inputs["input_ids"]
+    rows, context = ids.shape
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    tokens = {kind: [] for kind in kinds}
+    times = {kind: [] for kind in kinds}
+    with torch.inference_mode():
+        for kind in kinds:
+            logits = model(input_ids=ids, use_cache=True, **{hf_paged.CACHE_KWARG: caches[kind]}, **last_only).logits
+            tokens[kind].append(logits[:, -1:].argmax(-1))
+        for step in range(new_tokens - 1):
+            position = torch.full((rows, 1), context + step, dtype=torch.long, device=ids.device)
+            for kind in kinds if step % 2 == 0 else kinds[::-1]:
+                sync()
+                start = time.perf_counter()
+                logits = model(input_ids=tokens[kind][-1], position_ids=position, use_cache=True,
+                               **{hf_paged.CACHE_KWARG: caches[kind]}).logits
+                tokens[kind].append(logits[:, -1:].argmax(-1))
+                sync()
+                times[kind].append(time.perf_counter() - start)
+    return {kind: dict(step_s=times[kind], tokens=torch.cat(tokens[kind], dim=1).cpu()) for kind in kinds}
+
+
+def summarize_steps(rounds: list[dict], generated: list, context: int) -> dict:
+    """The alternated rounds' step times as paired ratios: per step, unbounded time / bounded time (the
+    bounded cache's speed relative to the unbounded one's), their median and quartiles; and whether every
+    round's unbounded tokens equal ``generate``'s (``generated``: its sequences, one per round)."""
+    unbounded = [t for r in rounds for t in r["paged"]["step_s"]]
+    bounded = [t for r in rounds for t in r["bounded"]["step_s"]]
+    pairs = [u / b for u, b in zip(unbounded, bounded)]
+    quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+    return dict(
+        pairs=len(pairs), speed_ratio=statistics.median(pairs), speed_ratio_q1=quartiles[0],
+        speed_ratio_q3=quartiles[2], unbounded_ms_median=1000 * statistics.median(unbounded),
+        bounded_ms_median=1000 * statistics.median(bounded),
+        unbounded_equals_generate=all(bool((r["paged"]["tokens"] == g[:, context:]).all())
+                                      for r, g in zip(rounds, generated)),
+    )
+
+
 def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, seed: int, meter: MemoryMeter,
              sync, budget: int | None = None, budget_page_size: int | None = None,
              budget_options: dict | None = None) -> dict:
@@ -372,11 +448,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
 
     mode = parse_mode(cfg.mode)
     use_attention(model, "dynamic" if kind == "dynamic" else "paged")
-    page_size = (budget_page_size or cfg.page_size) if kind == "bounded" else cfg.page_size
-    bound = {}
-    if kind == "bounded":
-        bound = dict(max_pages=budget // page_size, compress_prompt=True, **budget_options or {})
-    cache = make_cache("dynamic" if kind == "dynamic" else "paged", model, page_size, **bound)
+    cache = fresh_cache(model, kind, cfg, budget, budget_page_size, budget_options)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)
     meter.start()
@@ -514,9 +586,9 @@ def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None
     lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, {policy}, a longer prompt "
              "cut to it after prefill) against the unbounded PagedCache, alternated in the same run:", "",
              "| context | batch | mode | page unbounded / bounded | decode tok/s unbounded | bounded | bounded / unbounded | spread % "
-             "unbounded / bounded | tokens held per layer at end | evictions (all layers) | new tokens equal to "
-             "unbounded |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "unbounded / bounded | steps alternated: bounded / unbounded (quartiles) | ms per step unbounded / "
+             "bounded | tokens held per layer at end (all rows) | evictions (all layers) | new tokens equal to unbounded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
         p, b = c["paged"], c["bounded"]
         spreads = [spread(c, kind, "decode_tok_s") for kind in ("paged", "bounded")]
@@ -525,9 +597,16 @@ def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None
         ratio = f"noisy ({100 * worst:.0f}%)" if worst > NOISE else f"{b['decode_vs_unbounded']:.2f}"
         stats = b["runs"][-1]["stats_end"]
         pages = f"{c['page_size']} / {budget_page_size or c['page_size']}"
+        steps = c.get("bounded_steps")
+        step_cells = ("— (greedy only) | —" if steps is None else
+                      f"{steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) "
+                      f"| {steps['unbounded_ms_median']:.1f} / {steps['bounded_ms_median']:.1f}")
         lines.append(f"| {c['context']} | {c['batch']} | {c['mode']} | {pages} | {p['decode_tok_s']:.2f} "
-                     f"| {b['decode_tok_s']:.2f} | {ratio} | {spread_cell} | {stats['tokens_held']} "
+                     f"| {b['decode_tok_s']:.2f} | {ratio} | {spread_cell} | {step_cells} | {stats['tokens_held']} "
                      f"| {stats['evictions']} | {100 * c['bounded_agreement']:.0f}% |")
+    lines += ["", "steps alternated: the two caches decode greedily taking turns token by token, one round per "
+              "repeat (`alternate_decode_steps`); per step the unbounded step's time over the bounded one's, the "
+              "median and quartiles of those pairs. Unlike whole runs, the pairs share the machine's load."]
     return "\n".join(lines)
 
 
@@ -710,7 +789,9 @@ def main(argv=None) -> dict:
         budget_options["per_layer_eviction"] = args.budget_per_layer == "on"
     results = []
     kinds = CACHES + (("bounded",) if args.budget else ())
-    total_runs = len(configs) * len(kinds) * (args.warmup + args.repeats)
+    step_rounds = args.repeats if args.budget else 0  # per greedy configuration: rounds of alternated steps
+    total_runs = sum(len(kinds) * (args.warmup + args.repeats) + (step_rounds if c.mode == "greedy" else 0)
+                     for c in configs)
     with tqdm(total=total_runs, disable=args.no_progress, desc="benchmark", file=sys.stderr) as bar:
         for cfg in configs:
             cfg_start = time.perf_counter()
@@ -725,7 +806,7 @@ def main(argv=None) -> dict:
                              args.budget_page_size, budget_options)
                     bar.update()
             runs = {k: [] for k in kinds}
-            matches, agreement, bounded_agreement = [], [], []
+            matches, agreement, bounded_agreement, generated = [], [], [], []
             for rep in range(args.repeats):
                 order = kinds if rep % 2 == 0 else kinds[::-1]
                 seqs = {}
@@ -740,15 +821,30 @@ def main(argv=None) -> dict:
                 agreement.append(frac)
                 if args.budget:
                     bounded_agreement.append(compare(seqs["paged"], seqs["bounded"], cfg.context)[1])
+                    generated.append(seqs["paged"])
             entry = summarize(cfg, runs, matches, agreement, args.new_tokens, model, dtype)
             if args.budget:
                 entry["bounded_agreement"] = min(bounded_agreement)
+                entry["bounded_steps"] = None  # greedy only: other modes decode several rows per prompt
+                if cfg.mode == "greedy":
+                    rounds = []
+                    for rep in range(step_rounds):
+                        bar.set_postfix_str(f"{cfg.name} steps alternated {rep + 1}")
+                        rounds.append(alternate_decode_steps(model, cfg, inputs, args.new_tokens, sync, args.budget,
+                                                             args.budget_page_size, budget_options))
+                        bar.update()
+                    entry["bounded_steps"] = summarize_steps(rounds, generated, cfg.context)
             entry["deterministic_mode"] = parse_mode(cfg.mode)["deterministic"]
             entry["wall_s"] = time.perf_counter() - cfg_start
             results.append(entry)
             tqdm.write(f"{cfg.name}: decode tok/s dynamic {entry['dynamic']['decode_tok_s']:.2f} paged "
                        f"{entry['paged']['decode_tok_s']:.2f} (ratio {ratio_text(entry, 'decode_tok_s')}), tokens "
                        f"match {entry['tokens_match']}", file=sys.stderr)
+            if entry.get("bounded_steps"):
+                steps = entry["bounded_steps"]
+                tqdm.write(f"{cfg.name}: bounded / unbounded decode speed, {steps['pairs']} steps alternated: "
+                           f"{steps['speed_ratio']:.3f} (quartiles {steps['speed_ratio_q1']:.3f}–"
+                           f"{steps['speed_ratio_q3']:.3f})", file=sys.stderr)
 
     environment["load_avg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     result = dict(settings=settings, environment=environment, configs=results,

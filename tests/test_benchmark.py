@@ -148,8 +148,25 @@ def test_quick_run_json_fields_ratios_and_tokens(quick_run):
             assert cfg["token_agreement"] == 1.0
 
 
+def test_alternated_steps_pair_each_unbounded_step_with_the_bounded_one():
+    import torch
+
+    tokens = torch.tensor([[5, 6, 7]])
+    rounds = [{"paged": dict(step_s=[2.0, 2.0], tokens=tokens), "bounded": dict(step_s=[1.0, 4.0], tokens=tokens)},
+              {"paged": dict(step_s=[3.0], tokens=tokens), "bounded": dict(step_s=[3.0], tokens=tokens)}]
+    prompt = torch.tensor([[1, 2]])
+    same = [torch.cat([prompt, tokens], dim=1)] * 2
+    steps = bench.summarize_steps(rounds, same, context=2)
+    assert steps["pairs"] == 3 and steps["speed_ratio"] == 1.0  # pairs 2.0, 0.5, 1.0: unbounded time / bounded
+    assert steps["speed_ratio_q1"] < 1.0 < steps["speed_ratio_q3"]
+    assert steps["unbounded_ms_median"] == 2000.0 and steps["bounded_ms_median"] == 3000.0
+    assert steps["unbounded_equals_generate"] is True
+    other = [same[0], torch.cat([prompt, tokens + 1], dim=1)]
+    assert bench.summarize_steps(rounds, other, context=2)["unbounded_equals_generate"] is False
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [[], ["--budget-eviction", "fifo", "--budget-per-layer", "off"]])
+@pytest.mark.parametrize("options", [[], ["--budget-eviction", "fifo", "--budget-per-layer", "off", "--batch-sizes", "2"]])
 def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--contexts", "48", "--batch-sizes", "1", "--modes", "greedy",
@@ -162,14 +179,21 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     bounded, paged = cfg["bounded"], cfg["paged"]
     assert CACHE_FIELDS <= set(bounded) and len(bounded["runs"]) == 2
     assert bounded["decode_vs_unbounded"] == pytest.approx(bounded["decode_tok_s"] / paged["decode_tok_s"])
-    layers = result["environment"]["num_layers"]
+    layers, rows = result["environment"]["num_layers"], cfg["rows"]  # (the last --batch-sizes counts)
+    assert rows == (2 if options else 1)
     for run in bounded["runs"]:
-        stats = run["stats_end"]
-        assert stats["tokens_held"] <= 32 and stats["evictions"] > 0  # the 48-token prompt was cut to the budget
+        stats = run["stats_end"]  # each row's 48-token prompt was cut to the budget
+        assert stats["tokens_held"] <= 32 * rows and stats["evictions"] > 0
         # evictions count every group's: one group for all layers with the options, one per layer without
         assert (stats["evictions"] < layers) if options else (stats["evictions"] % layers == 0)
-    assert paged["runs"][-1]["stats_end"]["tokens_held"] == 48 + 11
+    assert paged["runs"][-1]["stats_end"]["tokens_held"] == rows * (48 + 11)
     assert 0.0 <= cfg["bounded_agreement"] <= 1.0
+    steps = cfg["bounded_steps"]  # one round of 11 alternated decode steps per repeat
+    assert steps["pairs"] == 2 * 11 and steps["unbounded_equals_generate"] is True
+    assert 0 < steps["speed_ratio_q1"] <= steps["speed_ratio"] <= steps["speed_ratio_q3"]
+    assert steps["unbounded_ms_median"] > 0 and steps["bounded_ms_median"] > 0
     policy = "eviction fifo, per_layer_eviction off" if options else "eviction score (the default)"
-    assert f"Bounded PagedCache (at most 32 tokens per row and layer, {policy}," in (tmp_path / "benchmark.md").read_text()
+    report = (tmp_path / "benchmark.md").read_text()
+    assert f"Bounded PagedCache (at most 32 tokens per row and layer, {policy}," in report
+    assert f"| {steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) |" in report
     assert result["settings"]["budget_eviction"] == ("fifo" if options else None)
