@@ -188,8 +188,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for both caches)")
     p.add_argument("--budget", type=int, default=None, help="also time a bounded PagedCache holding at most this "
-                   "many tokens per row (max_pages = budget // page size, the default eviction policy; a longer prompt is "
-                   "cut to it after prefill, compress_prompt=True), alternated "
+                   "many tokens per row (max_pages = budget // page size per decoded row, the default eviction policy; a "
+                   "longer prompt is cut to it after prefill, compress_prompt=True), alternated "
                    "with the other two; the table adds its decode speed against the unbounded PagedCache, from "
                    "the whole runs and, for greedy configurations, from rounds (one per repeat) in which the two "
                    "PagedCaches decode taking turns token by token")
@@ -598,15 +598,19 @@ def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None
         stats = b["runs"][-1]["stats_end"]
         pages = f"{c['page_size']} / {budget_page_size or c['page_size']}"
         steps = c.get("bounded_steps")
-        step_cells = ("— (greedy only) | —" if steps is None else
+        step_cells = (f"— ({'greedy only' if 'bounded_steps' in c else 'not measured'}) | —" if steps is None else
                       f"{steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) "
                       f"| {steps['unbounded_ms_median']:.1f} / {steps['bounded_ms_median']:.1f}")
         lines.append(f"| {c['context']} | {c['batch']} | {c['mode']} | {pages} | {p['decode_tok_s']:.2f} "
                      f"| {b['decode_tok_s']:.2f} | {ratio} | {spread_cell} | {step_cells} | {stats['tokens_held']} "
                      f"| {stats['evictions']} | {100 * c['bounded_agreement']:.0f}% |")
-    lines += ["", "steps alternated: the two caches decode greedily taking turns token by token, one round per "
-              "repeat (`alternate_decode_steps`); per step the unbounded step's time over the bounded one's, the "
-              "median and quartiles of those pairs. Unlike whole runs, the pairs share the machine's load."]
+    measured = [c["bounded_steps"] for c in configs if c.get("bounded_steps")]
+    if measured:
+        same = "yes" if all(m["unbounded_equals_generate"] for m in measured) else "NO"
+        lines += ["", "steps alternated: the two caches decode greedily taking turns token by token, one round per "
+                  "repeat (`alternate_decode_steps`); per step the unbounded step's time over the bounded one's, the "
+                  "median and quartiles of those pairs. Unlike whole runs, the pairs share the machine's load. The "
+                  f"unbounded cache's tokens in every round equal its `generate` run's: {same}."]
     return "\n".join(lines)
 
 

@@ -196,4 +196,5 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     report = (tmp_path / "benchmark.md").read_text()
     assert f"Bounded PagedCache (at most 32 tokens per row and layer, {policy}," in report
     assert f"| {steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) |" in report
+    assert "The unbounded cache's tokens in every round equal its `generate` run's: yes." in report
     assert result["settings"]["budget_eviction"] == ("fifo" if options else None)
