@@ -153,13 +153,14 @@ def test_alternated_steps_pair_each_unbounded_step_with_the_bounded_one():
 
     tokens = torch.tensor([[5, 6, 7]])
     rounds = [{"paged": dict(step_s=[2.0, 2.0], tokens=tokens), "bounded": dict(step_s=[1.0, 4.0], tokens=tokens)},
-              {"paged": dict(step_s=[3.0], tokens=tokens), "bounded": dict(step_s=[3.0], tokens=tokens)}]
+              {"paged": dict(step_s=[6.0], tokens=tokens), "bounded": dict(step_s=[4.0], tokens=tokens)}]
     prompt = torch.tensor([[1, 2]])
     same = [torch.cat([prompt, tokens], dim=1)] * 2
     steps = bench.summarize_steps(rounds, same, context=2)
-    assert steps["pairs"] == 3 and steps["speed_ratio"] == 1.0  # pairs 2.0, 0.5, 1.0: unbounded time / bounded
-    assert steps["speed_ratio_q1"] < 1.0 < steps["speed_ratio_q3"]
-    assert steps["unbounded_ms_median"] == 2000.0 and steps["bounded_ms_median"] == 3000.0
+    # pairs (unbounded time / bounded) 2.0, 0.5, 1.5: the median 1.5 (the inverse ratios' would be 2/3)
+    assert steps["pairs"] == 3 and steps["speed_ratio"] == 1.5
+    assert steps["speed_ratio_q1"] < 1.5 < steps["speed_ratio_q3"]
+    assert steps["unbounded_ms_median"] == 2000.0 and steps["bounded_ms_median"] == 4000.0
     assert steps["unbounded_equals_generate"] is True
     other = [same[0], torch.cat([prompt, tokens + 1], dim=1)]
     assert bench.summarize_steps(rounds, other, context=2)["unbounded_equals_generate"] is False
