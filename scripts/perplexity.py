@@ -31,7 +31,11 @@ without changing what the cache holds), are split between the ranks with
 the number of processes. Only the main process writes.
 
 Writes ``--out``/perplexity.md (the table, also printed), perplexity.json (every number, settings,
-versions) and perplexity.png. Exit status 1 when a parity check fails or a row raised.
+versions) and perplexity.png. In streaming mode they also count, per ``--segment`` tokens, the segments
+where each policy's perplexity is below or above fifo+sinks' at the same budget (and fifo+sinks' below or
+above the full cache's): one text's perplexity differences between policies are often a few segments'
+doing. ``--replot JSON`` rewrites the three files from an earlier perplexity.json without running
+anything. Exit status 1 when a parity check fails or a row raised.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/perplexity",
                    help="output folder (git-ignored runs/; the README's reference results are in results/perplexity)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="run nothing: rewrite perplexity.md/.json/.png in --out from an earlier perplexity.json")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -319,7 +325,38 @@ def run_streaming(args, state, models, ids, progress) -> dict:
     rel = relative_diff(unb, full) if unb is not None and full is not None else float("nan")
     parity = dict(compare="PagedCache unbounded vs DynamicCache (full)", relative_diff=rel,
                   tolerance=args.tolerance, ok=bool(rel <= args.tolerance))
-    return dict(rows=rows, parity=parity, sink_pages=default_sink_pages(args.page_size))
+    return dict(rows=rows, parity=parity, sink_pages=default_sink_pages(args.page_size),
+                segment_comparison=segment_comparison(rows, args.tolerance))
+
+
+BASELINE = "fifo+sinks"  # what the other policies are compared with, segment by segment
+
+
+def segment_comparison(rows: list[dict], tolerance: float) -> list[dict]:
+    """Segment by segment, each bounded row against a reference: the `BASELINE` row of its budget, or, for the
+    baseline itself, the full cache. -> one entry per compared row: how many segments its perplexity is
+    ``lower``, ``higher`` or ``equal`` within the relative ``tolerance`` (segments scored before either evicts:
+    the policies that observe attention differ from the others there by float rounding); rows without
+    segments (errors) are left out."""
+    def segments(row):
+        return [seg["perplexity"] for seg in row.get("segments", ())]
+
+    full = next((row for row in rows if row["policy"] == "full"), None)
+    baselines = {row["budget"]: row for row in rows if row["policy"] == BASELINE}
+    out = []
+    for row in rows:
+        if row["budget"] is None:
+            continue
+        ref = full if row["policy"] == BASELINE else baselines.get(row["budget"])
+        if ref is None or not segments(row) or len(segments(row)) != len(segments(ref)):
+            continue
+        pairs = list(zip(segments(row), segments(ref)))
+        equal = [math.isclose(a, b, rel_tol=tolerance) for a, b in pairs]
+        out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"],
+                        lower=sum(a < b and not e for (a, b), e in zip(pairs, equal)),
+                        higher=sum(a > b and not e for (a, b), e in zip(pairs, equal)),
+                        equal=sum(equal), segments=len(pairs)))
+    return out
 
 
 def _tokens_held(cache) -> int:
@@ -371,7 +408,24 @@ def markdown(report: dict) -> str:
     p = r["parity"]
     lines += ["", f"Parity, {p['compare']}: relative difference {p['relative_diff']:.3e} "
                   f"(tolerance {p['tolerance']:g}): {'OK' if p['ok'] else 'MISMATCH'}."]
+    if r.get("segment_comparison"):
+        lines += ["", *segment_table(r["segment_comparison"], s["segment"], s["tolerance"])]
     return "\n".join(lines) + "\n"
+
+
+def segment_table(comparison: list[dict], segment: int, tolerance: float) -> list[str]:
+    """`segment_comparison` as markdown: a row per budget, a column per compared policy."""
+    columns = list(dict.fromkeys((c["policy"], c["reference"]) for c in comparison))
+    cells = {(c["budget"], c["policy"]): f"{c['lower']} / {c['higher']} / {c['equal']}" for c in comparison}
+    n = max(c["segments"] for c in comparison)
+    lines = [f"Per segment of {segment} tokens ({n} segments): how many segments a policy's perplexity is lower / "
+             f"higher than the reference's / equal within the tolerance {tolerance:g} (scored before either evicts). "
+             f"The reference is {BASELINE} at the same budget, and for {BASELINE} the full cache.", "",
+             "| budget | " + " | ".join(f"{policy} vs {ref}" for policy, ref in columns) + " |",
+             "|---:|" + "---:|" * len(columns)]
+    for budget in dict.fromkeys(c["budget"] for c in comparison):
+        lines.append(f"| {budget} | " + " | ".join(cells.get((budget, policy), "—") for policy, _ in columns) + " |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:
@@ -454,8 +508,30 @@ def versions() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ main
+def write_outputs(report: dict, out: Path) -> str:
+    """perplexity.md, .json and .png of ``report`` in ``out``; -> the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(report)
+    (out / "perplexity.md").write_text(table, encoding="utf-8")
+    (out / "perplexity.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    plot(report, out / "perplexity.png")
+    return table
+
+
+def replot(path: str, out: Path) -> int:
+    """Rewrite the outputs of an earlier run (its segment comparison recomputed from its rows)."""
+    report = json.loads(Path(path).read_text(encoding="utf-8"))
+    if report["settings"]["mode"] == "streaming":
+        report["result"]["segment_comparison"] = segment_comparison(report["result"]["rows"],
+                                                                    report["settings"]["tolerance"])
+    print(write_outputs(report, out))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot, Path(args.out))
     if args.threads:
         torch.set_num_threads(args.threads)
     from tqdm.auto import tqdm
@@ -487,12 +563,7 @@ def main(argv=None) -> int:
     failed = not result["parity"]["ok"] or any(row.get("status") == "error" for row in result["rows"])
     if state.is_main_process:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        table = markdown(report)
-        (out / "perplexity.md").write_text(table, encoding="utf-8")
-        (out / "perplexity.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-        plot(report, out / "perplexity.png")
-        print(table)
+        print(write_outputs(report, out))
         print(f"wrote {out / 'perplexity.md'}, {out / 'perplexity.json'}, {out / 'perplexity.png'}")
     state.wait_for_everyone()
     if state.use_distributed:

@@ -147,6 +147,44 @@ def test_streaming_eviction_policies(streaming):
     assert {row["policy_kwargs"]["sink_pages"] for row in rows if row["policy"] == "fifo+sinks"} == {1}
 
 
+def test_streaming_counts_segments_against_fifo_sinks_and_replots(script, streaming, tmp_path):
+    rc, out, report = streaming
+    comparison = report["result"]["segment_comparison"]
+    rows = [row for row in report["result"]["rows"] if row["budget"] is not None]
+    assert {(c["policy"], c["budget"]) for c in comparison} == {(row["policy"], row["budget"]) for row in rows}
+    for c in comparison:
+        assert c["reference"] == ("full" if c["policy"] == "fifo+sinks" else "fifo+sinks")
+        assert c["lower"] + c["higher"] + c["equal"] == c["segments"] == 1  # 255 tokens, segments of 512
+    assert "| budget | score vs fifo+sinks | lru vs fifo+sinks | fifo+sinks vs full |" in (out / "perplexity.md").read_text()
+    # --replot recomputes the comparison from the rows and writes the same files
+    stored = json.loads((out / "perplexity.json").read_text())
+    del stored["result"]["segment_comparison"]
+    (tmp_path / "old.json").write_text(json.dumps(stored))
+    assert script.main(["--replot", str(tmp_path / "old.json"), "--out", str(tmp_path / "replot")]) == 0
+    assert (tmp_path / "replot" / "perplexity.md").read_text() == (out / "perplexity.md").read_text()
+    assert json.loads((tmp_path / "replot" / "perplexity.json").read_text()) == report
+    assert (tmp_path / "replot" / "perplexity.png").stat().st_size > 5000
+
+
+def test_segment_comparison_on_constructed_rows(script):
+    def row(policy, budget, *segments):
+        return dict(policy=policy, budget=budget, segments=[dict(perplexity=p) for p in segments])
+
+    rows = [row("full", None, 10.0, 20.0, 30.0), row("unbounded", None, 10.0, 20.0, 30.0),
+            row("score", 8, 10.0 * (1 + 1e-7), 19.0, 31.0),  # the first segment: rounding only, no eviction yet
+            row("fifo+sinks", 8, 10.0, 19.5, 29.0),
+            row("lru", 8),  # a row that failed: no segments
+            row("score", 16, 9.0, 20.0, 30.0)]  # no fifo+sinks at 16: no reference
+    got = {(c["policy"], c["budget"]): c for c in script.segment_comparison(rows, 1e-4)}
+    assert set(got) == {("score", 8), ("fifo+sinks", 8)}
+    assert {k: got[("score", 8)][k] for k in ("reference", "lower", "higher", "equal", "segments")} == dict(
+        reference="fifo+sinks", lower=1, higher=1, equal=1, segments=3)
+    assert {k: got[("fifo+sinks", 8)][k] for k in ("reference", "lower", "higher", "equal")} == dict(
+        reference="full", lower=2, higher=0, equal=1)
+    table = script.segment_table(list(got.values()), 512, 1e-4)
+    assert table[-1] == "| 8 | 1 / 1 / 1 | 2 / 0 / 1 |"
+
+
 def test_evaluate_metric_matches_dynamic_cache(reference):
     import evaluate
 
