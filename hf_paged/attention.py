@@ -18,6 +18,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from .kernels import cpu_paged_attention as cpu_kernel
+from .kernels.reference import LEAVE_OUT_FLOOR
 from .model_config import ATTN_IMPLEMENTATION
 from .paged_kv import PagedKV, PagedView
 from .ragged_cache import RaggedKV, RaggedView
@@ -79,21 +80,30 @@ def attend(
 
 
 def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux,
-                      **mass_options):
-    """A paged kernel walks the page table (holes included); the mask is aligned on its last column.
-    ``mass_options``: how the kernel reduces the page mass it returns (the C kernel's ``page_mass_heads``)."""
+                      mass_heads: str | None = None, measures_output: bool = False):
+    """A paged kernel walks the page table (holes included); the mask is aligned on its last column. When every
+    query is observed the kernel also returns the usage per page: attention mass (reduced over the heads as
+    ``mass_heads`` says, the C kernel's ``page_mass_heads``), or the "output" signal where it ``measures_output``
+    (the C kernel, pages of one token); otherwise `_observe_tail` measures it on the live pages."""
     page_table, page_pos, q_pos = view.kernel_index()
     mask_offset = 0
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
         mask_offset = view.num_tokens - attention_mask.shape[-1]
-    whole = view.usage is not None and query.shape[2] <= view.window  # every query is observed
+    observed = view.usage is not None and query.shape[2] <= view.window  # every query is observed
+    output = view.usage_signal == "output"
+    measured = observed and (not output or (measures_output and view.page_size == 1))
+    options = {}
+    if measured and mass_heads is not None:
+        options["page_mass_heads"] = mass_heads
+    if measured and output:
+        options["page_mass_signal"] = "output"
     result = kernel(
         query, view.keys, view.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
         mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
-        return_page_mass=whole, **mass_options)
-    if whole:
+        return_page_mass=measured, **options)
+    if measured:
         out, page_mass = result
         view.usage(page_mass)
         return out
@@ -119,18 +129,33 @@ def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, vie
     return allowed & picked & (column >= 0)[:, None, None, :]
 
 
-def _add_page_mass(probs: torch.Tensor, view: PagedView) -> None:
-    """Attention probabilities ``[B, Hkv, g, Q, T]`` over live pages -> mass per page ``[B, H, Nk]``, reported."""
-    B, Hkv, g, _, T = probs.shape
-    view.usage(probs.mean(dim=3).reshape(B, Hkv * g, T // view.page_size, view.page_size).sum(-1))
+def _add_page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor, view: PagedView) -> None:
+    """Attention probabilities ``[B, Hkv, g, Q, T]`` of the observed queries over the live tokens, their outputs
+    ``out [B, Q, Hq, D]`` and the tokens' ``values [B, T, Hkv, D]`` -> usage per live page ``[B, H, Nk]``, averaged
+    over the queries, reported: the page's attention ``A``, or with the "output" signal how far it moves each
+    head's output ``o``, ``‖Σ a·v − A·o‖ / (1 − A)`` (kernels/reference.py), from dot products: no ``[.., Nk, D]``
+    tensor."""
+    B, Hkv, g, Q, T = probs.shape
+    S = view.page_size
+    per_page = probs.reshape(B, Hkv, g, Q, T // S, S)
+    mass = per_page.sum(-1)  # [B, Hkv, g, Q, Nk]
+    if view.usage_signal == "output":
+        v = values.float().transpose(1, 2)  # [B, Hkv, T, D]
+        o = out.float().reshape(B, Q, Hkv, g, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Q, D]
+        v_dot_o = torch.matmul(o.reshape(B, Hkv, g * Q, -1), v.transpose(-1, -2)).reshape(B, Hkv, g, Q, T // S, S)
+        v_gram = torch.matmul(v.reshape(B, Hkv, T // S, S, -1), v.reshape(B, Hkv, T // S, S, -1).transpose(-1, -2))
+        moved_sq = torch.einsum("bhgqns,bhnst,bhgqnt->bhgqn", per_page, v_gram, per_page)  # ‖Σ a·v‖²
+        moved_sq = moved_sq - 2 * mass * (per_page * v_dot_o).sum(-1) + mass ** 2 * (o * o).sum(-1)[..., None]
+        mass = moved_sq.clamp(min=0).sqrt() / (1 - mass).clamp(min=LEAVE_OUT_FLOOR)
+    view.usage(mass.mean(dim=3).reshape(B, Hkv * g, T // S))
 
 
 def _observe_tail(query, keys, values, mask, view: PagedView, scaling, softcap, s_aux) -> None:
     """Usage from the attention of the step's last ``window`` queries over ``keys [B, T, H, D]`` (live pages)."""
     w = view.window
-    _, probs = attend(query[:, :, -w:], keys.transpose(1, 2), values.transpose(1, 2), mask[..., -w:, :], scaling,
-                      softcap=softcap, s_aux=s_aux, return_probs=True)
-    _add_page_mass(probs, view)
+    out, probs = attend(query[:, :, -w:], keys.transpose(1, 2), values.transpose(1, 2), mask[..., -w:, :], scaling,
+                        softcap=softcap, s_aux=s_aux, return_probs=True)
+    _add_page_usage(probs, out, values, view)
 
 
 def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
@@ -142,7 +167,7 @@ def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_
                     s_aux=s_aux, return_probs=whole)
     if whole:
         out, probs = result
-        _add_page_mass(probs, view)
+        _add_page_usage(probs, out, values, view)
         return out
     if view.usage is not None:
         _observe_tail(query, keys, values, mask, view, scaling, softcap, s_aux)
@@ -159,7 +184,7 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
                                  softcap, s_aux)
     if view.backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES:
         return _kernel_attention(cpu_kernel.paged_attention_cpu, query, view, attention_mask, scaling,
-                                 sliding_window, softcap, s_aux, page_mass_heads=view.usage_heads)
+                                 sliding_window, softcap, s_aux, mass_heads=view.usage_heads, measures_output=True)
     if view.live_only:
         return _live_attention(query, view, attention_mask, scaling, softcap, s_aux)
     keys, values = view.read()

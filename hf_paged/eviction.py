@@ -13,10 +13,13 @@ used cached (unreferenced) page, then, per policy, one of the row's own live pag
 With ``compress_prompt``, a prompt larger than the bound is prefilled whole, then cut to the bound
 by these scores, i.e. by the attention of the prompt's last ``window`` tokens (SnapKV): a question
 at the end of a prompt steers what is kept. The attention share of a page is its mass averaged
-over the observed queries and over the heads, or taken from the head that attends it most
-(`usage_signal_defaults` picks window, decay and heads by page size); by default each layer of
-a bounded "score" or "lru" cache keeps its own pages and is its own group (``per_layer_eviction``),
-otherwise the shares of a group's layers are summed. The first ``sink_pages`` logical pages and
+over the observed queries and over the heads, or taken from the head that attends it most; with
+the ``"output"`` signal a page's usage is instead how far each head's output would move if the page
+were dropped (``‖Σ_page a·v − A·o‖ / (1 − A)`` for the page's attention ``A`` and the head's output
+``o``): a page that draws attention but holds values like the output's counts little
+(`usage_signal_defaults` picks signal, window, decay and heads by page size, policy and regime). By
+default each layer of a bounded "score" or "lru" cache keeps its own pages and is its own group
+(``per_layer_eviction``), otherwise the shares of a group's layers are summed. The first ``sink_pages`` logical pages and
 the last ``recent_pages`` live pages (always including the page being written) are never
 evicted. Evicted tokens are gone for every layer of the group; the positions of the kept tokens
 never change.
@@ -37,6 +40,7 @@ from .errors import CacheUsageError
 logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
 HEAD_REDUCTIONS = ("mean", "max")
+SIGNALS = ("attention", "output")  # what a page's usage measures: its attention mass, or the output it moves
 
 
 SINK_TOKENS = 4  # StreamingLLM keeps the first 4 tokens: attention sinks
@@ -47,13 +51,18 @@ def default_sink_pages(page_size: int) -> int:
     return math.ceil(SINK_TOKENS / page_size)
 
 
-def usage_signal_defaults(page_size: int) -> dict:
-    """The usage signal measured best for a page size (README, "Eviction"): a one-token page follows the
-    attention of the step's last query averaged over heads (TOVA); a page of several tokens, whose tokens
-    matter unevenly, a decayed average over a 32-query window taken from its most attentive head."""
+def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: bool = False) -> dict:
+    """The usage signal measured best for a page size (README, "Eviction"): a one-token page follows what
+    the step's last query takes from it, averaged over heads (TOVA); a page of several tokens, whose tokens
+    matter unevenly, a decayed average of its attention over a 32-query window from its most attentive head.
+    What is taken is attention, except for a streaming "score" cache of one-token pages: the output each
+    token moves. A compressed prompt is cut by its question's attention (SnapKV): the output signal lets go
+    of repeated tokens while others like them remain, and a key to copy back (46866) loses a digit.
+    ("lru" is defined on attention.)"""
+    output = name == "score" and page_size == 1 and not compress_prompt
     if page_size == 1:
-        return dict(decay=0.0, window=1, heads="mean")
-    return dict(decay=0.9, window=32, heads="max")
+        return dict(decay=0.0, window=1, heads="mean", signal="output" if output else "attention")
+    return dict(decay=0.9, window=32, heads="max", signal="attention")
 
 
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
@@ -114,6 +123,7 @@ class EvictionPolicy:
     window: int = 32
     compress_prompt: bool = False
     heads: str = "max"
+    signal: str = "attention"
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -128,6 +138,11 @@ class EvictionPolicy:
                                   f"{self.threshold!r}.")
         if self.heads not in HEAD_REDUCTIONS:
             raise CacheUsageError(f"score_heads must be one of {HEAD_REDUCTIONS}, got {self.heads!r}.")
+        if self.signal not in SIGNALS:
+            raise CacheUsageError(f"score_signal must be one of {SIGNALS}, got {self.signal!r}.")
+        if self.signal == "output" and self.name == "lru":
+            raise CacheUsageError("score_signal='output' needs eviction='score': 'lru' counts a page as used by its "
+                                  "attention share (lru_threshold).")
         if not 0.0 <= self.decay < 1.0:
             raise CacheUsageError(f"score_decay must be in [0, 1) (the weight of the past per step), got "
                                   f"{self.decay!r}.")
@@ -135,14 +150,16 @@ class EvictionPolicy:
     @classmethod
     def for_pages(cls, page_size: int, name: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
                   threshold: float = 1.0, decay: float | None = None, window: int | None = None,
-                  heads: str | None = None, compress_prompt: bool = False) -> "EvictionPolicy":
+                  heads: str | None = None, compress_prompt: bool = False,
+                  signal: str | None = None) -> "EvictionPolicy":
         """A policy for pages of ``page_size`` tokens; what is None takes its default for that size (the
         default policy, the pages of the first `SINK_TOKENS` tokens as sinks, `usage_signal_defaults`)."""
-        signal = usage_signal_defaults(page_size)
-        return cls(name or DEFAULT_POLICY, default_sink_pages(page_size) if sink_pages is None else sink_pages,
-                   recent_pages, threshold, signal["decay"] if decay is None else decay,
-                   signal["window"] if window is None else window, compress_prompt,
-                   signal["heads"] if heads is None else heads)
+        name = name or DEFAULT_POLICY
+        defaults = usage_signal_defaults(page_size, name, compress_prompt)
+        return cls(name, default_sink_pages(page_size) if sink_pages is None else sink_pages,
+                   recent_pages, threshold, defaults["decay"] if decay is None else decay,
+                   defaults["window"] if window is None else window, compress_prompt,
+                   defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal)
 
     @property
     def lossy(self) -> bool:

@@ -71,7 +71,7 @@ class PageGroup(PageRows):
         """What attention reads of a member in the current step (its pools ``keys``/``values``)."""
         policy = self.policy
         return PagedView(keys, values, self.step.on(keys.device), backend, self.eviction.sink(self.step), policy.window,
-                         policy.heads)
+                         policy.heads, policy.signal)
 
     def __del__(self):
         """A dropped cache (or fork) gives its pages back: unreferenced, then cached or free."""

@@ -44,7 +44,8 @@ class PagedView:
     per layer; ``usage``: where attention adds its mass per live page ``[B, H, Nk]`` (averaged over
     the observed queries), or ``[B, Nk]`` reduced over the heads as ``usage_heads`` says ("mean" or
     "max"), or None when the eviction policy does not want it; ``window``: how many of the step's last
-    queries are observed.
+    queries are observed; ``usage_signal``: what is added per page, its attention mass ("attention") or
+    how far it moves each head's output (``"output"``, see `hf_paged.eviction`).
     """
 
     keys: torch.Tensor
@@ -54,6 +55,7 @@ class PagedView:
     usage: Callable[[torch.Tensor], None] | None
     window: int
     usage_heads: str = "mean"
+    usage_signal: str = "attention"
 
     @property
     def past(self) -> int:

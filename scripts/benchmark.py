@@ -199,6 +199,8 @@ def parse_args(argv=None):
                    "bounded PagedCache (default: PagedCache's, score)")
     p.add_argument("--budget-per-layer", default=None, choices=["on", "off"], help="per_layer_eviction of the bounded "
                    "PagedCache (default: PagedCache's: on for score and lru)")
+    p.add_argument("--budget-score-signal", default=None, choices=["attention", "output"], help="score_signal of the "
+                   "bounded PagedCache (default: PagedCache's; with the prompt cut after prefill, attention)")
     p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
                    "README's reference results are in results/benchmark)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -214,8 +216,8 @@ def parse_args(argv=None):
         p.error("--budget must be a positive number of tokens")
     if args.budget_page_size is not None and (args.budget is None or args.budget_page_size < 1):
         p.error("--budget-page-size needs --budget and must be a positive int")
-    if (args.budget_eviction or args.budget_per_layer) and args.budget is None:
-        p.error("--budget-eviction and --budget-per-layer need --budget")
+    if (args.budget_eviction or args.budget_per_layer or args.budget_score_signal) and args.budget is None:
+        p.error("--budget-eviction, --budget-per-layer and --budget-score-signal need --budget")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args
@@ -579,10 +581,11 @@ def markdown_table(configs: list[dict]) -> str:
 
 
 def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None = None, eviction: str | None = None,
-                  per_layer: str | None = None) -> str:
+                  per_layer: str | None = None, signal: str | None = None) -> str:
     """Decode speed of the bounded PagedCache (``--budget``) against the unbounded one, same runs."""
     policy = f"eviction {eviction or 'score (the default)'}"
     policy += f", per_layer_eviction {per_layer}" if per_layer else ""
+    policy += f", score_signal {signal}" if signal else ""
     lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, {policy}, a longer prompt "
              "cut to it after prefill) against the unbounded PagedCache, alternated in the same run:", "",
              "| context | batch | mode | page unbounded / bounded | decode tok/s unbounded | bounded | bounded / unbounded | spread % "
@@ -632,7 +635,7 @@ def markdown_report(result: dict) -> str:
         markdown_table(result["configs"]),
         "",
         *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size"), s.get("budget_eviction"),
-                        s.get("budget_per_layer")), ""] if s.get("budget") else []),
+                        s.get("budget_per_layer"), s.get("budget_score_signal")), ""] if s.get("budget") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
@@ -783,7 +786,7 @@ def main(argv=None) -> dict:
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
                     seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
                     budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
-                    argv=list(sys.argv[1:] if argv is None else argv),
+                    budget_score_signal=args.budget_score_signal, argv=list(sys.argv[1:] if argv is None else argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
     budget_options = {}  # PagedCache arguments of the bounded cache that --budget-* flags set
@@ -791,6 +794,8 @@ def main(argv=None) -> dict:
         budget_options["eviction"] = args.budget_eviction
     if args.budget_per_layer:
         budget_options["per_layer_eviction"] = args.budget_per_layer == "on"
+    if args.budget_score_signal:
+        budget_options["score_signal"] = args.budget_score_signal
     results = []
     kinds = CACHES + (("bounded",) if args.budget else ())
     step_rounds = args.repeats if args.budget else 0  # per greedy configuration: rounds of alternated steps

@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continuation/passkey caches: PagedCache(observation_window=...); none: by page size")
     p.add_argument("--score-heads", choices=("mean", "max"), default=None,
                    help="continuation/passkey caches: PagedCache(score_heads=...); none: by page size")
+    p.add_argument("--score-signal", choices=("attention", "output"), default=None,
+                   help="continuation/passkey caches of the score policy: PagedCache(score_signal=...); none: by page "
+                        "size")
     p.add_argument("--per-layer-eviction", choices=("on", "off"), default="on",
                    help="on: each layer keeps its own pages (the default of a bounded cache); off: the layers of a "
                    "group share one page table, victims chosen by their summed attention")
@@ -154,7 +157,7 @@ def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_page
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
                                score_decay=args.score_decay, observation_window=args.observation_window,
                                score_heads=args.score_heads, recent_pages=args.recent_pages,
-                               **policy_kwargs(policy))
+                               score_signal=args.score_signal if policy == "score" else None, **policy_kwargs(policy))
 
 
 class Held:

@@ -167,7 +167,8 @@ def test_alternated_steps_pair_each_unbounded_step_with_the_bounded_one():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [[], ["--budget-eviction", "fifo", "--budget-per-layer", "off", "--batch-sizes", "2"]])
+@pytest.mark.parametrize("options", [[], ["--budget-eviction", "fifo", "--budget-per-layer", "off", "--batch-sizes", "2"],
+                                     ["--budget-page-size", "1", "--budget-score-signal", "output"]])
 def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--contexts", "48", "--batch-sizes", "1", "--modes", "greedy",
@@ -181,21 +182,24 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     assert CACHE_FIELDS <= set(bounded) and len(bounded["runs"]) == 2
     assert bounded["decode_vs_unbounded"] == pytest.approx(bounded["decode_tok_s"] / paged["decode_tok_s"])
     layers, rows = result["environment"]["num_layers"], cfg["rows"]  # (the last --batch-sizes counts)
-    assert rows == (2 if options else 1)
+    one_group = "--budget-per-layer" in options
+    assert rows == (2 if one_group else 1)
     for run in bounded["runs"]:
         stats = run["stats_end"]  # each row's 48-token prompt was cut to the budget
         assert stats["tokens_held"] <= 32 * rows and stats["evictions"] > 0
         # evictions count every group's: one group for all layers with the options, one per layer without
-        assert (stats["evictions"] < layers) if options else (stats["evictions"] % layers == 0)
+        assert (stats["evictions"] < layers) if one_group else (stats["evictions"] % layers == 0)
     assert paged["runs"][-1]["stats_end"]["tokens_held"] == rows * (48 + 11)
     assert 0.0 <= cfg["bounded_agreement"] <= 1.0
     steps = cfg["bounded_steps"]  # one round of 11 alternated decode steps per repeat
     assert steps["pairs"] == 2 * 11 and steps["unbounded_equals_generate"] is True
     assert 0 < steps["speed_ratio_q1"] <= steps["speed_ratio"] <= steps["speed_ratio_q3"]
     assert steps["unbounded_ms_median"] > 0 and steps["bounded_ms_median"] > 0
-    policy = "eviction fifo, per_layer_eviction off" if options else "eviction score (the default)"
+    policy = ("eviction fifo, per_layer_eviction off" if one_group else "eviction score (the default)"
+              + (", score_signal output" if options else ""))
     report = (tmp_path / "benchmark.md").read_text()
     assert f"Bounded PagedCache (at most 32 tokens per row and layer, {policy}," in report
     assert f"| {steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) |" in report
     assert "The unbounded cache's tokens in every round equal its `generate` run's: yes." in report
-    assert result["settings"]["budget_eviction"] == ("fifo" if options else None)
+    assert result["settings"]["budget_eviction"] == ("fifo" if one_group else None)
+    assert result["settings"]["budget_score_signal"] == ("output" if "--budget-score-signal" in options else None)

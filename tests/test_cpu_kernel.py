@@ -15,6 +15,7 @@ from tiny_models import left_padded_batch, make_pair
 import hf_paged
 from hf_paged import backends
 from hf_paged.kernels import cpu_paged_attention as cpu_kernel
+from hf_paged.kernels.reference import paged_attention_reference
 
 pytestmark = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
                                 reason=f"CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
@@ -52,6 +53,32 @@ def test_page_mass_reduced_over_heads_in_the_kernel(name, splits):
         torch.testing.assert_close(reduced, reduce(mass), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="page_mass_heads"):
         cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads="sum")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", [
+    dict(B=3, Hq=2, Hkv=2, D=32, S=1, Q=1, lengths=[5, 9, 2]),  # decode, shuffled pages, holes
+    dict(B=2, Hq=6, Hkv=2, D=24, S=1, Q=3, lengths=[30, 17], pad=[2, 0], mask_per_head=True, softcap=4.0, sink=True,
+         dtype=torch.bfloat16)])
+def test_output_signal_matches_reference(shape, splits):
+    """``page_mass_signal="output"``: how far each token moves its head's output, as the reference defines it
+    (several queries, a per-head mask, sinks, bfloat16 pools); the attention output is the same, the heads'
+    reduction applies to it; refused for pages of several tokens."""
+    case = make_case(seed=3, **shape)
+    out, moved = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits,
+                                                page_mass_signal="output")
+    _, want = paged_attention_reference(**case, return_page_mass=True, page_mass_signal="output")
+    torch.testing.assert_close(moved, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(out, cpu_kernel.paged_attention_cpu(**case, num_splits=splits))
+    assert torch.all(moved.masked_select((case["page_table"] < 0)[:, None, :]) == 0)
+    _, mass = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits)
+    assert not torch.allclose(moved, mass, rtol=0.1)  # another signal than the attention mass
+    _, mean = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits,
+                                             page_mass_signal="output", page_mass_heads="mean")
+    torch.testing.assert_close(mean, moved.mean(dim=1), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="page_mass_signal"):
+        cpu_kernel.paged_attention_cpu(**make_case(seed=3, **KERNEL_CASES["gqa-page3-chunk-leftpad-fp32"]),
+                                       return_page_mass=True, page_mass_signal="output")
 
 
 @pytest.mark.parametrize("D", [8, 24, 48, 80])

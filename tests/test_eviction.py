@@ -3,6 +3,7 @@
 import gc
 import math
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,11 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged.block_manager import EVICTED
+from hf_paged import attention
+from hf_paged.errors import CacheUsageError
 from hf_paged.eviction import EvictionPolicy, PageUsage
+from hf_paged.kernels import cpu_paged_attention as cpu_kernel
+from hf_paged.kernels.reference import paged_attention_reference
 from page_checks import check_pages
 from tiny_models import left_padded_batch, make_pair
 
@@ -61,6 +66,68 @@ def test_a_no_decay_score_records_each_page_s_share_of_its_row(holes):
         assert tova.scores(usage, ids).tolist() == [s for p, s in zip(row_pages, row_shares) if p != EVICTED]
 
 
+def _usage_of(signal: str, page_size: int, probs, values, out) -> torch.Tensor:
+    """What the torch path reports per page for ``probs [B, Hkv, g, Q, T]``, ``values [B, T, Hkv, D]`` and
+    ``out [B, Q, Hq, D]``."""
+    got = []
+    view = SimpleNamespace(page_size=page_size, usage_signal=signal, usage=got.append)
+    attention._add_page_usage(probs, out, values, view)
+    return got[0]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_output_signal_of_the_torch_path_matches_the_reference(page_size):
+    """The live-page path (torch, Triton's and pages of several tokens) measures what the reference defines:
+    attention mass, or how far dropping each page moves each head's output (GQA, 3 queries, rows reaching
+    different lengths)."""
+    g = torch.Generator().manual_seed(page_size)
+    B, Hq, Hkv, Q, D, N, S = 2, 6, 2, 3, 16, 10, page_size
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((B, Hq, Q, D), (N, S, Hkv, D), (N, S, Hkv, D)))
+    table = torch.arange(N).expand(B, N).contiguous()
+    q_pos = torch.tensor([[N * S - 3, N * S - 2, N * S - 1], [N * S - 8, N * S - 7, N * S - 6]])
+    keys = k.reshape(1, N * S, Hkv, D).expand(B, -1, -1, -1)
+    values = v.reshape(1, N * S, Hkv, D).expand(B, -1, -1, -1)
+    mask = torch.arange(N * S)[None, None, None, :] <= q_pos[:, None, :, None]
+    out, probs = attention.attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask, 0.25, return_probs=True)
+    for signal in ("attention", "output"):
+        _, want = paged_attention_reference(q, k, v, table, table * S, q_pos, scale=0.25, return_page_mass=True,
+                                            page_mass_signal=signal)
+        torch.testing.assert_close(_usage_of(signal, S, probs, values, out), want, rtol=1e-4, atol=1e-6)
+
+
+def test_output_signal_lets_a_redundant_page_go_before_a_less_attended_distinct_one():
+    """Three one-token pages attended 0.6 / 0.3 / 0.1, the first two holding the same value: dropping the second
+    barely moves the output, so the output signal ranks it lowest, where attention ranks the third lowest."""
+    probs = torch.tensor([0.6, 0.3, 0.1]).reshape(1, 1, 1, 1, 3)
+    values = torch.tensor([[1.0, 0.0], [1.0, 0.0], [-5.0, 0.0]]).reshape(1, 3, 1, 2)
+    out = (probs.reshape(3, 1) * values.reshape(3, 2)).sum(0).reshape(1, 1, 1, 2)
+    assert _usage_of("attention", 1, probs, values, out).argmin().item() == 2
+    moved = _usage_of("output", 1, probs, values, out)
+    assert moved.argmin().item() == 1
+    torch.testing.assert_close(moved, torch.tensor([[[0.6 / 0.4 * 0.6, 0.3 / 0.7 * 0.6, 0.1 / 0.9 * 5.4]]]))
+
+
+@pytest.mark.parametrize("signal", ["output", "attention"])
+def test_the_c_kernel_and_the_torch_path_evict_alike(llama, signal):
+    """A bounded cache of one-token pages generates the same tokens and keeps the same pages with the usage
+    measured by the C kernel as by the torch path."""
+    if cpu_kernel.unavailable_reason() is not None:
+        pytest.skip(cpu_kernel.unavailable_reason())
+    _, paged = llama
+    prompt = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for backend in ("cpu", "torch"):
+        cache = hf_paged.PagedCache(page_size=1, max_pages=24, config=paged.config, backend=backend,
+                                    compress_prompt=True, score_signal=signal)
+        out = paged.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, **GEN,
+                             cache=cache)
+        cache.commit()
+        runs[backend] = out, {w: [list(r) for r in g.rows] for w, g in cache.groups.items()}, cache.stats()["evictions"]
+    assert runs["cpu"][2] > 100  # every layer evicts
+    assert torch.equal(runs["cpu"][0], runs["torch"][0])
+    assert runs["cpu"][1] == runs["torch"][1]
+
+
 @pytest.mark.parametrize("name", ["score", "lru"])
 def test_a_page_that_keeps_being_attended_survives(name):
     policy = EvictionPolicy(name, sink_pages=1, recent_pages=1)
@@ -92,14 +159,24 @@ def test_score_decays_old_attention_and_is_not_biased_by_age():
 
 
 def test_usage_signal_defaults_follow_the_page_size():
-    """One-token pages follow the last query's head-averaged attention (TOVA); larger pages a decayed window's
-    most attentive head; explicit arguments win."""
+    """One-token pages follow what the last query takes from them, averaged over heads (the output they move
+    in a streaming "score" cache; "lru" and a compressed prompt's cut count attention); larger pages a decayed
+    window's most attentive head's attention; explicit arguments win; "lru" cannot take the output signal."""
     tova = hf_paged.PagedCache(page_size=1, max_pages=8).policy
-    assert (tova.decay, tova.window, tova.heads) == (0.0, 1, "mean")
+    assert (tova.decay, tova.window, tova.heads, tova.signal) == (0.0, 1, "mean", "output")
+    assert hf_paged.PagedCache(page_size=1, max_pages=8, eviction="lru").policy.signal == "attention"
+    assert hf_paged.PagedCache(page_size=1, max_pages=8, compress_prompt=True).policy.signal == "attention"
     pages = hf_paged.PagedCache(page_size=4, max_pages=8).policy
-    assert (pages.decay, pages.window, pages.heads) == (0.9, 32, "max")
-    mine = hf_paged.PagedCache(page_size=1, max_pages=8, score_decay=0.5, observation_window=4, score_heads="max")
-    assert (mine.policy.decay, mine.policy.window, mine.policy.heads) == (0.5, 4, "max")
+    assert (pages.decay, pages.window, pages.heads, pages.signal) == (0.9, 32, "max", "attention")
+    mine = hf_paged.PagedCache(page_size=1, max_pages=8, score_decay=0.5, observation_window=4, score_heads="max",
+                               score_signal="attention")
+    assert (mine.policy.decay, mine.policy.window, mine.policy.heads, mine.policy.signal) == (0.5, 4, "max",
+                                                                                              "attention")
+    assert hf_paged.PagedCache(page_size=4, max_pages=8, score_signal="output").policy.signal == "output"
+    with pytest.raises(CacheUsageError, match="score_signal"):
+        hf_paged.PagedCache(page_size=1, max_pages=8, score_signal="value")
+    with pytest.raises(CacheUsageError, match="needs eviction='score'"):
+        hf_paged.PagedCache(page_size=1, max_pages=8, eviction="lru", score_signal="output")
     mass = torch.tensor([[[0.9, 0.1], [0.1, 0.1]]])  # [B=1, H=2, pages=2]
     assert torch.allclose(tova.page_signal(mass), torch.tensor([[0.5, 0.1]]))
     assert torch.allclose(pages.page_signal(mass), torch.tensor([[0.9, 0.1]]))

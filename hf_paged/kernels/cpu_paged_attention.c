@@ -11,6 +11,8 @@
  * acc) per row, then the weighted sum of V. Slots that no row may attend are never read
  * into the result (they may hold garbage, even NaN). Splits write unnormalised partials that
  * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
+ * With `mass_output` (pages of one token) the page "mass" is how far the head's output would move if
+ * the token were dropped, p / (1 - p) * |v - out| for its probability p: `finalize` reads its value.
  */
 #include <float.h>
 #include <math.h>
@@ -20,6 +22,7 @@
 
 #define CHUNK 32
 #define MASKED (-1e30f) /* score of a slot a row may not attend: exp() of it minus any max is 0 */
+#define LEAVE_OUT_FLOOR 1e-6f /* 1 - p below this (a token holding all the attention) counts as this */
 
 typedef struct {
     const float *q;        /* [B, Hq, Q, D] fp32, strides q_stride */
@@ -41,6 +44,7 @@ typedef struct {
     float *out;            /* [B, Q, Hq, D] fp32 contiguous */
     float *page_mass;      /* [B, Hq, N] or NULL; [B, N] when mass_heads != 0 */
     int64_t mass_heads;    /* 0: per head; 1: the heads' mean; 2: the heads' max */
+    int64_t mass_output;   /* 1 (S = 1 only): the output each token moves instead of its probability */
     int64_t splits;
     int64_t threads;
     float *partial;        /* set by run(): [B, splits, R, D + 2]: acc | max | sum, R = Q * Hq */
@@ -434,8 +438,23 @@ static void finalize(const PagedArgs *a, int64_t item) {
     if (a->page_mass && total > 0.0f) {
         const float *st = a->entry_stats + (b * R + r) * N * 2;
         float *mass = a->page_mass + (b * a->Hq + h) * N;
-        for (int64_t n = 0; n < N; n++)
-            if (st[2 * n + 1] > 0.0f) mass[n] += st[2 * n + 1] * exp_approx(st[2 * n] - m) * inv / (float)a->Q;
+        const int64_t kvh = h / (a->Hq / a->Hkv);
+        for (int64_t n = 0; n < N; n++) {
+            if (st[2 * n + 1] <= 0.0f) continue;
+            const float p = st[2 * n + 1] * exp_approx(st[2 * n] - m) * inv;
+            if (!a->mass_output) {
+                mass[n] += p / (float)a->Q;
+                continue;
+            }
+            const int64_t off = a->table[b * N + n] * a->v_stride[0] + kvh * a->v_stride[2];
+            float d2 = 0.0f;
+            for (int64_t d = 0; d < D; d++) {
+                const float v = a->kv_bf16 ? load_bf16((const uint16_t *)a->v, off + d) : ((const float *)a->v)[off + d];
+                d2 += (v - out[d]) * (v - out[d]);
+            }
+            const float rest = 1.0f - p;
+            mass[n] += p / (rest > LEAVE_OUT_FLOOR ? rest : LEAVE_OUT_FLOOR) * sqrtf(d2) / (float)a->Q;
+        }
     }
 }
 

@@ -42,6 +42,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SYMBOLS = ("paged_attention_f32", "paged_attention_bf16")
 MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
+PAGE_MASS_SIGNALS = ("attention", "output")  # what the page mass measures (`page_mass_signal`, reference.py)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
 
 _i64 = ctypes.c_int64
@@ -63,7 +64,7 @@ class _PagedArgs(ctypes.Structure):
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", _i64),
         ("mask", _ptr), ("mask_stride", _i64x4), ("mask_offset", _i64), ("mask_len", _i64),
         ("mask_per_head", _i64),
-        ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr), ("mass_heads", _i64),
+        ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr), ("mass_heads", _i64), ("mass_output", _i64),
         ("splits", _i64), ("threads", _i64), ("partial", _ptr), ("entry_stats", _ptr),
     ]
 
@@ -169,13 +170,15 @@ def paged_attention_cpu(
     return_page_mass: bool = False,
     num_splits: int | None = None,
     page_mass_heads: str | None = None,
+    page_mass_signal: str = "attention",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention of ``query [B, Hq, Q, D]`` over ``k_pool/v_pool [P, S, Hkv, D]`` (CPU tensors).
 
     Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; pools must be
     float32 or bfloat16 with a unit last stride. Returns ``out [B, Q, Hq, D]`` in ``query.dtype``, and
     float32 ``page_mass [B, Hq, N]`` (averaged over the queries) with ``return_page_mass``, or its heads'
-    ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``.
+    ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``; ``page_mass_signal="output"`` (pages of one
+    token): instead of each token's probability, how far it moves the head's output (reference.py).
     """
     library = _library()
     if isinstance(library, str):
@@ -201,6 +204,9 @@ def paged_attention_cpu(
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     if page_mass_heads not in (None, *MASS_HEADS):
         raise ValueError(f"page_mass_heads must be None or one of {MASS_HEADS}, got {page_mass_heads!r}")
+    if page_mass_signal not in PAGE_MASS_SIGNALS or (page_mass_signal == "output" and S != 1):
+        raise ValueError(f"page_mass_signal must be one of {PAGE_MASS_SIGNALS} ('output' with pages of one token), "
+                         f"got {page_mass_signal!r} with pages of {S}")
     mass_shape = (B, N) if page_mass_heads else (B, Hq, N)
     page_mass = torch.zeros(mass_shape, dtype=torch.float32) if return_page_mass else None
     args = _PagedArgs(
@@ -212,7 +218,8 @@ def paged_attention_cpu(
         scale, softcap or 0.0, sliding_window or 0,
         0, _NO_STRIDES, 0, 0, 0,  # no mask (set below)
         None, out.data_ptr(), None if page_mass is None else page_mass.data_ptr(),
-        0 if page_mass_heads is None else 1 + MASS_HEADS.index(page_mass_heads), splits, threads,
+        0 if page_mass_heads is None else 1 + MASS_HEADS.index(page_mass_heads), page_mass_signal == "output",
+        splits, threads,
     )
     if mask is not None:
         strides = mask_strides(mask)

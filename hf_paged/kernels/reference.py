@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_attention_reference"]
+__all__ = ["paged_attention_reference", "LEAVE_OUT_FLOOR"]
+
+LEAVE_OUT_FLOOR = 1e-6  # 1 - A below this (one entry holding all the attention) counts as this
 
 
 def paged_attention_reference(
@@ -54,13 +56,18 @@ def paged_attention_reference(
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     return_page_mass: bool = False,
+    page_mass_signal: str = "attention",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention computed in float64 with explicit loops and gathers.
 
     Returns ``out [B, Q, Hq, D]`` in ``query.dtype`` and, with
     ``return_page_mass``, also ``page_mass`` float32 ``[B, Hq, N]``: the
-    attention probability falling on the tokens of each page-table entry,
-    averaged over the ``Q`` queries (0 for ``-1`` entries).
+    attention probability ``A`` falling on the tokens of each page-table entry,
+    averaged over the ``Q`` queries (0 for ``-1`` entries). With
+    ``page_mass_signal="output"``, instead how far the head's output ``o`` would
+    move if the entry's tokens were dropped: ``‖Σ a·v − A·o‖ / (1 − A)`` (the
+    sums over the entry's tokens; ``1 − A`` at least `LEAVE_OUT_FLOOR`), averaged
+    over the queries.
     """
     B, Hq, Q, D = query.shape
     P, S, Hkv, Dk = k_pool.shape
@@ -132,7 +139,14 @@ def paged_attention_reference(
             v = torch.where(allowed.any(dim=0)[:, None], v, torch.zeros_like(v))
             out[b, :, h] = probs @ v
 
-            # 5. Probability mass per page-table entry, averaged over the queries.
+            # 5. Probability mass per page-table entry (or the output it moves), averaged over the queries.
+            if page_mass_signal == "output":
+                mass = torch.zeros(Q, N, dtype=f64, device=query.device).index_add_(1, entry, probs)  # [Q, N]
+                moved = torch.zeros(Q, N, D, dtype=f64, device=query.device).index_add_(
+                    1, entry, probs[:, :, None] * v[None])  # sum of a * v per entry
+                moved = (moved - mass[:, :, None] * out[b, :, h][:, None, :]).norm(dim=-1)
+                page_mass[b, h] += (moved / (1 - mass).clamp(min=LEAVE_OUT_FLOOR)).sum(dim=0) / max(Q, 1)
+                continue
             per_token = probs.sum(dim=0) / Q if Q > 0 else probs.sum(dim=0)
             page_mass[b, h].index_add_(0, entry, per_token)
 
