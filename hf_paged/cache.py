@@ -64,9 +64,8 @@ class PagedCache(PrefixCaching, Cache):
             this multiple of an even share.
         score_decay: "score" keeps this weight of a page's past score per step (0: the last step only).
         observation_window: the last queries of a step whose attention scores pages.
-        score_heads: a page's attention from the heads' "mean" or their "max".
-        score_signal: what "score" measures of a page: its "attention" mass, or the "output" of each head it
-            would move if it were dropped (these four default by page size: `hf_paged.eviction.usage_signal_defaults`).
+        score_heads / score_signal: the heads' "mean" or "max"; a page's "attention", or the "output" it would move
+            if dropped (these four default by page size: `hf_paged.eviction.usage_signal_defaults`).
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
@@ -81,17 +80,15 @@ class PagedCache(PrefixCaching, Cache):
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
                  lru_threshold: float = 1.0, score_decay: float | None = None, observation_window: int | None = None,
-                 score_heads: str | None = None, compress_prompt: bool = False, per_layer_eviction: bool | None = None,
-                 score_signal: str | None = None):
+                 score_heads: str | None = None, compress_prompt: bool = False, per_layer_eviction: bool | None = None, score_signal: str | None = None):
         _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
         if backend not in (None, "auto", "torch", "triton", "cpu"):
             raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
         self.backend = backend
-        self.policy = EvictionPolicy.for_pages(page_size, eviction, sink_pages, recent_pages, lru_threshold,
-                                               score_decay, observation_window, score_heads, compress_prompt,
-                                               score_signal)
+        self.policy = EvictionPolicy.for_pages(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
+                                               observation_window, score_heads, compress_prompt, score_signal)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages
