@@ -170,7 +170,8 @@ class EvictionPolicy:
         return self.name in ("score", "lru")
 
     def page_signal(self, page_mass: torch.Tensor) -> torch.Tensor:
-        """One layer's attention mass per live page ``[B, H, Nk]`` (averaged over queries) -> ``[B, Nk]``: the
+        """One layer's usage per live page ``[B, H, Nk]`` (its attention mass, or the output it moves, averaged
+        over the observed queries; `PagedView.usage_signal`) -> ``[B, Nk]``: the
         heads' mean (``heads="mean"``, TOVA) or the largest over the heads (``"max"``: a page one head relies
         on counts as used; the pages are shared by every head). A ``[B, Nk]`` mass was reduced so by the
         kernel (`PagedView.usage_heads`)."""

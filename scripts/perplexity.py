@@ -348,14 +348,13 @@ def segment_comparison(rows: list[dict], tolerance: float) -> list[dict]:
         if row["budget"] is None:
             continue
         ref = full if row["policy"] == BASELINE else baselines.get(row["budget"])
-        if ref is None or not segments(row) or len(segments(row)) != len(segments(ref)):
+        mine, theirs = segments(row), segments(ref) if ref is not None else []
+        if not mine or len(mine) != len(theirs):
             continue
-        pairs = list(zip(segments(row), segments(ref)))
-        equal = [math.isclose(a, b, rel_tol=tolerance) for a, b in pairs]
-        out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"],
-                        lower=sum(a < b and not e for (a, b), e in zip(pairs, equal)),
-                        higher=sum(a > b and not e for (a, b), e in zip(pairs, equal)),
-                        equal=sum(equal), segments=len(pairs)))
+        differ = [(a, b) for a, b in zip(mine, theirs) if not math.isclose(a, b, rel_tol=tolerance)]
+        lower = sum(a < b for a, b in differ)
+        out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"], lower=lower,
+                        higher=len(differ) - lower, equal=len(mine) - len(differ), segments=len(mine)))
     return out
 
 
