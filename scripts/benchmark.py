@@ -480,6 +480,8 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     result["cache_class"] = type(cache).__name__
     if kind != "dynamic":
         result["stats_end"] = cache.stats()
+    if kind == "bounded":  # what the flags made of it
+        result["eviction"] = dict(policy=cache.policy.name, score_signal=cache.policy.signal)
     sequences = out.cpu()
     del out, cache, probe
     return result, sequences

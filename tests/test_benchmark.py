@@ -184,7 +184,9 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     layers, rows = result["environment"]["num_layers"], cfg["rows"]  # (the last --batch-sizes counts)
     one_group = "--budget-per-layer" in options
     assert rows == (2 if one_group else 1)
+    signal = "output" if "--budget-score-signal" in options else "attention"  # (a cut prompt: attention)
     for run in bounded["runs"]:
+        assert run["eviction"] == dict(policy="fifo" if one_group else "score", score_signal=signal)
         stats = run["stats_end"]  # each row's 48-token prompt was cut to the budget
         assert stats["tokens_held"] <= 32 * rows and stats["evictions"] > 0
         # evictions count every group's: one group for all layers with the options, one per layer without
