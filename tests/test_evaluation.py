@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import assets
+from tiny_models import make_pair
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +137,18 @@ def test_tables_and_plots_from_constructed_results(script, tmp_path):
     text = script.markdown(report)
     assert "| kvpress snapkv | compress | +6.2%* | +2.0%* |" in text and "| hf_paged fifo+sinks | streaming |" in text
     assert script.plot(report, tmp_path) == ["continuation.png", "passkey.png"]
+
+
+def test_score_signal_reaches_the_score_caches_only(script):
+    """``--score-signal`` sets the score policy's signal in both regimes and leaves lru on attention; without it
+    the cache's defaults hold (page size 1: the output signal streaming, attention for a compressed prompt)."""
+    _, model = make_pair("llama")
+
+    def signal(argv, policy, regime):
+        return script.bounded_cache(model, script.parse_args(argv), policy, regime, 64).policy.signal
+
+    forced = ["--score-signal", "attention"]
+    assert signal(forced, "score", "streaming") == signal(forced, "score", "compress") == "attention"
+    assert signal(["--score-signal", "output"], "score", "compress") == "output"
+    assert signal(["--score-signal", "output"], "lru", "streaming") == "attention"
+    assert (signal([], "score", "streaming"), signal([], "score", "compress")) == ("output", "attention")
