@@ -55,15 +55,19 @@ def test_page_mass_reduced_over_heads_in_the_kernel(name, splits):
         cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads="sum")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("shape", [
     dict(B=3, Hq=2, Hkv=2, D=32, S=1, Q=1, lengths=[5, 9, 2]),  # decode, shuffled pages, holes
     dict(B=2, Hq=6, Hkv=2, D=24, S=1, Q=3, lengths=[30, 17], pad=[2, 0], mask_per_head=True, softcap=4.0, sink=True,
-         dtype=torch.bfloat16)])
-def test_output_signal_matches_reference(shape, splits):
+         dtype=torch.bfloat16),
+    dict(B=2, Hq=9, Hkv=3, D=48, S=1, Q=2, lengths=[40, 23], pad=[0, 3], dtype=torch.bfloat16)])  # 3 heads a value row
+def test_output_signal_matches_reference(shape, splits, threads, monkeypatch):
     """``page_mass_signal="output"``: how far each token moves its head's output, as the reference defines it
-    (several queries, a per-head mask, sinks, bfloat16 pools); the attention output is the same, the heads'
-    reduction applies to it; refused for pages of several tokens."""
+    (several queries, a per-head mask, sinks, bfloat16 pools, the heads of a KV head reading a value row
+    together, on 1 and 2 threads); the attention output is the same, the heads' reduction applies to it;
+    refused for pages of several tokens."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     case = make_case(seed=3, **shape)
     out, moved = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits,
                                                 page_mass_signal="output")
