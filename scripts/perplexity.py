@@ -34,7 +34,8 @@ Writes ``--out``/perplexity.md (the table, also printed), perplexity.json (every
 versions) and perplexity.png. In streaming mode they also count, per ``--segment`` tokens, the segments
 where each policy's perplexity is below or above fifo+sinks' at the same budget (and fifo+sinks' below or
 above the full cache's): one text's perplexity differences between policies are often a few segments'
-doing. ``--replot JSON`` rewrites the three files from an earlier perplexity.json without running
+doing; and each policy's perplexity relative to that reference with a paired bootstrap interval over
+blocks of ``--block`` tokens (an interval that excludes 0: a difference that holds across the text). ``--replot JSON`` rewrites the three files from an earlier perplexity.json without running
 anything. Exit status 1 when a parity check fails or a row raised.
 """
 
@@ -48,6 +49,8 @@ import platform
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -91,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lru-threshold", type=float, default=None,
                    help="streaming: PagedCache(lru_threshold=...) for the lru rows; none: PagedCache's default")
     p.add_argument("--segment", type=int, default=512, help="streaming: also report perplexity per segment of N tokens")
+    p.add_argument("--block", type=int, default=64, help="streaming: tokens per block of the paired bootstrap "
+                   "interval of each policy's perplexity against its reference's")
     p.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the parity checks")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process; none: torch's default")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
@@ -103,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, int_list(value) if key == "budgets" else value)
-    for name in ("page_size", "window", "stride", "segment"):
+    for name in ("page_size", "window", "stride", "segment", "block"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.chunk is None:
@@ -297,6 +302,7 @@ def run_streaming(args, state, models, ids, progress) -> dict:
                 res["segments"] = [dict(start=s + 1, end=min(s + seg, len(nll)) + 1,
                                         perplexity=ppl(math.fsum(nll[s:s + seg].tolist()), len(nll[s:s + seg])))
                                    for s in range(0, len(nll), seg)]
+                res["block_nll"] = [math.fsum(nll[s:s + args.block].tolist()) for s in range(0, len(nll), args.block)]
                 if isinstance(cache, hf_paged.PagedCache):
                     res["stats"] = cache.stats()
                 res["tokens_held"] = _tokens_held(cache)
@@ -326,35 +332,69 @@ def run_streaming(args, state, models, ids, progress) -> dict:
     parity = dict(compare="PagedCache unbounded vs DynamicCache (full)", relative_diff=rel,
                   tolerance=args.tolerance, ok=bool(rel <= args.tolerance))
     return dict(rows=rows, parity=parity, sink_pages=default_sink_pages(args.page_size),
-                segment_comparison=segment_comparison(rows, args.tolerance))
+                segment_comparison=segment_comparison(rows, args.tolerance),
+                paired_intervals=paired_intervals(rows, args.block))
 
 
 BASELINE = "fifo+sinks"  # what the other policies are compared with, segment by segment
 
 
+def compared_pairs(rows: list[dict]):
+    """(row, reference) for each bounded row: the `BASELINE` row of its budget, or, for the baseline itself,
+    the full cache (rows without a reference are left out)."""
+    full = next((row for row in rows if row["policy"] == "full"), None)
+    baselines = {row["budget"]: row for row in rows if row["policy"] == BASELINE}
+    for row in rows:
+        ref = full if row["policy"] == BASELINE else baselines.get(row["budget"])
+        if row["budget"] is not None and ref is not None:
+            yield row, ref
+
+
 def segment_comparison(rows: list[dict], tolerance: float) -> list[dict]:
-    """Segment by segment, each bounded row against a reference: the `BASELINE` row of its budget, or, for the
-    baseline itself, the full cache. -> one entry per compared row: how many segments its perplexity is
-    ``lower``, ``higher`` or ``equal`` within the relative ``tolerance`` (segments scored before either evicts:
-    the policies that observe attention differ from the others there by float rounding); rows without
-    segments (errors) are left out."""
+    """Segment by segment, each bounded row against its reference (`compared_pairs`). -> one entry per compared
+    row: how many segments its perplexity is ``lower``, ``higher`` or ``equal`` within the relative
+    ``tolerance`` (segments scored before either evicts: the policies that observe attention differ from the
+    others there by float rounding); rows without segments (errors) are left out."""
     def segments(row):
         return [seg["perplexity"] for seg in row.get("segments", ())]
 
-    full = next((row for row in rows if row["policy"] == "full"), None)
-    baselines = {row["budget"]: row for row in rows if row["policy"] == BASELINE}
     out = []
-    for row in rows:
-        if row["budget"] is None:
-            continue
-        ref = full if row["policy"] == BASELINE else baselines.get(row["budget"])
-        mine, theirs = segments(row), segments(ref) if ref is not None else []
+    for row, ref in compared_pairs(rows):
+        mine, theirs = segments(row), segments(ref)
         if not mine or len(mine) != len(theirs):
             continue
         differ = [(a, b) for a, b in zip(mine, theirs) if not math.isclose(a, b, rel_tol=tolerance)]
         lower = sum(a < b for a, b in differ)
         out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"], lower=lower,
                         higher=len(differ) - lower, equal=len(mine) - len(differ), segments=len(mine)))
+    return out
+
+
+def paired_intervals(rows: list[dict], block: int, confidence: float = 0.95, resamples: int = 9999) -> list[dict]:
+    """Each bounded row's perplexity relative to its reference's (`compared_pairs`), ``ratio`` = ppl / ppl_ref - 1,
+    with a paired bootstrap interval (scipy, BCa, seeded): the text's blocks of ``block`` tokens are resampled, each
+    with both rows' NLL, so that what one text happens to reward is told from a difference that holds across it.
+    ``low == high == ratio == 0`` when no block differs (nothing evicted yet); rows without ``block_nll`` (errors,
+    runs before it was recorded) are left out."""
+    from scipy.stats import bootstrap
+
+    def ratio(diff, tokens, axis=-1):
+        return np.expm1(diff.sum(axis=axis) / tokens.sum(axis=axis))
+
+    out = []
+    for row, ref in compared_pairs(rows):
+        if not row.get("block_nll") or len(row["block_nll"]) != len(ref.get("block_nll") or ()):
+            continue
+        diff = np.subtract(row["block_nll"], ref["block_nll"])
+        tokens = np.minimum(block, row["tokens"] - block * np.arange(len(diff))).astype(np.float64)
+        value = float(ratio(diff, tokens))
+        low = high = value
+        if np.ptp(diff / tokens) > 0:
+            interval = bootstrap((diff, tokens), ratio, paired=True, vectorized=True, confidence_level=confidence,
+                                 n_resamples=resamples, method="BCa", rng=np.random.default_rng(0)).confidence_interval
+            low, high = float(interval.low), float(interval.high)
+        out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"], ratio=value, low=low,
+                        high=high, confidence=confidence, blocks=len(diff), block=block))
     return out
 
 
@@ -409,6 +449,8 @@ def markdown(report: dict) -> str:
                   f"(tolerance {p['tolerance']:g}): {'OK' if p['ok'] else 'MISMATCH'}."]
     if r.get("segment_comparison"):
         lines += ["", *segment_table(r["segment_comparison"], s["segment"], s["tolerance"])]
+    if r.get("paired_intervals"):
+        lines += ["", *interval_table(r["paired_intervals"])]
     return "\n".join(lines) + "\n"
 
 
@@ -423,6 +465,22 @@ def segment_table(comparison: list[dict], segment: int, tolerance: float) -> lis
              "| budget | " + " | ".join(f"{policy} vs {ref}" for policy, ref in columns) + " |",
              "|---:|" + "---:|" * len(columns)]
     for budget in dict.fromkeys(c["budget"] for c in comparison):
+        lines.append(f"| {budget} | " + " | ".join(cells.get((budget, policy), "—") for policy, _ in columns) + " |")
+    return lines
+
+
+def interval_table(intervals: list[dict]) -> list[str]:
+    """`paired_intervals` as markdown: a row per budget, a column per compared policy."""
+    columns = list(dict.fromkeys((c["policy"], c["reference"]) for c in intervals))
+    cells = {(c["budget"], c["policy"]): f"{100 * c['ratio']:+.2f}% [{100 * c['low']:+.2f}, {100 * c['high']:+.2f}]"
+             for c in intervals}
+    first = intervals[0]
+    lines = [f"Perplexity relative to the reference's, with a {100 * first['confidence']:g}% paired bootstrap interval "
+             f"over the text's {first['blocks']} blocks of {first['block']} tokens: an interval that excludes 0 is a "
+             "difference that holds across the text, not a few blocks' doing.", "",
+             "| budget | " + " | ".join(f"{policy} vs {ref}" for policy, ref in columns) + " |",
+             "|---:|" + "---:|" * len(columns)]
+    for budget in dict.fromkeys(c["budget"] for c in intervals):
         lines.append(f"| {budget} | " + " | ".join(cells.get((budget, policy), "—") for policy, _ in columns) + " |")
     return lines
 
@@ -518,11 +576,14 @@ def write_outputs(report: dict, out: Path) -> str:
 
 
 def replot(path: str, out: Path) -> int:
-    """Rewrite the outputs of an earlier run (its segment comparison recomputed from its rows)."""
+    """Rewrite the outputs of an earlier run (its segment comparison and intervals recomputed from its rows; a run
+    made before blocks were recorded has no intervals)."""
     report = json.loads(Path(path).read_text(encoding="utf-8"))
-    if report["settings"]["mode"] == "streaming":
-        report["result"]["segment_comparison"] = segment_comparison(report["result"]["rows"],
-                                                                    report["settings"]["tolerance"])
+    settings, result = report["settings"], report["result"]
+    if settings["mode"] == "streaming":
+        result["segment_comparison"] = segment_comparison(result["rows"], settings["tolerance"])
+        if "block" in settings:
+            result["paired_intervals"] = paired_intervals(result["rows"], settings["block"])
     print(write_outputs(report, out))
     return 0
 

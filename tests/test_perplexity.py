@@ -147,7 +147,7 @@ def test_streaming_eviction_policies(streaming):
     assert {row["policy_kwargs"]["sink_pages"] for row in rows if row["policy"] == "fifo+sinks"} == {1}
 
 
-def test_streaming_counts_segments_against_fifo_sinks_and_replots(script, streaming, tmp_path):
+def test_streaming_compares_with_fifo_sinks_and_replots(script, streaming, tmp_path):
     rc, out, report = streaming
     comparison = report["result"]["segment_comparison"]
     rows = [row for row in report["result"]["rows"] if row["budget"] is not None]
@@ -155,10 +155,21 @@ def test_streaming_counts_segments_against_fifo_sinks_and_replots(script, stream
     for c in comparison:
         assert c["reference"] == ("full" if c["policy"] == "fifo+sinks" else "fifo+sinks")
         assert c["lower"] + c["higher"] + c["equal"] == c["segments"] == 1  # 255 tokens, segments of 512
-    assert "| budget | score vs fifo+sinks | lru vs fifo+sinks | fifo+sinks vs full |" in (out / "perplexity.md").read_text()
+    md = (out / "perplexity.md").read_text()
+    assert md.count("| budget | score vs fifo+sinks | lru vs fifo+sinks | fifo+sinks vs full | fifo vs fifo+sinks |") == 2
+    intervals = report["result"]["paired_intervals"]
+    assert [(c["policy"], c["budget"], c["reference"]) for c in intervals] == [
+        (c["policy"], c["budget"], c["reference"]) for c in comparison]
+    by_name = {row["name"]: row for row in report["result"]["rows"]}
+    for c in intervals:
+        assert c["blocks"] == 4 and c["block"] == 64 and c["confidence"] == 0.95  # 255 tokens in blocks of 64
+        row, ref = by_name[f"{c['policy']}@{c['budget']}"], by_name["full" if c["reference"] == "full" else f"fifo+sinks@{c['budget']}"]
+        assert math.fsum(row["block_nll"]) == pytest.approx(row["nll_sum"], rel=1e-12)
+        assert c["ratio"] == pytest.approx(row["perplexity"] / ref["perplexity"] - 1, rel=1e-9, abs=1e-12)
+        assert c["low"] <= c["ratio"] <= c["high"]
     # --replot recomputes the comparison from the rows and writes the same files
     stored = json.loads((out / "perplexity.json").read_text())
-    del stored["result"]["segment_comparison"]
+    del stored["result"]["segment_comparison"], stored["result"]["paired_intervals"]
     (tmp_path / "old.json").write_text(json.dumps(stored))
     assert script.main(["--replot", str(tmp_path / "old.json"), "--out", str(tmp_path / "replot")]) == 0
     assert (tmp_path / "replot" / "perplexity.md").read_text() == (out / "perplexity.md").read_text()
@@ -183,6 +194,31 @@ def test_segment_comparison_on_constructed_rows(script):
         reference="full", lower=2, higher=0, equal=1)
     table = script.segment_table(list(got.values()), 512, 1e-4)
     assert table[-1] == "| 8 | 1 / 1 / 1 | 2 / 0 / 1 |"
+
+
+def test_paired_intervals_on_constructed_rows(script):
+    """The ratio is the perplexity ratio of the blocks' NLL (a short last block weighs its tokens); a row lower in
+    every block has an interval below 0, one that is lower and higher by turns an interval around 0, one equal to
+    its reference a zero interval; rows without blocks, or with other blocks, are left out."""
+    def row(policy, budget, *blocks):
+        return dict(policy=policy, budget=budget, tokens=150, block_nll=list(blocks))
+
+    base = [130.0, 120.0, 125.0, 140.0, 25.0]  # 4 blocks of 32 tokens, then 22
+    rows = [row("full", None, *base), row("fifo+sinks", 8, *[x + 2.0 for x in base]),
+            row("score", 8, *[x + 2.0 - 0.5 - 0.1 * i for i, x in enumerate(base)]),  # lower in every block
+            row("lru", 8, *[x + 2.0 + (3.0 if i % 2 else -3.0) for i, x in enumerate(base)]),  # by turns
+            row("fifo+sinks", 16, *base), row("score", 16, *base),  # nothing evicted
+            dict(policy="lru", budget=16), row("fifo", 16, 1.0, 2.0)]  # a failed row, other blocks
+    got = {(c["policy"], c["budget"]): c for c in script.paired_intervals(rows, 32, resamples=2000)}
+    assert set(got) == {("fifo+sinks", 8), ("score", 8), ("lru", 8), ("fifo+sinks", 16), ("score", 16)}
+    score = got[("score", 8)]
+    assert score["ratio"] == pytest.approx(math.expm1(-sum(0.5 + 0.1 * i for i in range(5)) / 150), rel=1e-12)
+    assert score["low"] <= score["ratio"] <= score["high"] < 0 and score["reference"] == "fifo+sinks"
+    assert got[("fifo+sinks", 8)]["reference"] == "full" and got[("fifo+sinks", 8)]["low"] > 0
+    assert got[("lru", 8)]["low"] < 0 < got[("lru", 8)]["high"]
+    assert got[("score", 16)]["ratio"] == got[("score", 16)]["low"] == got[("score", 16)]["high"] == 0
+    table = script.interval_table(list(got.values()))
+    assert table[-1] == "| 16 | +0.00% [+0.00, +0.00] | +0.00% [+0.00, +0.00] | — |"
 
 
 def test_evaluate_metric_matches_dynamic_cache(reference):
