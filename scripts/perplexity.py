@@ -42,6 +42,7 @@ anything. Exit status 1 when a parity check fails or a row raised.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -590,6 +591,9 @@ def replot(path: str, out: Path) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    missing = [name for name in ("matplotlib", "scipy") if importlib.util.find_spec(name) is None]
+    if missing:  # (the plot and the intervals come last: say so before the run, not after it)
+        raise SystemExit(f"perplexity.py needs {' and '.join(missing)}: pip install \".[eval]\"")
     if args.replot:
         return replot(args.replot, Path(args.out))
     if args.threads:

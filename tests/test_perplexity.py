@@ -221,6 +221,14 @@ def test_paired_intervals_on_constructed_rows(script):
     assert table[-1] == "| 16 | +0.00% [+0.00, +0.00] | +0.00% [+0.00, +0.00] | — |"
 
 
+def test_missing_plot_or_interval_library_is_reported_before_the_run(script, monkeypatch, tmp_path):
+    find_spec = script.importlib.util.find_spec
+    monkeypatch.setattr(script.importlib.util, "find_spec", lambda name: None if name == "scipy" else find_spec(name))
+    with pytest.raises(SystemExit, match=r'needs scipy: pip install "\.\[eval\]"'):
+        script.main(["--quick", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
 def test_evaluate_metric_matches_dynamic_cache(reference):
     import evaluate
 
