@@ -19,8 +19,8 @@ were dropped (``‖Σ_page a·v − A·o‖ / (1 − A)`` for the page's attenti
 ``o``): a page that draws attention but holds values like the output's counts little
 (`usage_signal_defaults` picks signal, window, decay and heads by page size, policy and regime). By
 default each layer of a bounded "score" or "lru" cache keeps its own pages and is its own group
-(``per_layer_eviction``), otherwise the shares of a group's layers are summed. The first ``sink_pages`` logical pages and
-the last ``recent_pages`` live pages (always including the page being written) are never
+(``per_layer_eviction``), otherwise the shares of a group's layers are summed. The first ``sink_pages``
+logical pages and the last ``recent_pages`` live pages (always including the page being written) are never
 evicted. Evicted tokens are gone for every layer of the group; the positions of the kept tokens
 never change.
 """

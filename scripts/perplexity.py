@@ -35,8 +35,8 @@ versions) and perplexity.png. In streaming mode they also count, per ``--segment
 where each policy's perplexity is below or above fifo+sinks' at the same budget (and fifo+sinks' below or
 above the full cache's): one text's perplexity differences between policies are often a few segments'
 doing; and each policy's perplexity relative to that reference with a paired bootstrap interval over
-blocks of ``--block`` tokens (an interval that excludes 0: a difference that holds across the text). ``--replot JSON`` rewrites the three files from an earlier perplexity.json without running
-anything. Exit status 1 when a parity check fails or a row raised.
+blocks of ``--block`` tokens (an interval that excludes 0: a difference that holds across the text).
+``--replot JSON`` rewrites the three files from an earlier perplexity.json without running anything. Exit status 1 when a parity check fails or a row raised.
 """
 
 from __future__ import annotations
@@ -455,35 +455,35 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def segment_table(comparison: list[dict], segment: int, tolerance: float) -> list[str]:
-    """`segment_comparison` as markdown: a row per budget, a column per compared policy."""
-    columns = list(dict.fromkeys((c["policy"], c["reference"]) for c in comparison))
-    cells = {(c["budget"], c["policy"]): f"{c['lower']} / {c['higher']} / {c['equal']}" for c in comparison}
-    n = max(c["segments"] for c in comparison)
-    lines = [f"Per segment of {segment} tokens ({n} segments): how many segments a policy's perplexity is lower / "
-             f"higher than the reference's / equal within the tolerance {tolerance:g} (scored before either evicts). "
-             f"The reference is {BASELINE} at the same budget, and for {BASELINE} the full cache.", "",
-             "| budget | " + " | ".join(f"{policy} vs {ref}" for policy, ref in columns) + " |",
+def budget_table(entries: list[dict], cell) -> list[str]:
+    """Compared rows (`compared_pairs`) as a markdown table: a row per budget, a column per compared policy
+    (``policy vs reference``), ``cell(entry)`` in each cell ("—" where a policy has no entry)."""
+    columns = list(dict.fromkeys((c["policy"], c["reference"]) for c in entries))
+    cells = {(c["budget"], c["policy"]): cell(c) for c in entries}
+    lines = ["| budget | " + " | ".join(f"{policy} vs {ref}" for policy, ref in columns) + " |",
              "|---:|" + "---:|" * len(columns)]
-    for budget in dict.fromkeys(c["budget"] for c in comparison):
+    for budget in dict.fromkeys(c["budget"] for c in entries):
         lines.append(f"| {budget} | " + " | ".join(cells.get((budget, policy), "—") for policy, _ in columns) + " |")
     return lines
+
+
+def segment_table(comparison: list[dict], segment: int, tolerance: float) -> list[str]:
+    """`segment_comparison` as markdown (`budget_table`) under what it counts."""
+    n = max(c["segments"] for c in comparison)
+    return [f"Per segment of {segment} tokens ({n} segments): how many segments a policy's perplexity is lower / "
+            f"higher than the reference's / equal within the tolerance {tolerance:g} (scored before either evicts). "
+            f"The reference is {BASELINE} at the same budget, and for {BASELINE} the full cache.", "",
+            *budget_table(comparison, lambda c: f"{c['lower']} / {c['higher']} / {c['equal']}")]
 
 
 def interval_table(intervals: list[dict]) -> list[str]:
-    """`paired_intervals` as markdown: a row per budget, a column per compared policy."""
-    columns = list(dict.fromkeys((c["policy"], c["reference"]) for c in intervals))
-    cells = {(c["budget"], c["policy"]): f"{100 * c['ratio']:+.2f}% [{100 * c['low']:+.2f}, {100 * c['high']:+.2f}]"
-             for c in intervals}
+    """`paired_intervals` as markdown (`budget_table`) under what they are."""
     first = intervals[0]
-    lines = [f"Perplexity relative to the reference's, with a {100 * first['confidence']:g}% paired bootstrap interval "
-             f"over the text's {first['blocks']} blocks of {first['block']} tokens: an interval that excludes 0 is a "
-             "difference that holds across the text, not a few blocks' doing.", "",
-             "| budget | " + " | ".join(f"{policy} vs {ref}" for policy, ref in columns) + " |",
-             "|---:|" + "---:|" * len(columns)]
-    for budget in dict.fromkeys(c["budget"] for c in intervals):
-        lines.append(f"| {budget} | " + " | ".join(cells.get((budget, policy), "—") for policy, _ in columns) + " |")
-    return lines
+    return [f"Perplexity relative to the reference's, with a {100 * first['confidence']:g}% paired bootstrap interval "
+            f"over the text's {first['blocks']} blocks of {first['block']} tokens: an interval that excludes 0 is a "
+            "difference that holds across the text, not a few blocks' doing.", "",
+            *budget_table(intervals, lambda c: f"{100 * c['ratio']:+.2f}% [{100 * c['low']:+.2f}, "
+                                               f"{100 * c['high']:+.2f}]")]
 
 
 def plot(report: dict, path: Path) -> None:
