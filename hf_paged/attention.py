@@ -21,7 +21,6 @@ from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.reference import LEAVE_OUT_FLOOR
 from .model_config import ATTN_IMPLEMENTATION
 from .paged_kv import PagedKV, PagedView
-from .ragged_cache import RaggedKV, RaggedView
 
 # The CPU kernel reads each slot once for all of a step's queries, scalar-ish per query: it wins for
 # decoding and short continuations (assisted decoding); longer queries go to SDPA's blocked kernel.
@@ -79,35 +78,46 @@ def attend(
     return (out, probs) if return_probs else out
 
 
-def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux,
-                      mass_heads: str | None = None, measures_output: bool = False):
+def _kernel_for(view: PagedView, q_len: int):
+    """The paged kernel that reads ``view``'s pages for queries of ``q_len`` tokens, or None (SDPA on the pages)."""
+    if view.backend == "triton":
+        from .kernels.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton
+    if view.backend == "cpu" and q_len <= CPU_KERNEL_MAX_QUERIES:
+        return cpu_kernel.paged_attention_cpu
+    return None
+
+
+def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux):
     """A paged kernel walks the page table (holes included); the mask is aligned on its last column. When every
-    query is observed the kernel also returns the usage per page: attention mass (reduced over the heads as
-    ``mass_heads`` says, the C kernel's ``page_mass_heads``), or the "output" signal where it ``measures_output``
-    (the C kernel, pages of one token); otherwise `_observe_tail` measures it on the live pages."""
+    query is observed the kernel also returns the usage per page: attention mass (the C kernel reduces it over the
+    heads itself, ``page_mass_heads``), or the "output" signal where it measures it (the C kernel, pages of one
+    token); otherwise `_observe_tail` measures it on the live pages."""
     page_table, page_pos, q_pos = view.kernel_index()
+    in_c = kernel is cpu_kernel.paged_attention_cpu
     mask_offset = 0
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
         mask_offset = view.num_tokens - attention_mask.shape[-1]
-    observed = view.usage is not None and query.shape[2] <= view.window  # every query is observed
+    observed = view.report_usage is not None and query.shape[2] <= view.observed_queries  # every query is observed
     output = view.usage_signal == "output"
-    measured = observed and (not output or (measures_output and view.page_size == 1))
+    measured = observed and (not output or (in_c and view.page_size == 1))
     options = {}
-    if measured and mass_heads is not None:
-        options["page_mass_heads"] = mass_heads
+    if measured and in_c:
+        options["page_mass_heads"] = view.usage_heads
     if measured and output:
         options["page_mass_signal"] = "output"
     result = kernel(
-        query, view.keys, view.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
-        mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
+        query, **view.pages.kernel_operands(), page_table=page_table, page_pos=page_pos, q_pos=q_pos, scale=scaling,
+        mask=attention_mask, mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
         return_page_mass=measured, **options)
     if measured:
         out, page_mass = result
-        view.usage(page_mass)
+        view.report_usage(page_mass)
         return out
-    if view.usage is not None:
+    if view.report_usage is not None:
         keys, values, positions = view.read_live()
         _observe_tail(query, keys, values, _live_mask(attention_mask, positions, view), view, scaling, softcap,
                       s_aux)
@@ -147,12 +157,12 @@ def _add_page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor
         moved_sq = torch.einsum("bhgqns,bhnst,bhgqnt->bhgqn", per_page, v_gram, per_page)  # ‖Σ a·v‖²
         moved_sq = moved_sq - 2 * mass * (per_page * v_dot_o).sum(-1) + mass ** 2 * (o * o).sum(-1)[..., None]
         mass = moved_sq.clamp(min=0).sqrt() / (1 - mass).clamp(min=LEAVE_OUT_FLOOR)
-    view.usage(mass.mean(dim=3).reshape(B, Hkv * g, T // S))
+    view.report_usage(mass.mean(dim=3).reshape(B, Hkv * g, T // S))
 
 
 def _observe_tail(query, keys, values, mask, view: PagedView, scaling, softcap, s_aux) -> None:
-    """Usage from the attention of the step's last ``window`` queries over ``keys [B, T, H, D]`` (live pages)."""
-    w = view.window
+    """Usage from the attention of the step's last observed queries over ``keys [B, T, H, D]`` (live pages)."""
+    w = view.observed_queries
     out, probs = attend(query[:, :, -w:], keys.transpose(1, 2), values.transpose(1, 2), mask[..., -w:, :], scaling,
                         softcap=softcap, s_aux=s_aux, return_probs=True)
     _add_page_usage(probs, out, values, view)
@@ -162,14 +172,14 @@ def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_
     """Rows with evicted pages (or a bounded cache tracking usage): attend over the gathered live pages."""
     keys, values, positions = view.read_live()
     mask = _live_mask(attention_mask, positions, view)
-    whole = view.usage is not None and query.shape[2] <= view.window  # every query is observed
+    whole = view.report_usage is not None and query.shape[2] <= view.observed_queries  # every query is observed
     result = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scaling, softcap=softcap,
                     s_aux=s_aux, return_probs=whole)
     if whole:
         out, probs = result
         _add_page_usage(probs, out, values, view)
         return out
-    if view.usage is not None:
+    if view.report_usage is not None:
         _observe_tail(query, keys, values, mask, view, scaling, softcap, s_aux)
     return result
 
@@ -177,14 +187,11 @@ def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_
 def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sliding_window, softcap,
                      s_aux) -> torch.Tensor:
     """Read the layer's pages in place and attend; the mask is aligned on its last column."""
-    if view.backend == "triton":
-        from .kernels.triton_paged_attention import paged_attention_triton
-
-        return _kernel_attention(paged_attention_triton, query, view, attention_mask, scaling, sliding_window,
-                                 softcap, s_aux)
-    if view.backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES:
-        return _kernel_attention(cpu_kernel.paged_attention_cpu, query, view, attention_mask, scaling,
-                                 sliding_window, softcap, s_aux, mass_heads=view.usage_heads, measures_output=True)
+    if view.plan.packed:
+        return _packed_attention(query, view, scaling, sliding_window, softcap, s_aux)
+    kernel = _kernel_for(view, query.shape[2])
+    if kernel is not None:
+        return _kernel_attention(kernel, query, view, attention_mask, scaling, sliding_window, softcap, s_aux)
     if view.live_only:
         return _live_attention(query, view, attention_mask, scaling, softcap, s_aux)
     keys, values = view.read()
@@ -192,12 +199,12 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
                           softcap, s_aux)
 
 
-def _segment_attention(query, view: RaggedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def _segment_attention(query, view: PagedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions)."""
     total = segment.past + segment.length
-    pages = segment.pages.to(view.keys.device)
-    keys = view.keys[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
-    values = view.values[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+    keys, values = view.pages.gather(segment.pages.to(view.pages.device))
+    keys = keys.flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
+    values = values.flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
     mask = None
     if segment.past or sliding_window:
         k_pos = torch.arange(total, device=query.device)
@@ -208,22 +215,16 @@ def _segment_attention(query, view: RaggedView, segment, scaling, sliding_window
     return attend(query, keys, values, mask, scaling, is_causal=mask is None, softcap=softcap, s_aux=s_aux)
 
 
-def _ragged_attention(query, view: RaggedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def _packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
     prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
     step = view.plan
-    kernel = None
-    if view.backend == "triton":
-        from .kernels.triton_paged_attention import paged_attention_triton as kernel
-    elif view.backend == "cpu":
-        kernel = cpu_kernel.paged_attention_cpu
+    kernel = _kernel_for(view, 1)
     outs, first = [], 0
     if kernel is not None and step.num_single:
         first = step.num_single
-        table, page_pos, q_pos = step.kernel_index(query.device, view.keys.shape[0])
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
-        out = kernel(singles, view.keys, view.values, table, page_pos, q_pos, scale=scaling,
-                     sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+        out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
         outs.append(out.transpose(0, 1))  # [1, R, Hq, D]
     for segment in step.segments[first:]:
         q = query[:, :, segment.start:segment.start + segment.length]
@@ -256,8 +257,6 @@ def paged_attention_forward(
         raise NotImplementedError("hf_paged attention is for inference: dropout is not supported.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if isinstance(key, RaggedKV):
-        return _ragged_attention(query, key.paged, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):
         out = _paged_attention(module, query, key.paged, attention_mask, scaling, sliding_window, softcap, s_aux)
         return out, None

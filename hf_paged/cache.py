@@ -120,7 +120,7 @@ class PagedCache(PrefixCaching, Cache):
         self.config = config
         windows = layer_windows(config)
         self.layers = [PagedLayer(self._group(w, i), i, self.backend) for i, w in enumerate(windows)]
-        self.groups.keep({id(layer.group) for layer in self.layers})  # another model's groups go
+        self.groups.keep({id(layer.group) for layer in self.layers})  # another model's groups go, pages start anew
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             warn_gathered_pages()

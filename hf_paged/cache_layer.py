@@ -14,6 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .backends import layer_backend
 from .errors import CacheUsageError
 from .page_group import PageGroup
+from .page_store import FloatPages
 from .paged_kv import PagedKV, read_window
 
 
@@ -26,56 +27,18 @@ def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
     return same_as
 
 
-class PagePool:
-    """The K and V page tensors of one layer, shared by every fork of a cache."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self._rows: tuple = (None, None, None, None, None)  # (keys, values, grad mode, key rows, value rows)
-
-    def grow_to(self, num_pages: int) -> None:
-        """Grow both tensors to ``num_pages`` pages, keeping their content (callers' managers grow
-        geometrically, so this is amortised); new pages are zeros, never NaN: masked slots are multiplied by 0."""
-        have = self.keys.shape[0]
-        if have >= num_pages:
-            return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros((num_pages, *old.shape[1:]))
-            new[:have] = old
-            setattr(self, name, new)
-
-    def slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``keys``/``values`` as ``[pages * page_size, heads, dim]``, one row per slot: views made once per
-        pool tensor and grad mode (autograd forbids writing, with grad on, into a view made under no_grad)."""
-        keys, values, grad, key_rows, value_rows = self._rows
-        if keys is not self.keys or values is not self.values or grad != torch.is_grad_enabled():
-            key_rows, value_rows = self.keys.flatten(0, 1), self.values.flatten(0, 1)
-            self._rows = (self.keys, self.values, torch.is_grad_enabled(), key_rows, value_rows)
-        return key_rows, value_rows
-
-    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy pages ``src`` onto pages ``dst`` in both tensors."""
-        self.keys[dst] = self.keys[src]
-        self.values[dst] = self.values[src]
-
-
 class PagedLayer(CacheLayerMixin):
     """K/V pools of one layer, a member of its `PageGroup` (which counts the tokens the layer wrote)."""
-
-    keys = property(lambda self: self.pool.keys, lambda self, t: setattr(self.pool, "keys", t))
-    values = property(lambda self: self.pool.values, lambda self, t: setattr(self.pool, "values", t))
 
     is_compileable = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, group: PageGroup, layer_idx: int, backend: str | None = None, pool: PagePool | None = None):
-        self.pool = pool or PagePool()  # CacheLayerMixin.__init__ would reset a shared pool: not called
+    def __init__(self, group: PageGroup, layer_idx: int, backend: str | None = None, pages: FloatPages | None = None):
+        self.pages = pages  # in the group's store (CacheLayerMixin.__init__ is not called: it would reset them)
         self.is_initialized = False
-        if self.pool.keys is not None:
-            self._adopt_pool()
+        if pages is not None:
+            self._adopt_pages()
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self._resolved_backend: str | None = None  # what `backend` means for these pools, resolved on first use
@@ -85,8 +48,8 @@ class PagedLayer(CacheLayerMixin):
         group.members.join(self)
 
     def fork(self, group: PageGroup) -> "PagedLayer":
-        """A layer of a forked cache: same pool tensors, the fork's own page tables."""
-        twin = PagedLayer(group, self.layer_idx, self.backend, self.pool)
+        """A layer of a forked cache: same pages (the store is shared), the fork's own page tables."""
+        twin = PagedLayer(group, self.layer_idx, self.backend, self.pages)
         group.members.join(twin, self.get_seq_length())
         return twin
 
@@ -95,17 +58,14 @@ class PagedLayer(CacheLayerMixin):
         return f"PagedLayer({self.layer_idx}{window})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the pools for these keys, unless a fork of this cache already did (the pools are shared)."""
-        if self.keys is None:
-            S = self.group.page_size
-            self.keys = key_states.new_empty((0, S, key_states.shape[1], key_states.shape[3]))
-            self.values = value_states.new_empty((0, S, value_states.shape[1], value_states.shape[3]))
-        self._adopt_pool()
+        """The layer's pages in its group's store, made for these keys unless they exist."""
+        self.pages = self.group.store.create(self.layer_idx, key_states, value_states)
+        self._adopt_pages()
 
-    def _adopt_pool(self) -> None:
-        """Take dtype, device and shapes from the pools: every later update must match them."""
-        self.dtype, self.device = self.keys.dtype, self.keys.device
-        self.num_heads, self.head_dim, self.value_dim = self.keys.shape[2], self.keys.shape[3], self.values.shape[3]
+    def _adopt_pages(self) -> None:
+        """Take dtype, device and shapes from the pages: every later update must match them."""
+        self.dtype, self.device = self.pages.dtype, self.pages.device
+        self.num_heads, self.head_dim, self.value_dim, _ = self.pages.shape
         self._signature = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device,
                            self.device)
         self.is_initialized = True
@@ -125,16 +85,13 @@ class PagedLayer(CacheLayerMixin):
         if plan.same_as is not None:
             self._check_identical_rows(key_states, value_states, plan.same_as)
         plan = group.step.on(self.device)  # rebuilt if rows had to be unshared
-        self.pool.grow_to(group.manager.num_pages)
-        if plan.copy_src is not None:
-            self.pool.copy_pages(plan.copy_src, plan.copy_dst)
         if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
-        key_rows, value_rows = self.pool.slot_rows()
-        key_rows.index_copy_(0, plan.slots, key_states.reshape(-1, self.num_heads, self.head_dim))
-        value_rows.index_copy_(0, plan.slots, value_states.reshape(-1, self.num_heads, self.value_dim))
+        group.store.write(self.pages, group.manager.num_pages, plan.slots,
+                          key_states.reshape(-1, self.num_heads, self.head_dim),
+                          value_states.reshape(-1, self.num_heads, self.value_dim), plan.copy_src, plan.copy_dst)
         group.wrote(self)
-        view = group.read_view(self.keys, self.values, self._resolved_backend)
+        view = group.read_view(self.pages, self._resolved_backend)
         shape = (batch, self.num_heads, plan.kv_len)
         return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
 
@@ -148,8 +105,8 @@ class PagedLayer(CacheLayerMixin):
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, copy) page pair of this layer's pools (the group unshared rows mid-step)."""
-        self.pool.grow_to(self.group.manager.num_pages)
-        self.pool.copy_pages(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
+        self.pages.grow_to(self.group.manager.num_pages)
+        self.pages.copy_pages(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
 
     def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
@@ -179,8 +136,7 @@ class PagedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------- read
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' tokens ``[first_pos, num_tokens)`` as ``[B, T, H, D]``: a view on a slab, else a gather."""
-        plan = self.group.step.on(self.device)
-        return read_window(self.keys, plan), read_window(self.values, plan)
+        return read_window(self.pages, self.group.step.on(self.device))
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self) -> int:

@@ -4,20 +4,20 @@ Order of what gives way (see `PageGroup.begin_step`): a free page, then the leas
 used cached (unreferenced) page, then, per policy, one of the row's own live pages:
 - ``"score"``: the page with the lowest decayed attention score (H2O's heavy hitters with a
   decay, TOVA when ``decay=0``): each step adds the page's share of the attention of the step's
-  last ``window`` queries, relative to an even share (1 = as much as an average live page), to an
+  last ``observation_window`` queries, relative to an even share (1 = as much as an average live page), to an
   exponential moving average, bias-corrected for the steps the page has been observed;
 - ``"lru"``: the page least recently *used*, where a page is used in a step when its share of the
   step's attention is at least ``threshold`` times an even share;
 - ``"fifo"``: the oldest unprotected page (StreamingLLM: attention sinks + a recent window);
 - ``"error"``: nothing is evicted; `PagePoolExhausted` is raised.
 With ``compress_prompt``, a prompt larger than the bound is prefilled whole, then cut to the bound
-by these scores, i.e. by the attention of the prompt's last ``window`` tokens (SnapKV): a question
+by these scores, i.e. by the attention of the prompt's last ``observation_window`` tokens (SnapKV): a question
 at the end of a prompt steers what is kept. The attention share of a page is its mass averaged
 over the observed queries and over the heads, or taken from the head that attends it most; with
 the ``"output"`` signal a page's usage is instead how far each head's output would move if the page
 were dropped (``‖Σ_page a·v − A·o‖ / (1 − A)`` for the page's attention ``A`` and the head's output
 ``o``): a page that draws attention but holds values like the output's counts little
-(`usage_signal_defaults` picks signal, window, decay and heads by page size, policy and regime). By
+(`usage_signal_defaults` picks signal, observation window, decay and heads by page size, policy and regime). By
 default each layer of a bounded "score" or "lru" cache keeps its own pages and is its own group
 (``per_layer_eviction``), otherwise the shares of a group's layers are summed. The first ``sink_pages``
 logical pages and the last ``recent_pages`` live pages (always including the page being written) are never
@@ -61,14 +61,14 @@ def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: 
     ("lru" is defined on attention.)"""
     output = name == "score" and page_size == 1 and not compress_prompt
     if page_size == 1:
-        return dict(decay=0.0, window=1, heads="mean", signal="output" if output else "attention")
-    return dict(decay=0.9, window=32, heads="max", signal="attention")
+        return dict(decay=0.0, observation_window=1, heads="mean", signal="output" if output else "attention")
+    return dict(decay=0.9, observation_window=32, heads="max", signal="attention")
 
 
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
 
 
-class PageUsage:
+class PageHistory:
     """What a group has observed of its pages' attention, indexed by page id (shared by forks).
 
     ``last_used[p]``: ``2 * step`` when written, ``2 * step + 1`` when used (so use outranks a write);
@@ -120,7 +120,7 @@ class EvictionPolicy:
     recent_pages: int = 1
     threshold: float = 1.0
     decay: float = 0.9
-    window: int = 32
+    observation_window: int = 32
     compress_prompt: bool = False
     heads: str = "max"
     signal: str = "attention"
@@ -128,10 +128,10 @@ class EvictionPolicy:
     def __post_init__(self):
         if self.name not in POLICIES:
             raise CacheUsageError(f"eviction must be one of {POLICIES}, got {self.name!r}.")
-        for name in ("sink_pages", "recent_pages", "window"):
+        for name in ("sink_pages", "recent_pages", "observation_window"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "window" else 0):
-                raise CacheUsageError(f"{name} must be a {'positive' if name == 'window' else 'non-negative'} "
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "observation_window" else 0):
+                raise CacheUsageError(f"{name} must be a {'positive' if name == 'observation_window' else 'non-negative'} "
                                       f"int, got {value!r}.")
         if not self.threshold > 0:
             raise CacheUsageError(f"lru_threshold must be a positive multiple of an even attention share, got "
@@ -149,7 +149,7 @@ class EvictionPolicy:
 
     @classmethod
     def for_pages(cls, page_size: int, name: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
-                  threshold: float = 1.0, decay: float | None = None, window: int | None = None,
+                  threshold: float = 1.0, decay: float | None = None, observation_window: int | None = None,
                   heads: str | None = None, compress_prompt: bool = False,
                   signal: str | None = None) -> "EvictionPolicy":
         """A policy for pages of ``page_size`` tokens; what is None takes its default for that size (the
@@ -158,7 +158,7 @@ class EvictionPolicy:
         defaults = usage_signal_defaults(page_size, name, compress_prompt)
         return cls(name, default_sink_pages(page_size) if sink_pages is None else sink_pages,
                    recent_pages, threshold, defaults["decay"] if decay is None else decay,
-                   defaults["window"] if window is None else window, compress_prompt,
+                   defaults["observation_window"] if observation_window is None else observation_window, compress_prompt,
                    defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal)
 
     @property
@@ -180,15 +180,15 @@ class EvictionPolicy:
             return page_mass
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
-    def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> np.ndarray:
-        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``;
+    def record(self, history: PageHistory, pages: torch.Tensor, mass: torch.Tensor, step: int) -> np.ndarray:
+        """Fold a step's usage ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``history``;
         -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
         pages = _ids(pages)
         shares = self.whole_shares(pages, mass)
         if shares is not None:
-            self.fold_last_shares(usage, pages, shares)
+            self.fold_last_shares(history, pages, shares)
             return shares
-        usage.cover(pages)
+        history.cover(pages)
         shares = mass.detach().cpu().numpy().astype(np.float64)
         for row_pages, row_shares in zip(pages, shares):  # (each row's mass becomes its shares in place)
             live = row_pages != EVICTED
@@ -203,10 +203,10 @@ class EvictionPolicy:
                 row_shares[~live] = np.inf
             relative = row_shares if whole else row_shares[live]
             if self.name == "lru":
-                usage.last_used[ids[relative >= self.threshold]] = 2 * step + 1
+                history.last_used[ids[relative >= self.threshold]] = 2 * step + 1
             else:  # (with no decay the average is the last share)
-                usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative if self.decay else relative
-                usage.observed[ids] += 1
+                history.ema[ids] = self.decay * history.ema[ids] + (1 - self.decay) * relative if self.decay else relative
+                history.observed[ids] += 1
         return shares
 
     @property
@@ -226,23 +226,23 @@ class EvictionPolicy:
         return shares
 
     @staticmethod
-    def fold_last_shares(usage: PageUsage, pages: np.ndarray, shares: np.ndarray) -> None:
+    def fold_last_shares(history: PageHistory, pages: np.ndarray, shares: np.ndarray) -> None:
         """The pages' last shares become their scores (`whole_shares`; a page in several rows: the last row's)."""
-        usage.cover(pages)
-        usage.ema[pages] = shares
-        usage.observed[pages] += 1
+        history.cover(pages)
+        history.ema[pages] = shares
+        history.observed[pages] += 1
 
-    def scores(self, usage: PageUsage, pages) -> np.ndarray:
+    def scores(self, history: PageHistory, pages) -> np.ndarray:
         """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
         pages = _ids(pages)
-        usage.cover(pages)
-        steps = usage.observed[pages]
-        unbiased = usage.ema[pages]
+        history.cover(pages)
+        steps = history.observed[pages]
+        unbiased = history.ema[pages]
         if self.decay > 0:  # (with no decay the average is the last share: nothing to correct)
             unbiased = unbiased / np.maximum(1 - self.decay ** steps.astype(np.float64), 1e-300)
         return np.where(steps > 0, unbiased, 1.0)
 
-    def victims(self, row, first_page: int, usage: PageUsage, count: int) -> list[int]:
+    def victims(self, row, first_page: int, history: PageHistory, count: int) -> list[int]:
         """Indices in ``row`` (page ids, a list or an array) of up to ``count`` pages to evict, in the order the
         policy gives them up (ties: the oldest first); fewer when the rest is protected. Equal to ``count``
         single picks: a pick changes no other page's rank, nor which pages are protected."""
@@ -252,30 +252,30 @@ class EvictionPolicy:
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
         if self.name == "fifo" or not len(candidates):
             return candidates[:count].tolist()
-        rank = self._rank(usage, table[candidates])
+        rank = self._rank(history, table[candidates])
         order = [int(np.argmin(rank))] if count == 1 else np.argsort(rank, kind="stable")[:count]  # first of ties
         return candidates[order].tolist()
 
-    def _rank(self, usage: PageUsage, pages: np.ndarray) -> np.ndarray:
+    def _rank(self, history: PageHistory, pages: np.ndarray) -> np.ndarray:
         """The order in which a usage policy gives ``pages`` up (lowest first): when last used ("lru"), or
         the score."""
         if self.name == "lru":
-            usage.cover(pages)
-            return usage.last_used[pages].astype(np.float64)
-        return self.scores(usage, pages)
+            history.cover(pages)
+            return history.last_used[pages].astype(np.float64)
+        return self.scores(history, pages)
 
-    def victim_columns(self, table: np.ndarray, positions: np.ndarray, usage: PageUsage, page_size: int,
+    def victim_columns(self, table: np.ndarray, positions: np.ndarray, history: PageHistory, page_size: int,
                        num_tokens: int, shares: np.ndarray | None = None) -> np.ndarray | None:
         """Per row of a live table (``table [B, Nk]``: page ids in any order, -1 for holes; ``positions``: each
         page's first token, ``num_tokens`` for holes) of rows holding ``num_tokens`` tokens, the column of the page
         `victims` would give up first: the lowest rank among the unprotected pages, ties to the oldest. None when
         a row has every page protected. ``shares``: the last step's shares of these columns (`record`), the ranks
-        when the policy `ranks_by_last_share` (they are overwritten; ``table`` and ``usage`` may then be None). The
+        when the policy `ranks_by_last_share` (they are overwritten; ``table`` and ``history`` may then be None). The
         recent pages are the rows' last logical pages: never evicted, they are live."""
         if self.name == "fifo":
             rank = positions.astype(np.float64)
         else:  # (holes index some page's usage: they are protected below; the shares are used up)
-            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(usage, table)
+            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(history, table)
         recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
         rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
         columns, best = rank.argmin(axis=1), rank.min(axis=1, keepdims=True)
@@ -286,9 +286,9 @@ class EvictionPolicy:
             columns = np.where(ties, positions, np.iinfo(np.int64).max).argmin(axis=1)
         return columns
 
-    def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
+    def victim(self, row: list[int], first_page: int, history: PageHistory) -> int | None:
         """Index in ``row`` of the page to evict, or None when every live page is protected."""
-        picked = self.victims(row, first_page, usage, 1)
+        picked = self.victims(row, first_page, history, 1)
         return picked[0] if picked else None
 
 
@@ -301,12 +301,12 @@ def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
 
 class GroupEviction:
     """A page group's side of eviction: its policy, the step clock, what was observed of its pages
-    (`PageUsage`, shared with the group's forks) and the loop that picks victims row by row."""
+    (`PageHistory`, shared with the group's forks) and the loop that picks victims row by row."""
 
-    def __init__(self, policy: EvictionPolicy, bounded: bool, usage: PageUsage | None = None, clock: int = 0):
+    def __init__(self, policy: EvictionPolicy, bounded: bool, history: PageHistory | None = None, clock: int = 0):
         self.policy = policy
         self.tracks_usage = policy.tracks_usage and bounded  # attention is observed only where pages can go
-        self.usage = PageUsage() if usage is None else usage
+        self.history = PageHistory() if history is None else history
         self.clock = clock  # steps planned so far
         self.evictions = 0  # live pages dropped
         self.evicted: list[tuple[int, int]] = []  # (row, index in row) of the pages dropped since the last plan
@@ -320,8 +320,8 @@ class GroupEviction:
         return self._compress_to is not None
 
     def fork(self, bounded: bool) -> "GroupEviction":
-        """The eviction state of a forked group: same usage (by page id), clock and exactness, its own count."""
-        twin = GroupEviction(self.policy, bounded, self.usage, self.clock)
+        """The eviction state of a forked group: same history (by page id), clock and exactness, its own count."""
+        twin = GroupEviction(self.policy, bounded, self.history, self.clock)
         twin.exact_tokens = self.exact_tokens
         return twin
 
@@ -333,11 +333,11 @@ class GroupEviction:
             return
         slots = _ids(plan.slots)
         S = plan.page_size
-        self.usage.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
+        self.history.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
 
-    def sink(self, plan):
-        """Where attention adds a layer's mass per live page (``[B, H, Nk]``, or ``[B, Nk]`` reduced over the heads)
-        in ``plan``'s step, or None when the policy does not track usage (see `PagedView.usage`)."""
+    def usage_callback(self, plan):
+        """Where attention reports a layer's usage per live page (``[B, H, Nk]``, or ``[B, Nk]`` reduced over the
+        heads) in ``plan``'s step, or None when the policy does not track usage (see `PagedView.report_usage`)."""
         if not self.tracks_usage:
             return None
         signal = self.policy.page_signal
@@ -348,7 +348,7 @@ class GroupEviction:
         keeps the shares on the plan, by live column (`recycle` ranks the columns by them)."""
         if plan is None or plan.usage is None:
             return
-        shares = self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
+        shares = self.policy.record(self.history, plan.read_table, plan.usage, self.clock)
         plan.usage, plan.shares = None, shares if self.policy.ranks_by_last_share else None
 
     def reserve(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
@@ -396,7 +396,7 @@ class GroupEviction:
         table, positions = last.read_table.numpy(), last.read_pos.numpy()
         columns = last.victims
         if columns is None:
-            columns = self.policy.victim_columns(table, positions, self.usage, S, num_tokens, last.shares)
+            columns = self.policy.victim_columns(table, positions, self.history, S, num_tokens, last.shares)
         if columns is None:
             return None
         columns = columns.tolist()  # (a few rows: scalar reads beat fancy indexing)
@@ -420,7 +420,7 @@ class GroupEviction:
         while manager.available() < needed:
             evicted = False
             rounds = -(-(needed - manager.available()) // max(len(rows), 1))
-            picks = [self.policy.victims(row, first_page, self.usage, rounds) for row in tables]
+            picks = [self.policy.victims(row, first_page, self.history, rounds) for row in tables]
             tables = rows  # (a next round sees the rows as this one left them)
             for k in range(rounds):  # round-robin: one page per row at a time, in each row's order
                 for b, (row, picked) in enumerate(zip(rows, picks)):

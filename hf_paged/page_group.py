@@ -16,7 +16,9 @@ import weakref
 from .block_manager import BlockManager
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy, GroupEviction
-from .page_rows import PageRows, RowsUndo
+from .page_rows import PageRows
+from .page_tables import StepUndo, copy_on_write, needs_copy
+from .page_store import PageStore
 from .paged_kv import PagedView
 from .step_plan import (StepPlan, build_plan, continue_plan, extend_plan, place_rows, recycle_plan,
                         relocate_rows)
@@ -64,17 +66,17 @@ class PageGroup(PageRows):
         self.policy = policy or EvictionPolicy("error")
         self.eviction = GroupEviction(self.policy, manager.max_pages is not None)
         self.step: StepPlan | None = None
-        self._undo: RowsUndo | None = None  # set while a step is open
+        self._undo: StepUndo | None = None  # set while a step is open
         self.members = Members()
+        self.store = PageStore(manager.page_size)  # the K/V bytes of this group's page ids, shared by forks
 
-    def read_view(self, keys, values, backend: str) -> PagedView:
-        """What attention reads of a member in the current step (its pools ``keys``/``values``)."""
-        policy = self.policy
-        return PagedView(keys, values, self.step.on(keys.device), backend, self.eviction.sink(self.step), policy.window,
-                         policy.heads, policy.signal)
+    def read_view(self, pages, backend: str) -> PagedView:
+        """What attention reads of a member (its `LayerPages`) in the current step."""
+        p = self.policy
+        return PagedView(pages, self.step.on(pages.device), backend, self.eviction.usage_callback(self.step),
+                         p.observation_window, p.heads, p.signal)
 
-    def __del__(self):
-        """A dropped cache (or fork) gives its pages back: unreferenced, then cached or free."""
+    def __del__(self):  # a dropped cache (or fork) gives its pages back: unreferenced, then cached or free
         try:
             self.clear()
         except Exception:  # interpreter shutdown: nothing left to give back to
@@ -85,6 +87,7 @@ class PageGroup(PageRows):
         """A group with the same rows, sharing every page (one more reference each)."""
         self.commit()
         twin = PageGroup(self.manager, self.sliding_window, self.policy)
+        twin.store = self.store
         twin.eviction = self.eviction.fork(self.manager.max_pages is not None)
         self.share_into(twin)
         return twin
@@ -153,7 +156,7 @@ class PageGroup(PageRows):
         self.check_batch(batch_size)
         if self.first_kept_page(self.num_tokens) == self.first_page and not self.eviction.compressing:
             quick = continue_plan(self.step, self.rows, q_len, self.manager.ref)  # the tables stay as they are
-            self._undo = RowsUndo(self, appends_only=True) if quick is not None else None
+            self._undo = self._step_undo(appends_only=True) if quick is not None else None
             quick = quick or self._recycle(q_len)
             if quick is not None:  # the common decode steps
                 self.num_tokens, self.step = quick.num_tokens, quick
@@ -165,17 +168,20 @@ class PageGroup(PageRows):
         same_as = same_as if fresh and same_as and any(a != b for b, a in enumerate(same_as)) else None
         owners = [b for b in range(batch_size) if same_as is None or same_as[b] == b]
         new_per_row = math.ceil((past + q_len) / S) - (self.first_page + len(rows[0]))
-        cow_rows = [b for b, r in enumerate(rows) if past % S != 0 and self.manager.ref[r[-1]] > 1]
+        cow_rows = [b for b, r in enumerate(rows) if needs_copy(self.manager, r, past)]
         self.eviction.reserve(self.manager, self.rows, self.first_page, past, len(owners) * new_per_row + len(cow_rows),
                               fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
+
+    def _step_undo(self, appends_only: bool = False) -> StepUndo:  # the rows, their first page and length
+        return StepUndo(self.rows, appends_only, (self.first_page, self.num_tokens))
 
     def _recycle(self, q_len: int) -> StepPlan | None:
         """A full pool's steady step (`GroupEviction.recycle`): each row's victim page takes its new tokens."""
         picks = self.eviction.recycle(self.manager, self.rows, self.num_tokens, q_len, self.step)
         if picks is None:
             return None
-        self._undo = RowsUndo(self, appends_only=True)  # the evictions are final, the pages' new use is undone
+        self._undo = self._step_undo(appends_only=True)  # the evictions are final, the pages' new use is undone
         return recycle_plan(self.step, self.rows, *picks, q_len)
 
     def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:
@@ -187,16 +193,15 @@ class PageGroup(PageRows):
         past = self.num_tokens
         new_first = self.first_kept_page(past)
         trim = new_first - self.first_page
-        self._undo = RowsUndo(self)
+        self._undo = self._step_undo()
         self._undo.replaced = [p for r in rows for p in r[:trim]]
         for r in rows:
             del r[:trim]
         self.first_page = new_first
         src, dst = [], []
-        for b in cow_rows:  # copy-on-write: the row gets its own copy of the shared partial page
-            src.append(rows[b][-1]), dst.append(self.manager.allocate())
-            self._undo.replaced.append(src[-1])
-            rows[b][-1] = dst[-1]
+        for b in cow_rows:  # the row gets its own copy of the shared partial page
+            src_page, dst_page = copy_on_write(self.manager, rows[b], past, self._undo)
+            src.append(src_page), dst.append(dst_page)
         was_slab = self.step is not None and self.step.slab is not None
         place_rows(self.manager, [rows[b] for b in owners], new_per_row)
         for b, a in enumerate(same_as or ()):
@@ -239,12 +244,10 @@ class PageGroup(PageRows):
             layer.copy_pages(pairs)  # it wrote the shared pages: their content is the rows' too
 
     @property
-    def step_open(self) -> bool:
-        """A step was planned and is not yet committed or rolled back."""
+    def step_open(self) -> bool:  # a step was planned and is not yet committed or rolled back
         return self._undo is not None
 
-    def step_complete(self) -> bool:
-        """Every layer of the group wrote the tokens of the last planned step."""
+    def step_complete(self) -> bool:  # every layer of the group wrote the tokens of the last planned step
         return self.members.all_at(self.num_tokens)
 
     def _finish_or_rollback(self) -> None:
@@ -269,7 +272,8 @@ class PageGroup(PageRows):
         """Undo the current step: pages it allocated are released, tables restored."""
         if self._undo is None:
             return
-        self._undo.rollback(self)
+        self._undo.rollback(self.manager, self.rows)
+        self.rows, (self.first_page, self.num_tokens) = self._undo.tables, self._undo.state
         self.members.cap(self.num_tokens)
         self.step, self._undo = None, None
         self.eviction.rolled_back(self.manager)

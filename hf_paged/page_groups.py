@@ -16,6 +16,7 @@ from .block_manager import BlockManager
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy
 from .page_group import PageGroup
+from .page_store import PageStore
 
 
 class PageGroups(dict):
@@ -32,9 +33,13 @@ class PageGroups(dict):
         return self[key]
 
     def keep(self, groups: set[int]) -> None:
-        """Drop the groups whose ``id`` is not in ``groups`` (another model's, after `bind_config`)."""
+        """Drop the groups whose ``id`` is not in ``groups`` (another model's, after `bind_config`); the others' pages
+        start anew in a store of their own (the layers are new: another model's keys may have other shapes; a
+        fork keeps the store it shares)."""
         for key in [k for k, g in self.items() if id(g) not in groups]:
             del self[key]
+        for group in self.values():
+            group.store = PageStore(group.page_size)
 
     @property
     def step_open(self) -> bool:
@@ -94,7 +99,7 @@ class PageGroups(dict):
             return
         for group, plan, pages, plan_shares in zip(picking, plans, np.split(tables, len(plans)),
                                                    np.split(shares, len(plans))):
-            policy.fold_last_shares(group.eviction.usage, pages, plan_shares)
+            policy.fold_last_shares(group.eviction.history, pages, plan_shares)
             plan.usage, plan.shares = None, plan_shares
         columns = policy.victim_columns(None, np.concatenate([p.read_pos.numpy() for p in plans]), None,
                                         plans[0].page_size, plans[0].num_tokens, shares)
@@ -152,11 +157,8 @@ class PageGroups(dict):
                                    pages_cached=len(m.cached), tokens_stored=group.tokens_stored(),
                                    evictions=group.eviction.evictions, prefix_hits=group.prefix_hits).items():
                 out[key] += value
-            for layer in group.members:
-                if layer.is_initialized:
-                    page_bytes = sum(t[0].numel() * t.element_size() for t in (layer.keys, layer.values))
-                    out["kv_bytes"] += (m.num_used + len(m.cached)) * page_bytes
-                    out["pool_bytes"] += page_bytes * layer.keys.shape[0]
+            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes()
+            out["pool_bytes"] += group.store.pool_bytes()
         out["tokens_held"] = self.tokens_held()
         return out
 

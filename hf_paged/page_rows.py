@@ -16,7 +16,7 @@ import math
 
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
-from .window import make_window
+from .page_tables import attention_span
 
 
 class PageRows:
@@ -26,7 +26,7 @@ class PageRows:
         self.manager = manager
         self.page_size = manager.page_size
         self.sliding_window = sliding_window
-        self.window = make_window(sliding_window, manager.page_size)  # which leading pages are still needed
+        self.window = attention_span(sliding_window, manager.page_size)  # which leading pages are still needed
         self.rows: list[list[int]] = []
         self.first_page = 0
         self.num_tokens = 0
@@ -43,7 +43,7 @@ class PageRows:
         self.window.record_past = value
 
     def first_kept_page(self, past: int, first_page: int | None = None) -> int:
-        """First logical page a step starting after ``past`` tokens keeps (see `FullWindow.first_kept_page`)."""
+        """First logical page a step starting after ``past`` tokens keeps (see `FullAttention.first_kept_page`)."""
         return self.window.first_kept_page(past, self.first_page if first_page is None else first_page)
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
@@ -164,31 +164,3 @@ class PageRows:
             self.manager.release_row(r[:trim])
             del r[:trim]
         self.first_page += trim
-
-
-class RowsUndo:
-    """The rows as they were before an uncommitted step, and the pages the step took out of them:
-    released when the step commits, given back when it is rolled back. For a step that only appends
-    pages of its own to the rows (``appends_only``), the rows' lengths stand for them."""
-
-    def __init__(self, rows: PageRows, appends_only: bool = False):
-        self.first_page, self.num_tokens, self.appends_only = rows.first_page, rows.num_tokens, appends_only
-        self.rows = [len(r) for r in rows.rows] if appends_only else [list(r) for r in rows.rows]
-        self.replaced: list[int] = []
-
-    def commit(self, manager: BlockManager) -> None:
-        if self.replaced:
-            manager.release_row(self.replaced)
-
-    def rollback(self, rows: PageRows) -> None:
-        """``rows`` return to their state before the step; pages the step allocated are released."""
-        if self.appends_only:
-            for row, length in zip(rows.rows, self.rows):
-                rows.manager.release_row(row[length:])
-                del row[length:]
-        else:
-            kept = {p for r in self.rows for p in r}
-            for pages in (*rows.rows, self.replaced):
-                rows.manager.release_row([p for p in pages if p not in kept])
-            rows.rows = self.rows
-        rows.first_page, rows.num_tokens = self.first_page, self.num_tokens

@@ -39,21 +39,21 @@ def warn_gathered_pages() -> None:
 class PagedView:
     """What attention may read of one paged layer in one step.
 
-    ``keys``/``values``: the layer's pools ``[P, S, H, D]``; ``plan``: the step's plan on the pools'
-    device (page tables, positions, lengths); ``backend``: "torch", "triton" or "cpu", resolved once
-    per layer; ``usage``: where attention adds its mass per live page ``[B, H, Nk]`` (averaged over
-    the observed queries), or ``[B, Nk]`` reduced over the heads as ``usage_heads`` says ("mean" or
-    "max"), or None when the eviction policy does not want it; ``window``: how many of the step's last
-    queries are observed; ``usage_signal``: what is added per page, its attention mass ("attention") or
-    how far it moves each head's output (``"output"``, see `hf_paged.eviction`).
+    ``pages``: the layer's `LayerPages` (read through their kernel operands, `gather` or the float slab view);
+    ``plan``: the step's plan on the pages' device (page tables, positions, lengths); ``backend``: "torch",
+    "triton" or "cpu", resolved once per layer; ``report_usage``: where attention adds its usage per live page
+    ``[B, H, Nk]`` (averaged over the observed queries), or ``[B, Nk]`` reduced over the heads as
+    ``usage_heads`` says ("mean" or "max"), or None when the eviction policy does not want it;
+    ``observed_queries``: how many of the step's last queries are observed; ``usage_signal``: what is added per
+    page, its attention mass ("attention") or how far it moves each head's output (``"output"``, see
+    `hf_paged.eviction`).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    pages: object  # LayerPages
     plan: object  # StepPlan
     backend: str
-    usage: Callable[[torch.Tensor], None] | None
-    window: int
+    report_usage: Callable[[torch.Tensor], None] | None = None
+    observed_queries: int = 1
     usage_heads: str = "mean"
     usage_signal: str = "attention"
 
@@ -81,38 +81,36 @@ class PagedView:
         return self.live_only and bool((self.plan.table < 0).any())
 
     def kernel_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page_table, page_pos, q_pos) for the paged kernels, checked against these pools."""
-        return self.plan.kernel_index(self.keys.device, self.keys.shape[0])
+        """(page_table, page_pos, q_pos) for the paged kernels, checked against these pages."""
+        return self.plan.kernel_index(self.pages.device, self.pages.num_pages)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' tokens as ``[B, T, H, D]`` (see `read_window`)."""
-        return read_window(self.keys, self.plan), read_window(self.values, self.plan)
+        return read_window(self.pages, self.plan)
 
     def read_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Live pages only: keys and values ``[B, Nk * S, H, D]`` gathered from the pools, and each
+        """Live pages only: keys and values ``[B, Nk * S, H, D]`` gathered from the pages, and each
         token's position ``[B, Nk * S]`` (``num_tokens`` for padding and unwritten slots, which no
         query may attend)."""
         plan = self.plan
         table, page_pos = plan.live_pages()
         B, S = table.shape[0], plan.page_size
-        index = table.clamp(min=0)
-        keys = self.keys[index].reshape(B, -1, *self.keys.shape[2:])
-        values = self.values[index].reshape(B, -1, *self.values.shape[2:])
+        keys, values = self.pages.gather(table.clamp(min=0))
+        keys, values = keys.reshape(B, -1, *keys.shape[3:]), values.reshape(B, -1, *values.shape[3:])
         positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
         positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
         return keys, values, positions.clamp(max=plan.num_tokens)
 
 
-def read_window(pool: torch.Tensor, plan) -> torch.Tensor:
-    """``pool``'s tokens ``[first_pos, num_tokens)`` of ``plan``'s rows as ``[B, T, H, D]``: a view on a slab,
-    else a gather."""
-    P, S, H, D = pool.shape
+def read_window(pages, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``plan``'s rows, tokens ``[first_pos, num_tokens)``, as ``[B, T, H, D]``: a view when the
+    rows lie on a slab of float pages, else a gather."""
     B, T = plan.batch_size, plan.kv_len
-    if plan.slab is not None:
-        base, stride = plan.slab
-        return pool.as_strided((B, T, H, D), (stride * S * H * D, H * D, D, 1),
-                               pool.storage_offset() + base * S * H * D)
-    return pool[plan.table].reshape(B, -1, H, D)[:, :T]
+    slab_view = getattr(pages, "slab_view", None)  # a capability of float pages only
+    if plan.slab is not None and slab_view is not None:
+        return slab_view(*plan.slab, B, T)
+    keys, values = pages.gather(plan.table)
+    return keys.reshape(B, -1, *keys.shape[3:])[:, :T], values.reshape(B, -1, *values.shape[3:])[:, :T]
 
 
 class PagedKV(torch.Tensor):
@@ -123,8 +121,7 @@ class PagedKV(torch.Tensor):
 
     @staticmethod
     def __new__(cls, paged: PagedView, which: str, shape: tuple[int, ...]):
-        pool = paged.keys if which == "k" else paged.values
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=pool.dtype, device=pool.device)
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=paged.pages.dtype, device=paged.pages.device)
         tensor.paged, tensor.which = paged, which
         return tensor
 
@@ -132,17 +129,21 @@ class PagedKV(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """The ``[B, H, kv_len, D]`` window as a regular tensor (a view when pages allow)."""
+        if self.paged.plan.packed:
+            raise CacheUsageError(
+                "generate_many packs sequences of different lengths into one row: only the 'hf_paged' attention "
+                "can read them. Load the model with attn_implementation='hf_paged' (after `import hf_paged`).")
         if self.paged.has_holes():
             raise CacheUsageError(
                 "This PagedCache evicted pages (a bounded pool with a lossy eviction policy): only the "
                 "'hf_paged' attention can read rows with holes. Load the model with attn_implementation='hf_paged', "
                 "or use eviction='error'.")
         keys, values = self.paged.read()
+        warn_gathered_pages()
         return (keys if self.which == "k" else values).transpose(1, 2)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        warn_gathered_pages()
         unwrap = lambda t: t.materialize() if isinstance(t, PagedKV) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .block_manager import EVICTED, BlockManager
-from .kernels.arguments import mark_checked
+from .page_tables import kernel_index
 
 
 @dataclass
@@ -47,27 +47,20 @@ class StepPlan:
     _on_device: dict = field(default_factory=dict)
     rows: list[list[int]] | None = None  # a copy of the rows as planned (`extend_plan`, `continue_plan` compare)
     _columns: "PlanColumns | None" = None  # the buffers `extend_plan` appends to, once it has extended this plan
+    packed = False  # (a class constant) rows of one batch, not sequences packed into one row (`RaggedStep`)
 
     @property
     def kv_len(self) -> int:
         return self.num_tokens - self.first_pos
 
     def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) for the paged kernels, contiguous, once per
-        device: int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type). The page ids are
-        checked here, once per step and device, against pools of ``num_pages`` pages (the kernels
-        read pools unchecked)."""
-        key = ("kernel", device)
-        index = self._on_device.get(key)
-        if index is None:
-            table, page_pos = self.live_pages()
-            q_pos = torch.from_numpy(np.arange(self.past, self.num_tokens)[None].repeat(table.shape[0], axis=0))
-            if device.type == "cuda":
-                table = table.to(device, torch.int32)
-            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
-            mark_checked(*index, num_pages)
-            self._on_device[key] = index
-        return index
+        """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) of the live pages (`page_tables.kernel_index`)."""
+        return kernel_index(self._on_device, device, num_pages, self._kernel_rows)
+
+    def _kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        table, page_pos = self.live_pages()
+        q_pos = torch.from_numpy(np.arange(self.past, self.num_tokens)[None].repeat(table.shape[0], axis=0))
+        return table, page_pos, q_pos
 
     def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""

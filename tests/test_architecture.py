@@ -49,6 +49,24 @@ def test_no_import_cycle_in_the_package():
             visit(module, [module])
 
 
+POOL_TENSORS = {"keys", "values", "k_pool", "v_pool"}  # a LayerPages' tensors, and the kernels' names for them
+POOL_WRITES = {"index_copy_", "as_strided", "index_put_"}
+
+
+def test_only_the_page_store_reads_or_writes_a_pool_tensor():
+    """Outside page_store.py (and the kernels, which get the store's operands) no module names a pool tensor
+    (``x.keys`` / ``x.values`` other than a dict's ``.keys()`` / ``.values()``) or writes slots in place."""
+    for path in PACKAGE.rglob("*.py"):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module == "page_store.py" or module.startswith("kernels/"):
+            continue
+        tree = ast.parse(path.read_text())
+        bare_calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and not n.args and not n.keywords}
+        touched = [f"{module}:{n.lineno} .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and ((n.attr in POOL_TENSORS and id(n) not in bare_calls) or n.attr in POOL_WRITES)]
+        assert not touched, f"a pool tensor outside the page store: {touched}"
+
+
 def test_attention_does_not_import_the_cache():
     assert "cache" not in import_graph()["attention"]
 

@@ -13,7 +13,7 @@ import hf_paged
 from hf_paged.block_manager import EVICTED
 from hf_paged import attention
 from hf_paged.errors import CacheUsageError
-from hf_paged.eviction import EvictionPolicy, PageUsage
+from hf_paged.eviction import EvictionPolicy, PageHistory
 from hf_paged.kernels import cpu_paged_attention as cpu_kernel
 from hf_paged.kernels.reference import paged_attention_reference
 from page_checks import check_pages
@@ -33,9 +33,9 @@ def most_pages_held(cache) -> int:
     return max(g.manager.num_used for g in cache.groups.values())
 
 
-def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -> PageUsage:
+def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -> PageHistory:
     """``policy``'s record of ``steps`` of attention mass over ``pages`` (one row)."""
-    usage = PageUsage()
+    usage = PageHistory()
     usage.allocated(pages, 0)
     for step, mass in enumerate(steps, start=1):
         policy.record(usage, torch.tensor([pages]), torch.tensor([mass]), step)
@@ -54,7 +54,7 @@ def test_a_no_decay_score_records_each_page_s_share_of_its_row(holes):
         pages[0, 1] = pages[2, 3] = EVICTED
     mass = torch.tensor([[0.1, 0.7, 0.15, 0.05], [0.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2],
                          [0.5, math.nan, 0.2, 0.3]]) * (pages >= 0)
-    usage = PageUsage()
+    usage = PageHistory()
     usage.allocated(pages[pages >= 0], 0)
     shares = tova.record(usage, pages, mass, 1)
     for row_pages, row_mass, row_shares in zip(pages.tolist(), mass.double().tolist(), shares.tolist()):
@@ -70,7 +70,7 @@ def _usage_of(signal: str, page_size: int, probs, values, out) -> torch.Tensor:
     """What the torch path reports per page for ``probs [B, Hkv, g, Q, T]``, ``values [B, T, Hkv, D]`` and
     ``out [B, Q, Hq, D]``."""
     got = []
-    view = SimpleNamespace(page_size=page_size, usage_signal=signal, usage=got.append)
+    view = SimpleNamespace(page_size=page_size, usage_signal=signal, report_usage=got.append)
     attention._add_page_usage(probs, out, values, view)
     return got[0]
 
@@ -163,15 +163,15 @@ def test_usage_signal_defaults_follow_the_page_size():
     in a streaming "score" cache; "lru" and a compressed prompt's cut count attention); larger pages a decayed
     window's most attentive head's attention; explicit arguments win; "lru" cannot take the output signal."""
     tova = hf_paged.PagedCache(page_size=1, max_pages=8).policy
-    assert (tova.decay, tova.window, tova.heads, tova.signal) == (0.0, 1, "mean", "output")
+    assert (tova.decay, tova.observation_window, tova.heads, tova.signal) == (0.0, 1, "mean", "output")
     assert hf_paged.PagedCache(page_size=1, max_pages=8, eviction="lru").policy.signal == "attention"
     assert hf_paged.PagedCache(page_size=1, max_pages=8, compress_prompt=True).policy.signal == "attention"
     pages = hf_paged.PagedCache(page_size=4, max_pages=8).policy
-    assert (pages.decay, pages.window, pages.heads, pages.signal) == (0.9, 32, "max", "attention")
+    assert (pages.decay, pages.observation_window, pages.heads, pages.signal) == (0.9, 32, "max", "attention")
     mine = hf_paged.PagedCache(page_size=1, max_pages=8, score_decay=0.5, observation_window=4, score_heads="max",
                                score_signal="attention")
-    assert (mine.policy.decay, mine.policy.window, mine.policy.heads, mine.policy.signal) == (0.5, 4, "max",
-                                                                                              "attention")
+    mine = mine.policy
+    assert (mine.decay, mine.observation_window, mine.heads, mine.signal) == (0.5, 4, "max", "attention")
     assert hf_paged.PagedCache(page_size=4, max_pages=8, score_signal="output").policy.signal == "output"
     with pytest.raises(CacheUsageError, match="score_signal"):
         hf_paged.PagedCache(page_size=1, max_pages=8, score_signal="value")
@@ -216,7 +216,7 @@ def test_lru_threshold_is_relative_to_an_even_share():
 
 
 def test_fifo_and_protected_pages_on_synthetic_rows():
-    usage = PageUsage()
+    usage = PageHistory()
     row = [10, 11, 12, 13, 14, 15]
     assert EvictionPolicy("fifo", sink_pages=1, recent_pages=1).victim(row, 0, usage) == 1  # oldest after sink
     assert EvictionPolicy("fifo", sink_pages=0, recent_pages=1).victim(row, 0, usage) == 0
