@@ -1,6 +1,6 @@
 """Eviction policies: which of a row's live pages gives way when a bounded pool is full.
 
-Order of what gives way (see `PageGroup.begin_step`): a free page, then the least recently
+Order of what gives way (see `LayerGroup.begin_step`): a free page, then the least recently
 used cached (unreferenced) page, then, per policy, one of the row's own live pages:
 - ``"score"``: the page with the lowest decayed attention score (H2O's heavy hitters with a
   decay, TOVA when ``decay=0``): each step adds the page's share of the attention of the step's
@@ -27,7 +27,9 @@ never change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,7 @@ from transformers.utils import logging
 
 from .block_manager import EVICTED
 from .errors import CacheUsageError
+from .kernels.reference import LEAVE_OUT_FLOOR
 
 logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
@@ -65,6 +68,9 @@ def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: 
     return dict(decay=0.9, observation_window=32, heads="max", signal="attention")
 
 
+# PagedCache's flat eviction keywords (in `for_pages` order) and their defaults (None: chosen by page size)
+FLAT_DEFAULTS = dict(sink_pages=None, recent_pages=1, lru_threshold=1.0, score_decay=None, observation_window=None,
+                     score_heads=None, compress_prompt=False, score_signal=None)
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
 
 
@@ -161,6 +167,18 @@ class EvictionPolicy:
                    defaults["observation_window"] if observation_window is None else observation_window, compress_prompt,
                    defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal)
 
+    @classmethod
+    def of(cls, page_size: int, eviction: "str | EvictionPolicy | None", *flat) -> "EvictionPolicy":
+        """The policy of ``PagedCache(eviction=..., <the flat keywords, in `FLAT_DEFAULTS` order>)``: a policy given
+        whole is taken as it is (the flat keywords must then keep their defaults); a name (None: the default) is made
+        by `for_pages` from them."""
+        if not isinstance(eviction, cls):
+            return cls.for_pages(page_size, eviction, *flat)
+        given = [name for (name, default), value in zip(FLAT_DEFAULTS.items(), flat) if value != default]
+        if given:
+            raise CacheUsageError(f"eviction={eviction!r} is a whole policy: set {', '.join(given)} in it, not beside it.")
+        return eviction
+
     @property
     def lossy(self) -> bool:
         return self.name != "error"
@@ -171,10 +189,10 @@ class EvictionPolicy:
 
     def page_signal(self, page_mass: torch.Tensor) -> torch.Tensor:
         """One layer's usage per live page ``[B, H, Nk]`` (its attention mass, or the output it moves, averaged
-        over the observed queries; `PagedView.usage_signal`) -> ``[B, Nk]``: the
+        over the observed queries; `UsageProbe.signal`) -> ``[B, Nk]``: the
         heads' mean (``heads="mean"``, TOVA) or the largest over the heads (``"max"``: a page one head relies
         on counts as used; the pages are shared by every head). A ``[B, Nk]`` mass was reduced so by the
-        kernel (`PagedView.usage_heads`)."""
+        kernel (`UsageProbe.heads`)."""
         page_mass = page_mass.float()
         if page_mass.dim() == 2:
             return page_mass
@@ -299,6 +317,40 @@ def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
         "tokens are no longer attended). Raise max_pages, or use eviction='error' to fail instead.")
 
 
+@dataclass(frozen=True)
+class UsageProbe:
+    """What attention measures of one layer in one step for a policy that tracks usage: ``report`` takes the usage
+    per live page ``[B, H, Nk]`` (averaged over the observed queries), or ``[B, Nk]`` when a kernel reduced it over
+    the heads as ``heads`` says ("mean" or "max"); the step's last ``observed_queries`` queries are observed;
+    ``signal``: a page's attention mass ("attention") or how far it moves each head's output ("output")."""
+
+    report: Callable[[torch.Tensor], None]
+    observed_queries: int
+    heads: str
+    signal: str
+
+
+def page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor, page_size: int,
+               signal: str) -> torch.Tensor:
+    """Attention probabilities ``[B, Hkv, g, Q, T]`` of the observed queries over the live tokens, their outputs
+    ``out [B, Q, Hq, D]`` and the tokens' ``values [B, T, Hkv, D]`` -> usage per live page ``[B, H, Nk]``, averaged
+    over the queries: the page's attention ``A``, or with the "output" signal how far it moves each head's output
+    ``o``, ``‖Σ a·v − A·o‖ / (1 − A)`` (kernels/reference.py), from dot products: no ``[.., Nk, D]`` tensor."""
+    B, Hkv, g, Q, T = probs.shape
+    S = page_size
+    per_page = probs.reshape(B, Hkv, g, Q, T // S, S)
+    mass = per_page.sum(-1)  # [B, Hkv, g, Q, Nk]
+    if signal == "output":
+        v = values.float().transpose(1, 2)  # [B, Hkv, T, D]
+        o = out.float().reshape(B, Q, Hkv, g, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Q, D]
+        v_dot_o = torch.matmul(o.reshape(B, Hkv, g * Q, -1), v.transpose(-1, -2)).reshape(B, Hkv, g, Q, T // S, S)
+        v_gram = torch.matmul(v.reshape(B, Hkv, T // S, S, -1), v.reshape(B, Hkv, T // S, S, -1).transpose(-1, -2))
+        moved_sq = torch.einsum("bhgqns,bhnst,bhgqnt->bhgqn", per_page, v_gram, per_page)  # ‖Σ a·v‖²
+        moved_sq = moved_sq - 2 * mass * (per_page * v_dot_o).sum(-1) + mass ** 2 * (o * o).sum(-1)[..., None]
+        mass = moved_sq.clamp(min=0).sqrt() / (1 - mass).clamp(min=LEAVE_OUT_FLOOR)
+    return mass.mean(dim=3).reshape(B, Hkv * g, T // S)
+
+
 class GroupEviction:
     """A page group's side of eviction: its policy, the step clock, what was observed of its pages
     (`PageHistory`, shared with the group's forks) and the loop that picks victims row by row."""
@@ -310,14 +362,8 @@ class GroupEviction:
         self.clock = clock  # steps planned so far
         self.evictions = 0  # live pages dropped
         self.evicted: list[tuple[int, int]] = []  # (row, index in row) of the pages dropped since the last plan
-        self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
         self._warned_for = None  # the bound the first eviction under it was logged for
-
-    @property
-    def compressing(self) -> bool:
-        """A prompt over the bound was let in whole: it is cut when its step commits."""
-        return self._compress_to is not None
 
     def fork(self, bounded: bool) -> "GroupEviction":
         """The eviction state of a forked group: same history (by page id), clock and exactness, its own count."""
@@ -335,13 +381,13 @@ class GroupEviction:
         S = plan.page_size
         self.history.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
 
-    def usage_callback(self, plan):
-        """Where attention reports a layer's usage per live page (``[B, H, Nk]``, or ``[B, Nk]`` reduced over the
-        heads) in ``plan``'s step, or None when the policy does not track usage (see `PagedView.report_usage`)."""
+    def probe(self, plan) -> "UsageProbe | None":
+        """What attention measures of a layer in ``plan``'s step for this policy, or None when it tracks no usage."""
         if not self.tracks_usage:
             return None
-        signal = self.policy.page_signal
-        return lambda page_mass: plan.add_usage(signal(page_mass))
+        signal, p = self.policy.page_signal, self.policy
+        return UsageProbe(lambda page_mass: plan.add_usage(signal(page_mass)), p.observation_window, p.heads,
+                          p.signal)
 
     def record(self, plan) -> None:
         """Hand the step's attention per page to the policy (once); a policy that ranks pages by their last share
@@ -357,7 +403,7 @@ class GroupEviction:
         (``last``: the group's last plan, see `evict`). With ``compress_prompt``, a fresh prompt over the bound
         goes in whole (cut at commit, see `committed`)."""
         if self.policy.compress_prompt and fresh and manager.max_pages is not None and needed > manager.available():
-            self._compress_to, manager.max_pages = manager.max_pages, None
+            manager.overdraw(True)
         elif self.policy.lossy and needed > manager.available():
             self.evict(manager, rows, first_page, num_tokens, needed, last)
         manager.require(needed, self.policy.lossy)
@@ -365,14 +411,9 @@ class GroupEviction:
     def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, last) -> None:
         """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
         attention of the prompt's last queries; the pool keeps the prompt's size (its peak)."""
-        if self._compress_to is not None:
-            manager.max_pages, self._compress_to = self._compress_to, None
+        if manager.overdrawn:
+            manager.overdraw(False)
             self.evict(manager, rows, first_page, num_tokens, 0, last)
-
-    def rolled_back(self, manager) -> None:
-        """A compressed prompt's step was undone: nothing is held any more, only the bound comes back."""
-        if self._compress_to is not None:
-            manager.max_pages, self._compress_to = self._compress_to, None
 
     def _evicting(self, max_pages: int, num_tokens: int) -> None:
         """Pages are about to be evicted after ``num_tokens`` tokens (logged once per bound)."""
@@ -386,7 +427,7 @@ class GroupEviction:
         must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
         is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
         nothing is released or allocated. Its victims are ``last.victims`` when they were picked with other groups'
-        (`PageGroups.commit`). -> (live columns, row entries, pages), one entry per row; None, changing nothing,
+        (`record_together`). -> (live columns, row entries, pages), one entry per row; None, changing nothing,
         when the step is not such a step or a victim is shared (the general path then evicts)."""
         S = manager.page_size
         if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
@@ -411,6 +452,16 @@ class GroupEviction:
         self.evictions += len(rows)
         return columns, entries, pages
 
+    def recycled_step(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last):
+        """The plan of a full pool's steady step (`recycle`; None when it is not one): its victims hold the tokens."""
+        picks = self.recycle(manager, rows, num_tokens, q_len, last)
+        return None if picks is None else recycle_plan(last, rows, *picks, q_len)
+
+    def extended_step(self, rows: list[list[int]], first_page: int, past: int, num_tokens: int,
+                      last):
+        """The plan of a step whose rows only lost the pages this step evicted and gained fresh ones (`extend_plan`)."""
+        return extend_plan(last, rows, first_page, past, num_tokens, self.evicted)
+
     def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int, last) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free. The rows are
         ranked through ``last``'s page table (a numpy view) when the group's last plan ``last`` planned them as
@@ -434,3 +485,155 @@ class GroupEviction:
                             return
             if not evicted:
                 return  # everything left is protected: `require` raises with the numbers
+
+
+class PlanColumns:
+    """Host buffers ``[B, capacity]`` behind a plan's ``table``, ``read_table`` and ``read_pos``, which
+    `extend_plan` edits in place: evicted pages become holes, new pages' columns are appended (capacity
+    doubles, like a vector). Plans extended from one another share them: each views its own first columns;
+    only the newest plan is extended (an older one is finished). ``holes``: the live table's -1 entries."""
+
+    def __init__(self, plan):
+        self.widths = (plan.table.shape[1], plan.read_table.shape[1])
+        self.buffers = [self._buffer(t.numpy()) for t in (plan.table, plan.read_table, plan.read_pos)]
+        self.holes = int((plan.read_table == EVICTED).sum())
+        self._live = None  # ((width, buffers), read_table, read_pos): the live tensors of the newest plan
+
+    @staticmethod
+    def _buffer(columns: np.ndarray, capacity: int = 0) -> np.ndarray:
+        """``columns [B, n]`` at the start of a buffer with room for ``capacity`` (at least ``2 n``) columns."""
+        B, n = columns.shape
+        buffer = np.empty((B, max(capacity, 2 * n, 64)), dtype=np.int64)
+        buffer[:, :n] = columns
+        return buffer
+
+    def extends(self, plan) -> bool:
+        """``plan`` is the newest plan of these buffers."""
+        return self.widths == (plan.table.shape[1], plan.read_table.shape[1])
+
+    def drop(self, row: int, index: int, page: int) -> None:
+        """Entry ``index`` of ``row`` (page ``page``) was evicted: a hole in both tables."""
+        self.buffers[0][row, index] = EVICTED
+        live = self.buffers[1][row, :self.widths[1]]
+        live[live == page] = EVICTED
+        self.holes += 1
+
+    def append(self, pages: list[list[int]], positions: list[int], num_tokens: int):
+        """Add ``pages[b]`` (first tokens at ``positions``) to every row; -> (table, read_table, read_pos)."""
+        n, live = self.widths
+        k = len(positions)
+        for i, width in enumerate((n, live, live)):
+            self._room(i, width + k)[:, width:width + k] = positions if i == 2 else pages
+        self.widths = (n + k, live + k)
+        return self._views(num_tokens)
+
+    def recycle(self, entries: list[int], columns: list[int], pages: list[int], position: int, num_tokens: int):
+        """Row b's logical entry ``entries[b]`` was evicted, but its page, at live column ``columns[b]``, now
+        holds the tokens from ``position``: the logical table gets a hole there and the page at its end, the
+        live table keeps its pages and the column's position changes; -> (table, read_table, read_pos)."""
+        n, live = self.widths
+        table, positions = self._room(0, n + 1), self.buffers[2]
+        for b, (entry, column) in enumerate(zip(entries, columns)):  # (a few rows: scalar writes beat fancy indexing)
+            table[b, entry] = EVICTED
+            positions[b, column] = position
+        table[:, n] = pages
+        self.widths = (n + 1, live)
+        return self._views(num_tokens)
+
+    def _room(self, i: int, width: int) -> np.ndarray:
+        """Buffer ``i``, grown (doubling) to hold ``width`` columns."""
+        buffer = self.buffers[i]
+        if width > buffer.shape[1]:
+            self.buffers[i] = buffer = self._buffer(buffer[:, :self.widths[min(i, 1)]], 2 * width)
+        return buffer
+
+    def _views(self, num_tokens: int):
+        """(table, read_table, read_pos) of the newest plan; holes and padding at ``num_tokens``, a position no
+        query attends. The live tensors are the last plan's while the live table keeps its width and buffers (a
+        page table keeps the mark of its ids' check, `mark_checked`: edits only turn ids into holes)."""
+        n, live = self.widths
+        key = (live, id(self.buffers[1]), id(self.buffers[2]))
+        if self._live is None or self._live[0] != key:
+            self._live = key, torch.from_numpy(self.buffers[1][:, :live]), torch.from_numpy(self.buffers[2][:, :live])
+        if self.holes:
+            positions = self.buffers[2][:, :live]
+            positions[self.buffers[1][:, :live] == EVICTED] = num_tokens
+        return torch.from_numpy(self.buffers[0][:, :n]), self._live[1], self._live[2]
+
+
+def extend_plan(last, rows: list[list[int]], first_page: int, past: int, num_tokens: int,
+                evicted: list[tuple[int, int]]):
+    """The plan of a step whose rows, since ``last`` (read through live pages), only lost the pages at
+    ``evicted`` (row, index) and gained fresh pages: ``last``'s tables edited in place (`PlanColumns`), where
+    a full plan re-indexes every row. None when anything else changed (a trim, copy-on-write, shared rows, an
+    edit it was not told of) or when holes fill 1/8 of the live table: plan in full (which packs them)."""
+    if last is None or last.read_table is None or last.same_as is not None or last.num_tokens != past \
+            or last.first_pos != first_page * last.page_size:
+        return None
+    S, n = last.page_size, last.table.shape[1]
+    expected = [list(r) for r in last.rows]
+    for b, i in evicted:
+        if i >= n:
+            return None
+        expected[b][i] = EVICTED
+    if [r[:n] for r in rows] != expected:
+        return None
+    columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    if columns.holes + len(evicted) > last.read_table.numel() // 8:
+        return None
+    for b, i in evicted:
+        columns.drop(b, i, last.rows[b][i])
+    new = [r[n:] for r in rows]
+    table, read_table, read_pos = columns.append(new, [(first_page + i) * S for i in range(n, n + len(new[0]))],
+                                                 num_tokens)
+    slots = torch.tensor([r[p // S - first_page] * S + p % S for r in rows for p in range(past, num_tokens)])
+    return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table,
+                               slots=slots, copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos,
+                               usage=None, shares=None, victims=None, rows=[list(r) for r in rows], _on_device={},
+                               _columns=columns)
+
+
+def recycle_plan(last, rows: list[list[int]], columns: list[int], entries: list[int], pages: list[int],
+                 q_len: int):
+    """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page ``pages[b]``, at live
+    column ``columns[b]`` of ``last``'s plan and row entry ``entries[b]`` (already a hole), holds the row's ``q_len``
+    new tokens: it is appended to the row. The live table keeps its width and pages, only that column's position
+    changes: it stays free of holes, in no particular order (the kernels take any). ``last`` is finished: its copy
+    of the rows becomes the new plan's."""
+    for row, planned, entry, page in zip(rows, last.rows, entries, pages):
+        row.append(page)
+        planned[entry] = EVICTED
+        planned.append(page)
+    S, past = last.page_size, last.num_tokens
+    plan_columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    table, read_table, read_pos = plan_columns.recycle(entries, columns, pages, past, past + q_len)
+    slots = np.array(pages) * S if q_len == 1 else (np.array(pages)[:, None] * S + np.arange(q_len)).reshape(-1)
+    return dataclasses.replace(last, q_len=q_len, past=past, num_tokens=past + q_len, table=table,
+                               slots=torch.from_numpy(slots), copy_src=None, copy_dst=None, slab=None, same_as=None,
+                               read_table=read_table, read_pos=read_pos, usage=None, shares=None, victims=None,
+                               _on_device={}, _columns=plan_columns)
+
+
+def record_together(groups) -> None:
+    """Record the step of every group that ranks its pages by their last share (per-layer "score" groups with
+    no decay, `EvictionPolicy.ranks_by_last_share`) and pick their next victims, in one pass over all their
+    live tables: a row's shares and victim depend on its row only. The victims are the live columns
+    `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one cache.)"""
+    picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.ranks_by_last_share
+               and g.step is not None and g.step.usage is not None]
+    plans = [g.step for g in picking]
+    if len(plans) < 2 or len({(p.read_table.shape, p.num_tokens, p.page_size, p.usage.device, g.policy)
+                              for g, p in zip(picking, plans)}) > 1:
+        return  # (each group records its own step when it commits)
+    policy, tables = picking[0].policy, np.concatenate([p.read_table.numpy() for p in plans])
+    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
+    if shares is None:
+        return
+    for group, plan, pages, plan_shares in zip(picking, plans, np.split(tables, len(plans)),
+                                               np.split(shares, len(plans))):
+        policy.fold_last_shares(group.eviction.history, pages, plan_shares)
+        plan.usage, plan.shares = None, plan_shares
+    columns = policy.victim_columns(None, np.concatenate([p.read_pos.numpy() for p in plans]), None,
+                                    plans[0].page_size, plans[0].num_tokens, shares)
+    for plan, victims in zip(plans, np.split(columns, len(plans)) if columns is not None else ()):
+        plan.victims = victims

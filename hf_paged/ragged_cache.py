@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import PagedKV, PagedView
 from .backends import layer_backend
 from .block_manager import BlockManager
 from .errors import CacheUsageError
 from .model_config import layer_windows
 from .page_store import PageStore
 from .page_tables import StepUndo, copy_on_write, kernel_index, needs_copy
-from .paged_kv import PagedKV, PagedView
+from .prefix_index import PrefixIndex
 
 
 @dataclass
@@ -146,6 +147,7 @@ class RaggedCache(Cache):
         self.page_size, self.backend = page_size, backend
         self.manager = BlockManager(page_size, max_pages)
         self.store = PageStore(page_size)
+        self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         super().__init__(layers=[RaggedLayer(self, i, w) for i, w in enumerate(layer_windows(config))])
         self.sequences: dict[int, Sequence] = {}
         self.step: RaggedStep | None = None

@@ -1,11 +1,16 @@
-"""`PageGroup`: the pages of one group of layers (layers that keep the same tokens) and its steps.
+"""Layer groups: the pages of the layers that keep the same tokens, and the steps that span every group of a cache.
 
 A forward step is planned once per group, by the first member layer that writes it, and reused
-by every other member (`StepPlan`, in `step_plan`). `begin_step` checks the step, reserves its
+by every other member (`StepPlan`, in `step_plan`). `LayerGroup.begin_step` checks the step, reserves its
 pages (evicting per the policy, `eviction.GroupEviction`, when a bounded pool is full), then
 applies it to the rows (`PageRows`); until the step commits, the pages it replaced are held so
-that `abort_step` can restore the rows. The group counts the tokens each member wrote (`Members`):
+that `abort_step` can restore the rows (`StepUndo`). The group counts the tokens each member wrote (`Members`):
 a step is complete when every member wrote it.
+
+A step of the cache spans every group (`LayerGroups`, keyed by sliding window; None: full attention): it is
+final only when every member layer of every group wrote it, and a failed step rolls back in all of them
+together. Row edits (remap, crop, prefix restore, release) apply to every group or, when one group cannot take
+them, to none.
 """
 
 from __future__ import annotations
@@ -13,15 +18,13 @@ from __future__ import annotations
 import math
 import weakref
 
+from .attention import PagedView
 from .block_manager import BlockManager
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy, GroupEviction
-from .page_rows import PageRows
-from .page_tables import StepUndo, copy_on_write, needs_copy
+from .eviction import EvictionPolicy, GroupEviction, record_together
 from .page_store import PageStore
-from .paged_kv import PagedView
-from .step_plan import (StepPlan, build_plan, continue_plan, extend_plan, place_rows, recycle_plan,
-                        relocate_rows)
+from .page_tables import PageRows, StepUndo, copy_on_write, needs_copy
+from .step_plan import StepPlan, build_plan, continue_plan, place_rows, relocate_rows
 
 
 class Members:
@@ -57,24 +60,24 @@ class Members:
         return [layer for layer, written in list(self._written.items()) if written == tokens]
 
 
-class PageGroup(PageRows):
+class LayerGroup(PageRows):
     """Rows' pages for one group of layers, all rows advancing in lockstep, one step at a time."""
 
     def __init__(self, manager: BlockManager, sliding_window: int | None = None,
-                 policy: EvictionPolicy | None = None):
-        super().__init__(manager, sliding_window)
+                 policy: EvictionPolicy | None = None, prefix=None):
+        super().__init__(manager, sliding_window, prefix)
         self.policy = policy or EvictionPolicy("error")
-        self.eviction = GroupEviction(self.policy, manager.max_pages is not None)
+        self.eviction = GroupEviction(self.policy, True) if manager.max_pages is not None else None  # (bounded only)
         self.step: StepPlan | None = None
         self._undo: StepUndo | None = None  # set while a step is open
         self.members = Members()
-        self.store = PageStore(manager.page_size)  # the K/V bytes of this group's page ids, shared by forks
+        self.store = PageStore(manager.page_size)  # the K/V bytes of the group's page ids (shared by forks)
+        self.prefix.store = self.prefix.store or self.store
 
     def read_view(self, pages, backend: str) -> PagedView:
         """What attention reads of a member (its `LayerPages`) in the current step."""
-        p = self.policy
-        return PagedView(pages, self.step.on(pages.device), backend, self.eviction.usage_callback(self.step),
-                         p.observation_window, p.heads, p.signal)
+        return PagedView(pages, self.step.on(pages.device), backend,
+                         None if self.eviction is None else self.eviction.probe(self.step))
 
     def __del__(self):  # a dropped cache (or fork) gives its pages back: unreferenced, then cached or free
         try:
@@ -83,12 +86,12 @@ class PageGroup(PageRows):
             pass
 
     # ----------------------------------------------- row edits (between steps)
-    def fork(self) -> "PageGroup":
+    def fork(self) -> "LayerGroup":
         """A group with the same rows, sharing every page (one more reference each)."""
         self.commit()
-        twin = PageGroup(self.manager, self.sliding_window, self.policy)
+        twin = LayerGroup(self.manager, self.sliding_window, self.policy, self.prefix)
         twin.store = self.store
-        twin.eviction = self.eviction.fork(self.manager.max_pages is not None)
+        twin.eviction = None if self.eviction is None else self.eviction.fork(self.manager.max_pages is not None)
         self.share_into(twin)
         return twin
 
@@ -106,7 +109,9 @@ class PageGroup(PageRows):
         """Release every row (tail first); the group is empty afterwards."""
         self.commit()
         super().clear()
-        self.step, self.eviction.exact_tokens = None, math.inf
+        self.step = None
+        if self.eviction is not None:
+            self.eviction.exact_tokens = math.inf
         self.members.set_all(0)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -154,13 +159,15 @@ class PageGroup(PageRows):
         """
         self._finish_or_rollback()
         self.check_batch(batch_size)
-        if self.first_kept_page(self.num_tokens) == self.first_page and not self.eviction.compressing:
+        if self.first_kept_page(self.num_tokens) == self.first_page and not self.manager.overdrawn:
+            undo = self._step_undo(appends_only=True)  # (a recycled step's evictions are final: not undone)
             quick = continue_plan(self.step, self.rows, q_len, self.manager.ref)  # the tables stay as they are
-            self._undo = self._step_undo(appends_only=True) if quick is not None else None
-            quick = quick or self._recycle(q_len)
+            if quick is None and self.eviction is not None:
+                quick = self.eviction.recycled_step(self.manager, self.rows, self.num_tokens, q_len, self.step)
             if quick is not None:  # the common decode steps
-                self.num_tokens, self.step = quick.num_tokens, quick
-                self.eviction.planned(quick)
+                self._undo, self.num_tokens, self.step = undo, quick.num_tokens, quick
+                if self.eviction is not None:
+                    self.eviction.planned(quick)
                 return quick
         S, past = self.page_size, self.num_tokens
         fresh = not self.rows
@@ -169,20 +176,13 @@ class PageGroup(PageRows):
         owners = [b for b in range(batch_size) if same_as is None or same_as[b] == b]
         new_per_row = math.ceil((past + q_len) / S) - (self.first_page + len(rows[0]))
         cow_rows = [b for b, r in enumerate(rows) if needs_copy(self.manager, r, past)]
-        self.eviction.reserve(self.manager, self.rows, self.first_page, past, len(owners) * new_per_row + len(cow_rows),
-                              fresh, self.step)
+        if self.eviction is not None:  # (an unbounded pool always has room)
+            self.eviction.reserve(self.manager, self.rows, self.first_page, past,
+                                  len(owners) * new_per_row + len(cow_rows), fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
 
     def _step_undo(self, appends_only: bool = False) -> StepUndo:  # the rows, their first page and length
         return StepUndo(self.rows, appends_only, (self.first_page, self.num_tokens))
-
-    def _recycle(self, q_len: int) -> StepPlan | None:
-        """A full pool's steady step (`GroupEviction.recycle`): each row's victim page takes its new tokens."""
-        picks = self.eviction.recycle(self.manager, self.rows, self.num_tokens, q_len, self.step)
-        if picks is None:
-            return None
-        self._undo = self._step_undo(appends_only=True)  # the evictions are final, the pages' new use is undone
-        return recycle_plan(self.step, self.rows, *picks, q_len)
 
     def _apply(self, rows, q_len, owners, new_per_row, cow_rows, same_as) -> StepPlan:
         """Give the rows their new pages (nothing raises: the pool was reserved) and plan the step.
@@ -217,19 +217,18 @@ class PageGroup(PageRows):
 
     def _plan(self, past, src, dst, same_as) -> StepPlan:
         """The step's plan: the last one edited in place (evictions and new pages only), else built in full."""
-        plan = None if src or same_as else extend_plan(self.step, self.rows, self.first_page, past, self.num_tokens,
-                                                       self.eviction.evicted)
+        eviction = self.eviction
+        plan = None if src or same_as or eviction is None else eviction.extended_step(
+            self.rows, self.first_page, past, self.num_tokens, self.step)
         plan = plan or build_plan(self.rows, self.first_page, past, self.num_tokens, self.page_size, src, dst, same_as,
-                                  self.eviction.tracks_usage)
-        self.eviction.planned(plan)
+                                  eviction is not None and eviction.tracks_usage)
+        if eviction is not None:
+            eviction.planned(plan)
         return plan
 
     def unshare(self, rows: list[int]) -> None:
-        """Give rows that were assumed identical to another row their own pages, mid-step.
-
-        Members that already wrote this step copy the shared pages to the new ones (their content
-        was identical); the step's plan is rebuilt for the other members.
-        """
+        """Give rows that were assumed identical to another row their own pages, mid-step: members that already
+        wrote this step copy the shared pages to the new ones; the step's plan is rebuilt for the other members."""
         plan = self.step
         self.manager.require(sum(len(self.rows[b]) for b in rows))
         pairs = []
@@ -261,12 +260,14 @@ class PageGroup(PageRows):
 
     def commit(self) -> None:
         """Make the current step final: release the pages it replaced or trimmed."""
-        self.eviction.record(self.step)
+        if self.eviction is not None:
+            self.eviction.record(self.step)
         if self._undo is None:
             return
         self._undo.commit(self.manager)
         self._undo = None
-        self.eviction.committed(self.manager, self.rows, self.first_page, self.num_tokens, self.step)
+        if self.eviction is not None:
+            self.eviction.committed(self.manager, self.rows, self.first_page, self.num_tokens, self.step)
 
     def abort_step(self) -> None:
         """Undo the current step: pages it allocated are released, tables restored."""
@@ -276,4 +277,132 @@ class PageGroup(PageRows):
         self.rows, (self.first_page, self.num_tokens) = self._undo.tables, self._undo.state
         self.members.cap(self.num_tokens)
         self.step, self._undo = None, None
-        self.eviction.rolled_back(self.manager)
+        self.manager.overdraw(False)  # (a compressed prompt's step: nothing is held any more, the bound holds again)
+
+
+class LayerGroups(dict):
+    """Every page group of a cache; a dict by sliding window (and layer, per-layer eviction), with the
+    operations that span them all."""
+
+    def for_layer(self, sliding_window: int | None, layer_idx: int, page_size: int, max_pages: int | None,
+                  policy: EvictionPolicy, per_layer: bool) -> LayerGroup:
+        """The group of a layer, made on first use: the layers of one sliding window share one, or each layer
+        has its own when it chooses its own victims (``per_layer``, keyed ``(window, layer)``)."""
+        key = (sliding_window, layer_idx) if per_layer else sliding_window
+        if key not in self:
+            self[key] = LayerGroup(BlockManager(page_size, max_pages), sliding_window, policy)
+        return self[key]
+
+    def keep(self, groups: set[int]) -> None:
+        """Drop the groups whose ``id`` is not in ``groups`` (another model's, after `bind_config`); the others' pages
+        start anew in a store of their own (the layers are new: another model's keys may have other shapes; a
+        fork keeps the store it shares)."""
+        for key in [k for k, g in self.items() if id(g) not in groups]:
+            del self[key]
+        for group in self.values():
+            group.store = group.prefix.store = PageStore(group.page_size)
+
+    @property
+    def step_open(self) -> bool:
+        """Some group planned a step that is not yet committed or rolled back."""
+        return any(g.step_open for g in self.values())
+
+    def step_failed(self, group: LayerGroup | None = None) -> bool:
+        """The last step never reached every layer: some group's layers did not all write it, or some group
+        never began it (groups begin a step in layer order). With ``group``: as a layer of ``group`` about to
+        start new tokens sees it."""
+        if group is not None:
+            return (group.step_open and not group.step_complete()) or min(self.token_counts()) < group.num_tokens
+        return len(self.token_counts()) > 1 or any(g.step_open and not g.step_complete() for g in self.values())
+
+    def level_with(self, group: LayerGroup) -> bool:
+        """Every group holds as many tokens as ``group``: none has begun a step that ``group`` has not (mid-step, the
+        first group, which began it, tells)."""
+        return all(g.num_tokens == group.num_tokens for g in self.values())
+
+    def token_counts(self) -> set[int]:
+        """The tokens the groups hold (one count when they are level)."""
+        return {g.num_tokens for g in self.values()}
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens every group holds (committed, or planned by an open step)."""
+        return next(iter(self.values())).num_tokens if self else 0
+
+    def commit(self, row_hashes: list[list[bytes]] | None = None) -> None:
+        """Make every group's step final, then give full pages their content hashes (``row_hashes``, per row),
+        but not pages computed after an eviction in any group: every layer's later K/V differ from a full
+        forward's."""
+        if any(group.eviction is not None for group in self.values()):
+            record_together(self.values())
+        for group in self.values():
+            group.commit()
+        if row_hashes is None:
+            return
+        exact = min((g.eviction.exact_tokens for g in self.values() if g.eviction is not None), default=math.inf)
+        for group in self.values():
+            group.register_hashes(row_hashes if exact == math.inf else
+                                  [h[:exact // group.page_size] for h in row_hashes])
+
+    def rollback(self) -> None:
+        for group in self.values():
+            group.abort_step()
+
+    def restore_prefix(self, row_hashes: list[list[bytes]], pages: int) -> int:
+        """Share the cached pages of the longest prefix of at most ``pages`` full pages that every group
+        still finds; returns its length in pages (0: nothing restored)."""
+        while pages > 0 and not all(g.can_restore(row_hashes, pages) for g in self.values()):
+            pages -= 1
+        for group in self.values() if pages else ():
+            group.restore(row_hashes, pages)
+        return pages
+
+    def remap(self, rows_for) -> None:
+        for group in self.values():
+            group.remap(rows_for)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for group in self.values():  # all groups are checked before any is cropped
+            group.check_crop(tokens_to_remove)
+        for group in self.values():
+            group.crop(tokens_to_remove)
+
+    def clear(self) -> None:
+        for group in self.values():
+            group.clear()
+
+    def fork(self) -> "LayerGroups":
+        return LayerGroups({w: g.fork() for w, g in self.items()})
+
+    def set_max_pages(self, max_pages: int | None) -> None:
+        """Bound every group's pool (None: unbounded); raises, changing nothing, below what a group holds."""
+        held = max((g.manager.num_used for g in self.values()), default=0)
+        if max_pages is not None and max_pages < held:
+            raise CacheUsageError(f"set_max_pages({max_pages}): a layer group holds {held} pages; evict by "
+                                  "generating within the old bound, or reset() first.")
+        for group in self.values():
+            group.manager.set_bound(max_pages)
+            if max_pages is not None and group.eviction is None:  # (made unbounded: it observed no usage)
+                group.eviction = GroupEviction(group.policy, bounded=False)
+
+    def stats(self) -> dict:
+        """Page accounting summed over the groups, and the K/V bytes of their layers' used + cached pages
+        (``kv_bytes``) and pools (``pool_bytes``); ``tokens_held``: the most tokens one group holds (what
+        max_pages bounds)."""
+        out = dict(pages_total=0, pages_used=0, pages_free=0, pages_cached=0, tokens_stored=0, kv_bytes=0,
+                   pool_bytes=0, evictions=0, prefix_hits=0)
+        for group in self.values():
+            m = group.manager
+            for key, value in dict(pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free),
+                                   pages_cached=len(m.cached), tokens_stored=group.tokens_stored(),
+                                   evictions=group.eviction.evictions if group.eviction else 0,
+                                   prefix_hits=group.prefix_hits).items():
+                out[key] += value
+            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes()
+            out["pool_bytes"] += group.store.pool_bytes()
+        out["tokens_held"] = self.tokens_held()
+        return out
+
+    def tokens_held(self) -> int:
+        """The most tokens one group holds, counted as they are (an open step's included: nothing commits)."""
+        return max((g.tokens_stored() for g in self.values()), default=0)
