@@ -35,7 +35,9 @@ def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
 
 
 class PagedLayer(CacheLayerMixin):
-    """K/V pools of one layer, a member of its `LayerGroup` (which counts the tokens the layer wrote)."""
+    """One decoder layer of a `PagedCache`: its pages (a `LayerPages` in its group's `PageStore`, shared with forks), a
+    member of its `LayerGroup` (which plans the steps and counts the tokens each layer wrote); writes the slots its
+    group planned and returns `PagedKV` handles."""
 
     is_compileable = False
     is_croppable = True
@@ -48,7 +50,7 @@ class PagedLayer(CacheLayerMixin):
             self._adopt_pages()
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
-        self._resolved_backend: str | None = None  # what `backend` means for these pools, resolved on first use
+        self._resolved_backend: str | None = None  # what `backend` means for these pages, on first use
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
@@ -111,7 +113,7 @@ class PagedLayer(CacheLayerMixin):
             self.group.unshare(differ)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each (source, copy) page pair of this layer's pools (the group unshared rows mid-step)."""
+        """Copy each (source, copy) page pair of this layer's pages (the group unshared rows mid-step)."""
         self.pages.grow_to(self.group.manager.num_pages)
         self.pages.copy_pages(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
 
@@ -162,7 +164,7 @@ class PagedLayer(CacheLayerMixin):
         self.group.record_past = True
 
     def reset(self) -> None:
-        """Forget this layer's tokens (it rejoins its group with none); the pools are kept for reuse."""
+        """Forget this layer's tokens (it rejoins its group with none); its pages are kept for reuse."""
         self.group.members.join(self)
 
     def offload(self):

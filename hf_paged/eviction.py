@@ -136,8 +136,9 @@ class EvictionPolicy:
             raise CacheUsageError(f"eviction must be one of {POLICIES}, got {self.name!r}.")
         for name in ("sink_pages", "recent_pages", "observation_window"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "observation_window" else 0):
-                raise CacheUsageError(f"{name} must be a {'positive' if name == 'observation_window' else 'non-negative'} "
+            least = 1 if name == "observation_window" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CacheUsageError(f"{name} must be a {'positive' if least else 'non-negative'} "
                                       f"int, got {value!r}.")
         if not self.threshold > 0:
             raise CacheUsageError(f"lru_threshold must be a positive multiple of an even attention share, got "
@@ -164,7 +165,8 @@ class EvictionPolicy:
         defaults = usage_signal_defaults(page_size, name, compress_prompt)
         return cls(name, default_sink_pages(page_size) if sink_pages is None else sink_pages,
                    recent_pages, threshold, defaults["decay"] if decay is None else decay,
-                   defaults["observation_window"] if observation_window is None else observation_window, compress_prompt,
+                   defaults["observation_window"] if observation_window is None else observation_window,
+                   compress_prompt,
                    defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal)
 
     @classmethod
@@ -176,7 +178,8 @@ class EvictionPolicy:
             return cls.for_pages(page_size, eviction, *flat)
         given = [name for (name, default), value in zip(FLAT_DEFAULTS.items(), flat) if value != default]
         if given:
-            raise CacheUsageError(f"eviction={eviction!r} is a whole policy: set {', '.join(given)} in it, not beside it.")
+            raise CacheUsageError(f"eviction={eviction!r} is a whole policy: set {', '.join(given)} in it, not "
+                                  "beside it.")
         return eviction
 
     @property
@@ -223,7 +226,8 @@ class EvictionPolicy:
             if self.name == "lru":
                 history.last_used[ids[relative >= self.threshold]] = 2 * step + 1
             else:  # (with no decay the average is the last share)
-                history.ema[ids] = self.decay * history.ema[ids] + (1 - self.decay) * relative if self.decay else relative
+                decayed = self.decay * history.ema[ids] + (1 - self.decay) * relative if self.decay else relative
+                history.ema[ids] = decayed
                 history.observed[ids] += 1
         return shares
 
@@ -335,7 +339,7 @@ def page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor, pag
     """Attention probabilities ``[B, Hkv, g, Q, T]`` of the observed queries over the live tokens, their outputs
     ``out [B, Q, Hq, D]`` and the tokens' ``values [B, T, Hkv, D]`` -> usage per live page ``[B, H, Nk]``, averaged
     over the queries: the page's attention ``A``, or with the "output" signal how far it moves each head's output
-    ``o``, ``‖Σ a·v − A·o‖ / (1 − A)`` (kernels/reference.py), from dot products: no ``[.., Nk, D]`` tensor."""
+    ``o``, ``‖Σ a·v − A·o‖ / (1 − A)`` (kernels/reference.py), from dot products (no ``[.., Nk, D]``)."""
     B, Hkv, g, Q, T = probs.shape
     S = page_size
     per_page = probs.reshape(B, Hkv, g, Q, T // S, S)

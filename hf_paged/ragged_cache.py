@@ -2,11 +2,13 @@
 
 Continuous batching packs the new tokens of every running sequence into one row,
 ``input_ids [1, T]`` with each token's own position: decode tokens (one per sequence) first,
-then prefill chunks. `RaggedCache.begin_step` plans such a step once (pages for the new tokens,
-copy-on-write of shared partial pages, each token's slot, each sequence's page table); every
-layer then writes its keys/values into those slots and hands attention a `RaggedKV` view of the
-step. Sequences are independent: each has its own length, positions and pages; pages are shared
-(reference counted) between sequences that share a prefix, and a released sequence's hashed
+then prefill chunks. `RaggedCache.begin_step` plans such a step once with the sequence core
+(`hf_paged.page_tables`: copy-on-write of shared partial pages, `StepUndo`, the kernel index): pages
+for the new tokens, each token's slot, each sequence's page table; every layer then writes its
+keys/values into those slots through the cache's `PageStore` and hands attention `PagedKV` handles
+of the packed step (the same view as `PagedCache`'s). Sequences are independent: each has its own
+length, positions and pages; pages are shared (reference counted) between sequences that share a
+prefix, found and registered through the cache's `PrefixIndex`, and a released sequence's hashed
 pages stay cached for reuse, as in `PagedCache`.
 
 Invariants between steps:
@@ -178,7 +180,8 @@ class RaggedCache(Cache):
     def pages_needed(self, seq_id: int, new_tokens: int) -> int:
         """Pages a sequence must allocate to hold ``new_tokens`` more (a shared partial page counts once)."""
         seq, S = self.sequences[seq_id], self.page_size
-        return math.ceil((seq.length + new_tokens) / S) - len(seq.pages) + needs_copy(self.manager, seq.pages, seq.length)
+        copy = needs_copy(self.manager, seq.pages, seq.length)
+        return math.ceil((seq.length + new_tokens) / S) - len(seq.pages) + copy
 
     # ----------------------------------------------------------------- steps
     def begin_step(self, new_tokens: list[tuple[int, int]]) -> RaggedStep:
