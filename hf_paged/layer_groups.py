@@ -401,6 +401,9 @@ class LayerGroups(dict):
             out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes()
             out["pool_bytes"] += group.store.pool_bytes()
         out["tokens_held"] = self.tokens_held()
+        for index in {id(g.prefix): g.prefix for g in self.values()}.values():  # listeners' counters (a prefix store)
+            for key, value in index.stats().items():
+                out[key] = out.get(key, 0) + value
         return out
 
     def tokens_held(self) -> int:

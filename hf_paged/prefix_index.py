@@ -73,6 +73,10 @@ class PrefixListener:
         """No page holds ``hashes[0]`` (``hashes``: the rest of the run looked up). A listener that has them may
         `PrefixIndex.load` them now; the lookup then goes on with what was loaded."""
 
+    def stats(self) -> dict:
+        """Counters this listener adds to its cache's ``stats()`` (summed over indexes)."""
+        return {}
+
 
 class PrefixIndex:
     """Prefix hashes of one block manager's pages: registration, lookup of runs, and the events of both.
@@ -131,6 +135,28 @@ class PrefixIndex:
                 break
             pages.append(page)
         return pages
+
+    def stats(self) -> dict:
+        """The listeners' counters (`PrefixListener.stats`), summed."""
+        out = {}
+        for listener in self.listeners:
+            for key, value in listener.stats().items():
+                out[key] = out.get(key, 0) + value
+        return out
+
+    def load_pages(self, hashes: list[bytes], keys: list, values: list) -> list[int]:
+        """`load` a run: page i of every layer gets ``keys[layer][i]`` / ``values[layer][i]`` (as
+        `PageStore.gather_pages` returns them) under ``hashes[i]``; -> the pages loaded (fewer when the pool ran out).
+        """
+        loaded = []
+        for i, content_hash in enumerate(hashes):
+            def write(page, i=i):
+                self.store.scatter_pages(torch.tensor([page]), [k[i:i + 1] for k in keys], [v[i:i + 1] for v in values])
+            page = self.load(content_hash, write)
+            if page is None:
+                break
+            loaded.append(page)
+        return loaded
 
     def load(self, content_hash: bytes, write: Callable[[int], None]) -> int | None:
         """A listener supplies the content ``content_hash`` names: a page is taken from the pool (free, else the

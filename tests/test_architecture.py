@@ -113,7 +113,8 @@ def test_the_ragged_cache_imports_nothing_of_the_rectangular_cache():
     graph = import_graph()
     assert RECTANGULAR <= set(graph), "a rectangular module was renamed: update RECTANGULAR"
     for module in ("ragged_cache", "scheduler", "continuous_batching", "page_store", "page_tables", "prefix_index"):
-        assert not imported_by(module, graph) & RECTANGULAR, f"{module} imports {imported_by(module, graph) & RECTANGULAR}"
+        rectangular = imported_by(module, graph) & RECTANGULAR
+        assert not rectangular, f"{module} imports {rectangular}"
 
 
 POOL_TENSORS = {"keys", "values", "k_pool", "v_pool"}  # a LayerPages' tensors, and the kernels' names for them

@@ -99,3 +99,35 @@ def test_generate_many_registers_pages_through_the_index_and_tells_listeners():
     assert len(hashed) == 3 and len(cache.manager.page_hash) == 3  # 13 tokens computed: 3 full pages
     hf_paged.generate_many(paged, [prompt], max_new_tokens=1, cache=cache, progress=False)
     assert cache.prefix_hits == 2  # the prompt's 2 full pages, found through the index
+
+
+def test_a_run_of_pages_goes_out_of_the_store_and_back_into_fresh_pages():
+    """What a prefix store outside the pool needs: the page layout of every layer, a run of pages copied out
+    (`gather_pages`) and loaded into fresh pages of another pool under their hashes (`load_pages`), cached."""
+    store = PageStore(page_size=2)
+    for layer, heads in ((0, 1), (1, 2)):
+        pages = store.create(layer, torch.zeros(1, heads, 1, 4), torch.zeros(1, heads, 1, 3))
+        pages.grow_to(3)
+        pages.write(torch.arange(6), torch.randn(6, heads, 4), torch.randn(6, heads, 3))
+    assert store.layout()[1]["tensors"] == {"k_pool": ((2, 2, 4), "torch.float32"),
+                                            "v_pool": ((2, 2, 3), "torch.float32")}
+    keys, values = store.gather_pages(torch.tensor([2, 0]))
+    manager, other = BlockManager(page_size=2, initial_pages=4), PageStore(page_size=2)
+    for layer, heads in ((0, 1), (1, 2)):
+        other.create(layer, torch.zeros(1, heads, 1, 4), torch.zeros(1, heads, 1, 3))
+    index = PrefixIndex(manager, other)
+    loaded = index.load_pages([b"a", b"b"], keys, values)
+    assert index.cached_run([b"a", b"b"]) == loaded and len(manager.cached) == 2 and manager.num_used == 0
+    back_keys, back_values = other.gather_pages(torch.tensor(loaded))
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, back_keys + back_values))
+
+
+def test_listener_counters_join_the_cache_stats():
+    class Counting(PrefixListener):
+        def stats(self):
+            return {"store_hits": 3}
+
+    cache = hf_paged.PagedCache(page_size=4)
+    cache.update(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2), 0)
+    next(iter(cache.groups.values())).prefix.add_listener(Counting())
+    assert cache.stats()["store_hits"] == 3
