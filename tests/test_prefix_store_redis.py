@@ -153,3 +153,13 @@ def test_the_server_expires_entries_by_lru_and_a_policy_that_does_not_is_reporte
         store.close()
     finally:
         server.stop()
+
+
+def test_background_writes_to_redis(server, store):
+    lay = layout("run")
+    hashes, tensors = chain(9), pages(lay, 9)
+    with open_store(server.url, background=True) as writer:
+        writer.put(lay, hashes, tensors)
+        writer.flush()
+        assert store.contains_prefix(lay, hashes) == 9
+    assert same_pages(joined(store.get(lay, hashes)), tensors)
