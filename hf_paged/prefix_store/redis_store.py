@@ -42,7 +42,8 @@ class RedisStore(RunStore):
         try:
             import redis
         except ImportError:
-            raise StoreUnavailable("the Redis prefix store needs the redis client: pip install 'hf_paged[store]'") from None
+            raise StoreUnavailable(
+                "the Redis prefix store needs the redis client: pip install 'hf_paged[store]'") from None
         self._lost_errors = (redis.ConnectionError, redis.TimeoutError)
         self._redis_error = redis.RedisError
         self.retry_seconds = retry_seconds
@@ -51,7 +52,8 @@ class RedisStore(RunStore):
             self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
                                                 socket_connect_timeout=socket_timeout)
         except ValueError as error:
-            raise ValueError(f"cannot use the Redis URI {self.name!r}: {error}. Expected redis://host:port/db") from None
+            raise ValueError(
+                f"cannot use the Redis URI {self.name!r}: {error}. Expected redis://host:port/db") from None
         try:
             self._client.ping()
         except redis.RedisError as error:

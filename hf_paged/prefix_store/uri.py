@@ -57,7 +57,8 @@ def _open(uri: str, max_bytes: int | None) -> PrefixStore:
         return DiskStore(uri, max_bytes)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"a file:// prefix store must be on this machine (file:///path), got host {parts.netloc!r}")
+            raise ValueError(
+                f"a file:// prefix store must be on this machine (file:///path), got host {parts.netloc!r}")
         query = urllib.parse.parse_qs(parts.query)
         unknown = set(query) - {"max_bytes"}
         if unknown:
