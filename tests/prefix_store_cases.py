@@ -76,7 +76,7 @@ def store_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if "prefix store" in str(w.message)]
 
 
-def run_python(code: str, *args: str, prefix: list[str] | None = None, timeout: float = 120) -> dict:
+def run_python(code: str, *args: str, prefix: list[str] | None = None, timeout: float = 600) -> dict:
     """Run ``code`` in a fresh interpreter (this folder importable); returns the JSON it prints last."""
     script = "import sys; sys.path.insert(0, %r)\n" % TESTS + textwrap.dedent(code)
     result = subprocess.run([*(prefix or []), sys.executable, "-c", script, *args], capture_output=True, text=True,

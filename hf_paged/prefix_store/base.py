@@ -13,6 +13,7 @@ and `_discard`; they turn their own failures into soft results (absent, not writ
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -58,7 +59,7 @@ class PrefixStore(Protocol):
     def close(self) -> None: ...
 
 
-class RunStore:
+class RunStore(ABC):
     """`PrefixStore` over a backend's key primitives. Never raises for a backend fault: reads miss,
     writes are skipped, one warning per kind of fault; bad input from the caller raises ValueError."""
 
@@ -69,19 +70,21 @@ class RunStore:
         self.faults = Faults(name)
 
     # ---------------------------------------------------------------- backend primitives
+    @abstractmethod
     def _exists(self, layout: PageLayout, keys: Sequence[bytes]) -> list[bool]:
-        raise NotImplementedError
+        """Per key: whether an entry is stored under it."""
 
+    @abstractmethod
     def _read_many(self, layout: PageLayout, keys: Sequence[bytes]) -> Iterator[bytes | BadEntry | None]:
         """Per key in order: its bytes, None when absent, or a `BadEntry` the backend refused to read."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _write(self, layout: PageLayout, key: bytes, data: bytes) -> bool:
         """Store ``data`` under ``key`` unless it is there; True when this call wrote it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _discard(self, layout: PageLayout, key: bytes) -> None:
-        raise NotImplementedError
+        """Remove the entry under ``key`` (one that failed verification), if it can be removed."""
 
     # ---------------------------------------------------------------- protocol
     def put(self, layout: PageLayout, hashes: Sequence[bytes], tensors: Mapping[str, torch.Tensor],
