@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from ..kv_formats import rotation
 from ..paths import cache_dir
 from . import library_cache
 from .arguments import check_paged_args, mask_strides
@@ -62,7 +61,8 @@ class _PagedArgs(ctypes.Structure):
         ("q", _ptr), ("q_stride", _i64x4),
         ("k", _ptr), ("v", _ptr), ("k_stride", _i64x3), ("v_stride", _i64x3), ("format", _i64),
         ("k_scale", _ptr), ("v_scale", _ptr), ("ks_stride", _i64x3), ("vs_stride", _i64x3),
-        ("k_group", _i64), ("v_group", _i64), ("k_width", _i64), ("v_width", _i64),
+        ("k_group", _i64), ("v_group", _i64), ("k_width", _i64), ("v_width", _i64), ("k_rotated", _i64),
+        ("v_rotated", _i64),
         ("table", _ptr), ("page_pos", _ptr), ("q_pos", _ptr),
         ("B", _i64), ("Hq", _i64), ("Hkv", _i64), ("Q", _i64), ("D", _i64), ("S", _i64), ("N", _i64),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", _i64),
@@ -213,8 +213,6 @@ def paged_attention_cpu(
     threads = min(threads, B * splits)  # waking a thread with nothing to do costs more than a short row
 
     q32 = query.float()
-    if fmt.quantized and fmt.key.rotated:  # keys are stored rotated: q.k = (q R).(k R)
-        q32 = q32 @ rotation(D)
     table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     if page_mass_heads not in (None, *MASS_HEADS):
@@ -228,7 +226,7 @@ def paged_attention_cpu(
         q32.data_ptr(), _i64x4(*q32.stride()),
         k_pool.data_ptr(), v_pool.data_ptr(), _i64x3(*k_pool.stride()[:3]), _i64x3(*v_pool.stride()[:3]),
         KV_FORMATS.index(kv_format) + 1 if fmt.quantized else int(k_pool.dtype == torch.bfloat16),
-        None, None, _i64x3(), _i64x3(), D, D, k_pool.shape[3], v_pool.shape[3],  # float pools: no scales
+        None, None, _i64x3(), _i64x3(), D, D, k_pool.shape[3], v_pool.shape[3], 0, 0,  # float pools: no scales
         table.data_ptr(), first.data_ptr(), qpos.data_ptr(),
         B, Hq, Hkv, Q, D, S, N,
         scale, softcap or 0.0, sliding_window or 0,
@@ -248,11 +246,10 @@ def paged_attention_cpu(
         args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
         args.ks_stride, args.vs_stride = _i64x3(*k_scale.stride()[:3]), _i64x3(*v_scale.stride()[:3])
         args.k_group, args.v_group = fmt.key.group_size(D), fmt.value.group_size(D)
+        args.k_rotated, args.v_rotated = fmt.key.rotated, fmt.value.rotated  # the kernel rotates q and out itself
     if out.numel():
         if getattr(library, SYMBOLS[args.format])(ctypes.byref(args)) != 0:
             raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
-    if fmt.quantized and fmt.value.rotated:  # values are stored rotated: out R R = out
-        out = out @ rotation(D)
     if query.dtype != torch.float32:
         out = out.to(query.dtype)
     return (out, page_mass) if return_page_mass else out
