@@ -377,26 +377,35 @@ def paired_intervals(rows: list[dict], block: int, confidence: float = 0.95, res
     with both rows' NLL, so that what one text happens to reward is told from a difference that holds across it.
     ``low == high == ratio == 0`` when no block differs (nothing evicted yet); rows without ``block_nll`` (errors,
     runs before it was recorded) are left out."""
+    out = []
+    for row, ref in compared_pairs(rows):
+        if not row.get("block_nll") or len(row["block_nll"]) != len(ref.get("block_nll") or ()):
+            continue
+        value, low, high = relative_perplexity(row["block_nll"], ref["block_nll"], row["tokens"], block, confidence,
+                                               resamples)
+        out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"], ratio=value, low=low,
+                        high=high, confidence=confidence, blocks=len(row["block_nll"]), block=block))
+    return out
+
+
+def relative_perplexity(block_nll, ref_block_nll, tokens: int, block: int, confidence: float = 0.95,
+                        resamples: int = 9999) -> tuple[float, float, float]:
+    """``(ratio, low, high)``: perplexity / reference perplexity - 1 of two scorings of the same ``tokens`` tokens,
+    given as NLL sums per block of ``block`` tokens (the last one may be shorter), and its paired bootstrap
+    interval (scipy, BCa, seeded); ``low == high == ratio`` when the blocks' differences are all alike."""
     from scipy.stats import bootstrap
 
     def ratio(diff, tokens, axis=-1):
         return np.expm1(diff.sum(axis=axis) / tokens.sum(axis=axis))
 
-    out = []
-    for row, ref in compared_pairs(rows):
-        if not row.get("block_nll") or len(row["block_nll"]) != len(ref.get("block_nll") or ()):
-            continue
-        diff = np.subtract(row["block_nll"], ref["block_nll"])
-        tokens = np.minimum(block, row["tokens"] - block * np.arange(len(diff))).astype(np.float64)
-        value = float(ratio(diff, tokens))
-        low = high = value
-        if np.ptp(diff / tokens) > 0:
-            interval = bootstrap((diff, tokens), ratio, paired=True, vectorized=True, confidence_level=confidence,
-                                 n_resamples=resamples, method="BCa", rng=np.random.default_rng(0)).confidence_interval
-            low, high = float(interval.low), float(interval.high)
-        out.append(dict(policy=row["policy"], budget=row["budget"], reference=ref["policy"], ratio=value, low=low,
-                        high=high, confidence=confidence, blocks=len(diff), block=block))
-    return out
+    diff = np.subtract(block_nll, ref_block_nll)
+    counts = np.minimum(block, tokens - block * np.arange(len(diff))).astype(np.float64)
+    value = float(ratio(diff, counts))
+    if not np.ptp(diff / counts) > 0:
+        return value, value, value
+    interval = bootstrap((diff, counts), ratio, paired=True, vectorized=True, confidence_level=confidence,
+                         n_resamples=resamples, method="BCa", rng=np.random.default_rng(0)).confidence_interval
+    return value, float(interval.low), float(interval.high)
 
 
 def _tokens_held(cache) -> int:
