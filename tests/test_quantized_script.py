@@ -1,13 +1,17 @@
-"""scripts/quantized.py: its schemes are the page formats' (bytes and round trips), KIVI's simulation, the speed
-part end to end on small shapes (fast), and the perplexity part on the real SmolLM2 (slow)."""
+"""scripts/quantized.py (`hf_paged.evaluation.quantized`): its schemes are the page formats' (bytes and round
+trips), KIVI's simulation, the speed part end to end on small shapes (fast), and the perplexity part on the real
+SmolLM2 (slow)."""
 
 import json
 
 import pytest
 import torch
+from script_commands import Command
 
-import quantized
+from hf_paged.evaluation import quantized as study
 from hf_paged.kv_formats import QuantizedPages, page_format
+
+quantized = Command("quantized", study)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (main sets torch's threads: the fixture puts them back)
 
