@@ -214,11 +214,20 @@ class RaggedCache(Cache):
         """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse)."""
         self.manager.release_row(self.sequences.pop(seq_id).pages)
 
-    def pages_needed(self, seq_id: int, new_tokens: int) -> int:
-        """Pages a sequence must allocate to hold ``new_tokens`` more (a shared partial page counts once)."""
-        seq, S = self.sequences[seq_id], self.page_size
-        cow = seq.length % S != 0 and self.manager.ref[seq.pages[-1]] > 1
-        return math.ceil((seq.length + new_tokens) / S) - len(seq.pages) + cow
+    def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
+        """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it and the shared
+        partial page it copies (None: no copy). Every writer of a shared partial page copies it but the last one,
+        which finds the page no longer shared and writes in place."""
+        S, refs, out = self.page_size, {}, []
+        for seq_id, n in new_tokens:
+            seq, copied = self.sequences[seq_id], None
+            if seq.length % S:
+                last = seq.pages[-1]
+                holders = refs.get(last, self.manager.ref[last])
+                if holders > 1:
+                    copied, refs[last] = last, holders - 1
+            out.append((math.ceil((seq.length + n) / S) - len(seq.pages) + (copied is not None), copied))
+        return out
 
     # ----------------------------------------------------------------- steps
     def begin_step(self, new_tokens: list[tuple[int, int]]) -> RaggedStep:
@@ -229,7 +238,7 @@ class RaggedCache(Cache):
         """
         self.finish_step()
         S, manager = self.page_size, self.manager
-        manager.require(sum(self.pages_needed(s, n) for s, n in new_tokens))
+        manager.require(sum(pages for pages, _ in self.step_pages(new_tokens)))
         segments, slots, copies, start = [], [], [], 0
         for seq_id, n in new_tokens:
             seq = self.sequences[seq_id]
