@@ -21,10 +21,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .backends import layer_backend
 from .block_manager import BlockManager
+from .cache import MAX_PAGE_SIZE, _check_backend, _check_positive_int
 from .cache_layer import PagePool
 from .errors import CacheUsageError
 from .kernels.arguments import mark_checked
@@ -181,6 +183,12 @@ class RaggedCache(Cache):
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None):
+        if not isinstance(config, PretrainedConfig):
+            raise CacheUsageError(f"config must be a transformers model config (model.config), got "
+                                  f"{type(config).__name__}.")
+        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
+        _check_positive_int("max_pages", max_pages, allow_none=True)
+        _check_backend(backend)
         layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
         if "chunked_attention" in layer_types:
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
