@@ -179,6 +179,21 @@ class BlockManager:
         if content_hash is not None:
             del self.hash_to_page[content_hash]
 
+    def release_all(self) -> None:
+        """Drop every reference: pages with a content hash become cached (their content is complete: a page gets
+        its hash once computed, and loses it before it is handed out again), others free. It also restores the
+        invariants after an operation was interrupted midway (a page in no list, a count that no row holds)."""
+        self.hash_to_page = {h: p for p, h in self.page_hash.items()}
+        for page in range(self.num_pages):
+            self.ref[page] = 0
+            if page not in self.free and page not in self.cached:
+                (self.cached if page in self.page_hash else self.free)[page] = None
+        for page in [p for p in self.free if p in self.page_hash]:
+            self._drop_hash(page)
+        for page in [p for p in self.cached if p not in self.page_hash]:
+            del self.cached[page]
+            self.free[page] = None
+
     def reset(self) -> None:
         """Every page becomes free; hashes are dropped. Capacity is kept."""
         self.ref = [0] * self.num_pages

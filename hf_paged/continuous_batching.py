@@ -14,6 +14,7 @@ import collections
 import math
 import numbers
 import operator
+import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -123,7 +124,10 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
-    sample ``j`` of prompt ``i``. Arguments as for `generate_many`."""
+    sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
+    is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
+    when the generator ends or is closed: a loop that stops early should ``close()`` it (or drop it) before the
+    cache serves another run."""
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise CacheUsageError("generate_many needs the model loaded with attn_implementation='hf_paged'.")
     if getattr(model.config, "is_encoder_decoder", False):
@@ -162,8 +166,31 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
         for i, first in enumerate(seeds):
             for j in range(num_return_sequences):
                 generators[i * num_return_sequences + j] = torch.Generator().manual_seed(first + j)
+    run = _Run()
+    stream = _stream(run, model, cache, scheduler, warp, generators, stop, len(requests) * num_return_sequences,
+                     progress)
+    run.generator = weakref.ref(stream)
+    return stream
+
+
+class _Run:
+    """One `stream_many` run as its cache sees it (`RaggedCache.claim`): live until its generator has ended."""
+
+    generator = None  # a weak reference to the run's generator
+
+    @property
+    def live(self) -> bool:
+        stream = self.generator() if self.generator is not None else None
+        return stream is not None and stream.gi_frame is not None
+
+
+def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, generators, stop: set[int],
+            outputs: int, progress: bool) -> Iterator[tuple[int, int]]:
+    """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
+    released) when the generator ends, raises or is closed."""
+    cache.claim(run)
     device = model.device
-    bar = tqdm(total=len(requests) * num_return_sequences, unit="seq", disable=not progress, desc="generate_many")
+    bar = tqdm(total=outputs, unit="seq", disable=not progress, desc="generate_many")
     try:
         while not scheduler.done:
             step = scheduler.schedule()
@@ -194,13 +221,17 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                     sample.generated.append(token)
                     sample.tokens.append(token)
                     yield sample.out_index, token
+                    if not cache.holds(run):
+                        raise CacheUsageError(
+                            "the RaggedCache of this stream_many generator was reset (or taken by another "
+                            "generate_many run) while the generator was paused: its rows are gone. Start a new "
+                            "stream_many.")
                     if token in stop or len(sample.generated) >= sample.request.max_new_tokens:
                         scheduler.retire(sample)
                         bar.update()
     finally:
         bar.close()
-        for row in list(scheduler.running):
-            scheduler.retire(row)
+        cache.unclaim(run)
 
 
 def _next_token(logits: torch.Tensor, warp: LogitsProcessorList, generator, row: Row) -> int:

@@ -31,6 +31,7 @@ from .cache_layer import PagePool
 from .errors import CacheUsageError
 from .kernels.arguments import mark_checked
 from .model_config import layer_windows
+from .thread_owner import ThreadOwner
 
 
 @dataclass
@@ -200,10 +201,58 @@ class RaggedCache(Cache):
         self.step: RaggedStep | None = None
         self._undo: list[tuple[int, list[int], int]] = []  # (seq_id, pages, length) before `step`
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
+        self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``
+        self._owner = ThreadOwner("RaggedCache", (
+            "Give each thread its own RaggedCache (generate_many makes one when cache= is not given), or let the "
+            "first thread's generate_many finish (or call cache.reset() in that thread) before handing it over."))
+
+    # ----------------------------------------------------------------- users
+    def claim(self, user) -> None:
+        """``user`` (a `generate_many` run: ``user.live`` while it may still step) takes the cache, in this thread.
+
+        Raises `CacheUsageError` when another thread holds the cache, or another live run still holds its
+        sequences (a loop that left a `stream_many` generator early keeps them until the generator is closed).
+        Sequences left by a run that ended without giving them back (an interrupt in its clean-up) are dropped.
+        """
+        self._owner.claim()
+        if self.user is not None and self.user is not user and self.user.live:
+            raise CacheUsageError(
+                "this RaggedCache still holds the rows of an unfinished generate_many run: a loop that left a "
+                "stream_many generator early (break) keeps its rows until that generator is closed or garbage "
+                "collected. Call .close() on the generator (or cache.reset()) first, or pass another cache.")
+        if self.sequences or self._undo or self.step is not None:
+            self._clear()
+            self._owner.claim()
+        self.user = user
+
+    def unclaim(self, user) -> None:
+        """``user`` ended: the sequences it left are released and any thread may use the cache (nothing
+        happens when ``user`` no longer holds the cache: it was reset, or another run took it)."""
+        if self.user is user:
+            self._clear()
+
+    def holds(self, user) -> bool:
+        """``user`` still holds the cache (it was not reset or taken by another run since `claim`)."""
+        return self.user is user
+
+    def reset(self) -> None:
+        """Drop every sequence and any planned step; hashed pages stay cached for prefix reuse. The cache is then
+        empty and free for any thread, and a paused `stream_many` that used it stops with an error when resumed.
+        Whatever state an interrupt left the bookkeeping in, the cache is usable afterwards."""
+        if self._owner.ident is not None:
+            self._owner.claim()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.step, self._undo, self.user = None, [], None
+        self.sequences.clear()
+        self.manager.release_all()
+        self._owner.release()
 
     # ------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: int, shared_pages: list[int] = (), length: int = 0) -> None:
         """A new sequence starting with ``shared_pages`` (cached or live pages holding ``length`` tokens)."""
+        self._owner.claim()
         if seq_id in self.sequences:
             raise CacheUsageError(f"sequence {seq_id} is already in the cache")
         self.manager.share_row(list(shared_pages))
@@ -212,6 +261,7 @@ class RaggedCache(Cache):
 
     def fork_sequence(self, source: int, seq_id: int) -> None:
         """``seq_id`` starts as a copy of ``source``, sharing all its pages (the last one copied on write)."""
+        self._owner.claim()
         if seq_id in self.sequences:
             raise CacheUsageError(f"sequence {seq_id} is already in the cache")
         src = self.sequences[source]
@@ -219,8 +269,12 @@ class RaggedCache(Cache):
         self.sequences[seq_id] = Sequence(list(src.pages), src.length)
 
     def release_sequence(self, seq_id: int) -> None:
-        """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse)."""
-        self.manager.release_row(self.sequences.pop(seq_id).pages)
+        """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse). A sequence that is
+        not (or no longer) in the cache is left alone: releasing is idempotent."""
+        self._owner.claim()
+        seq = self.sequences.pop(seq_id, None)  # first: an interrupted release leaks references (`reset` recounts
+        if seq is not None:                      # them), it never releases a page twice
+            self.manager.release_row(seq.pages)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
         """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it and the shared
@@ -244,6 +298,7 @@ class RaggedCache(Cache):
         Segments of one token must come first. Raises `PagePoolExhausted` (changing nothing) when
         the pool cannot hold them.
         """
+        self._owner.claim()
         self.finish_step()
         S, manager = self.page_size, self.manager
         manager.require(sum(pages for pages, _ in self.step_pages(new_tokens)))

@@ -211,11 +211,15 @@ class Scheduler:
         return followers
 
     def retire(self, row: Row) -> None:
-        """A finished row gives its pages back at once (hashed ones stay cached) and its reservation."""
-        self.cache.release_sequence(row.out_index)
+        """A finished row gives its pages back at once (hashed ones stay cached) and its reservation; retiring a
+        row that is not running does nothing (retiring is idempotent)."""
+        index = next((i for i, r in enumerate(self.running) if r is row), None)
+        if index is None:
+            return
+        del self.running[index]
         self.reserved -= row.reserve
         row.reserve = 0
-        self.running.remove(row)
+        self.cache.release_sequence(row.out_index)
         for h in [h for h, r in self.computing.items() if r is row]:
             del self.computing[h]
 
