@@ -140,3 +140,91 @@ def test_library_without_the_kernel_symbols_falls_back_with_a_message(tmp_path, 
     """
     run_python(code, HF_PAGED_CACHE_DIR=str(tmp_path / "cache"),
                TARGET=str(tmp_path / "cache" / "kernels" / built_kernel.name))
+
+
+# ----------------------------------------------------------- issue 30, item 8: a shared cache folder, records, handles
+@needs_cc
+@pytest.mark.parametrize("mode,trusted", [(0o777, False), (0o770, False), (0o1777, True), (0o755, True)])
+def test_a_cache_folder_others_can_write_is_refused_with_a_warning(tmp_path, mode, trusted):
+    """$HF_PAGED_CACHE_DIR writable by others (not sticky): they could swap its kernels/ folder for their own, so
+    the kernel is built into a private folder, with a warning; a sticky or private folder is used."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    out = run_python(LOAD_KERNEL, HF_PAGED_CACHE_DIR=str(shared))
+    assert "REASON None" in out.stdout
+    built_there = list((shared / "kernels").glob("cpu_paged_attention-*.so"))
+    if trusted:
+        assert len(built_there) == 1 and "not using the kernel cache" not in out.stderr
+    else:
+        assert not built_there, "the kernel was built into a folder others can swap"
+        assert "not using the kernel cache" in out.stderr and f"{shared}, above" in out.stderr
+        assert "writable by other users and not sticky" in out.stderr
+
+
+@needs_cc
+@pytest.mark.parametrize("record", ["a link to a true record", "a huge file", "a fifo"])
+def test_a_checksum_record_that_is_not_a_small_regular_file_is_refused(tmp_path, built_kernel, record):
+    """The record is opened without following links or blocking, and read only when it is small: the library is
+    rebuilt, never loaded on the word of a link, and loading neither hangs nor reads a terabyte."""
+    target = _plant(tmp_path / "cache", built_kernel, built_kernel)
+    sidecar = target.with_name(target.name + ".sha256")
+    true_record = built_kernel.with_name(built_kernel.name + ".sha256")
+    if record == "a link to a true record":
+        shutil.copy(true_record, tmp_path / "record")
+        sidecar.symlink_to(tmp_path / "record")
+    elif record == "a huge file":
+        with open(sidecar, "wb") as f:
+            f.write(true_record.read_bytes())
+            f.truncate(2**40)  # sparse: a terabyte that takes no room
+    else:
+        os.mkfifo(sidecar)
+    out = run_python(LOAD_KERNEL, HF_PAGED_CACHE_DIR=str(tmp_path / "cache"))
+    assert "REASON None" in out.stdout and "rebuilding the CPU kernel" in out.stderr
+    assert "checksum record" in out.stderr
+    assert not sidecar.is_symlink() and sidecar.stat().st_size < 200  # rebuilt: a fresh record
+
+
+@needs_cc
+def test_a_file_without_the_elf_magic_is_rejected_before_dlopen(tmp_path, built_kernel):
+    """A non-ELF file with a record of its own (so only the magic check stands): rejected and rebuilt, never
+    handed to dlopen (where it would be an unusable library, not a rebuilt one)."""
+    code = """
+        import os
+        from pathlib import Path
+        from hf_paged.kernels import library_cache
+        target = Path(os.environ["TARGET"])
+        target.parent.mkdir(mode=0o700, parents=True)
+        fake = target.parent / "fake.so"
+        fake.write_bytes(b"MZ" + b"\\0" * 4096)
+        library_cache.publish(fake, target)
+    """
+    target = tmp_path / "cache" / "kernels" / built_kernel.name
+    run_python(code, TARGET=str(target))
+    out = run_python(LOAD_KERNEL, HF_PAGED_CACHE_DIR=str(tmp_path / "cache"))
+    assert "REASON None" in out.stdout and "is not an ELF shared library" in out.stderr
+    assert target.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_cc
+def test_two_different_libraries_loaded_in_one_process_get_their_own_handles(tmp_path):
+    """dlopen knows a library by its name: /proc/self/fd/<n> of a closed descriptor, reused for the second library,
+    returned the first one's handle."""
+    code = """
+        import os, subprocess
+        from pathlib import Path
+        from hf_paged.kernels import library_cache
+        folder = Path(os.environ["FOLDER"])
+        folder.mkdir(mode=0o700)
+        for n in (1, 2):
+            source = folder / f"lib{n}.c"
+            source.write_text(f"int which(void) {{ return {n}; }}\\n")
+            subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / f"built{n}.so"), str(source)], check=True)
+            library_cache.publish(folder / f"built{n}.so", folder / f"lib{n}.so")
+        first = library_cache.load(folder / "lib1.so", ("which",))
+        second = library_cache.load(folder / "lib2.so", ("which",))
+        again = library_cache.load(folder / "lib1.so", ("which",))
+        print("WHICH", first.which(), second.which(), again.which())
+    """
+    out = run_python(code, FOLDER=str(tmp_path / "libs"))
+    assert "WHICH 1 2 1" in out.stdout
