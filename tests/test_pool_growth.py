@@ -79,10 +79,12 @@ def test_free_run_prefers_a_free_run_then_reuses_cached_pages_then_grows():
 
 def test_soak_script_runs_and_records_pages_and_rss(tmp_path):
     """`scripts/soak_prefix_reuse.py` (the 300-call soak) at a few calls of the tiny model: its records and plot."""
-    import soak_prefix_reuse
+    from hf_paged.evaluation import soak
+    from script_commands import Command
 
-    result = soak_prefix_reuse.main(["--model", "tiny", "--calls", "6", "--every", "3", "--out", str(tmp_path)])
+    result = Command("soak_prefix_reuse", soak).main(["--model", "tiny", "--calls", "6", "--every", "3",
+                                                      "--no-progress", "--out", str(tmp_path)])
     rows, summary = result["rows"], result["summary"]
     assert [r["call"] for r in rows] == list(range(1, 7)) and all(r["rss_mib"] > 0 for r in rows)
     assert summary["pages_total_max"] <= summary["peak_pages_used"] + summary["peak_pages_used"] // 4 + 1
-    assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.png").is_file()
+    assert all((tmp_path / f"soak.{ext}").is_file() for ext in ("md", "json", "png"))
