@@ -210,11 +210,14 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
                     logits = model(input_ids=torch.tensor([tokens], device=device),
                                    position_ids=torch.tensor([positions], device=device),
                                    logits_to_keep=torch.tensor(last, dtype=torch.long, device=device), use_cache=True,
-                                   **{CACHE_KWARG: cache}).logits[0].float()
+                                   **{CACHE_KWARG: cache}).logits[0]
             except BaseException:
                 cache.abort_step()
                 raise
             scheduler.after_step(step)
+            # greedy: the argmax on the logits' device; sampling: the logits come to the CPU, where every draw uses
+            # its output's own CPU generator (the same draws on any device, whatever else the step computed)
+            logits = logits.float().cpu() if generators else logits.argmax(-1).tolist()
             for row, row_logits in zip(emitting, logits):
                 for sample in [row, *scheduler.fork_followers(row)]:
                     token = _next_token(row_logits, warp, generators.get(sample.out_index), sample)
@@ -234,9 +237,11 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
         cache.unclaim(run)
 
 
-def _next_token(logits: torch.Tensor, warp: LogitsProcessorList, generator, row: Row) -> int:
+def _next_token(logits: torch.Tensor | int, warp: LogitsProcessorList, generator, row: Row) -> int:
+    """``row``'s next token: ``logits`` is the greedy token already (no ``generator``), else the row's float32 CPU
+    logits, warped, from which ``generator`` (a CPU generator) draws."""
     if generator is None:
-        return int(logits.argmax())
+        return int(logits)
     scores = warp(torch.tensor([row.tokens]), logits[None])[0]
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
