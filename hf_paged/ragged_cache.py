@@ -295,10 +295,16 @@ class RaggedCache(Cache):
     def begin_step(self, new_tokens: list[tuple[int, int]]) -> RaggedStep:
         """Plan a step that appends ``n`` tokens to each ``(seq_id, n)``, in that packed order.
 
-        Segments of one token must come first. Raises `PagePoolExhausted` (changing nothing) when
-        the pool cannot hold them.
+        Segments of one token must come first. Raises `PagePoolExhausted` when the pool cannot hold them, and
+        `CacheUsageError` for a plan it cannot take, changing nothing.
         """
         self._owner.claim()
+        num_single = next((i for i, (_, n) in enumerate(new_tokens) if n != 1), len(new_tokens))
+        ids = [seq_id for seq_id, _ in new_tokens]
+        if any(n == 1 for _, n in new_tokens[num_single:]) or any(n < 1 for _, n in new_tokens) \
+                or len(set(ids)) != len(ids) or not all(seq_id in self.sequences for seq_id in ids):
+            raise CacheUsageError(f"begin_step({new_tokens}): each (sequence in the cache, tokens >= 1) once, the "
+                                  "one-token segments first.")
         self.finish_step()
         S, manager = self.page_size, self.manager
         manager.require(sum(pages for pages, _ in self.step_pages(new_tokens)))
@@ -319,9 +325,6 @@ class RaggedCache(Cache):
             segments.append(Segment(seq_id, start, n, seq.length, pages))
             seq.length += n
             start += n
-        num_single = next((i for i, s in enumerate(segments) if s.length != 1), len(segments))
-        if any(s.length == 1 for s in segments[num_single:]):
-            raise CacheUsageError("begin_step: one-token segments must come first")
         src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
         self.step = RaggedStep(segments, num_single, torch.cat(slots), src, dst, S)
         return self.step
