@@ -262,7 +262,8 @@ class PagedCache(PrefixCaching, Cache):
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral) \
                 or tokens_to_remove > 0:
             raise CacheUsageError(
-                f"crop({tokens_to_remove!r}): pass a negative int, the number of tokens to remove, as with DynamicCache.")
+                f"crop({tokens_to_remove!r}): pass a negative int, the number of tokens to remove, as with "
+                "DynamicCache.")
         tokens_to_remove = int(tokens_to_remove)
         self.commit()
         self.groups.crop(-tokens_to_remove)
