@@ -8,6 +8,7 @@ slots through its group's page store and returns `PagedKV` handles that the "hf_
 from __future__ import annotations
 
 import copy
+import numbers
 import threading
 
 import torch
@@ -15,8 +16,9 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import PagedKV, read_window, warn_gathered_pages
-from .backends import layer_backend
-from .errors import CacheUsageError
+from .backends import check_backend, layer_backend
+from .block_manager import MAX_PAGE_SIZE
+from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .layer_groups import LayerGroup, LayerGroups
 from .model_config import ATTN_IMPLEMENTATION, layer_windows
@@ -159,8 +161,11 @@ class PagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def activate_past_recording(self) -> None:
-        """Assisted decoding: keep sliding-window pages until the next `crop` (it may roll back)."""
+    def activate_past_recording(self, **recurrent_options) -> None:
+        """Assisted decoding: keep sliding-window pages until the next `crop` (it may roll back).
+
+        ``recurrent_options`` (transformers >= 5.25 passes ``recurrent_states_to_keep``) concern
+        linear-attention layers only; attention pages ignore them."""
         self.group.record_past = True
 
     def reset(self) -> None:
@@ -171,18 +176,6 @@ class PagedLayer(CacheLayerMixin):
         raise NotImplementedError("PagedCache does not offload layers; bound it with max_pages instead.")
 
     prefetch = offload
-
-
-MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
-
-
-def _check_positive_int(name: str, value, allow_none: bool = False, most: int | None = None) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (most is not None and value > most):
-        fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
-        fix += f" of at most {most}" if most is not None else ""
-        raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
 
 
 def _check_arguments(config, model, lru_threshold) -> None:
@@ -197,6 +190,28 @@ def _check_arguments(config, model, lru_threshold) -> None:
                                                                                     PretrainedConfig)):
         raise CacheUsageError(f"model must be a transformers model (a torch.nn.Module with a .config), "
                               f"got {type(model).__name__}.")
+
+
+def _row_indices(name: str, indices, groups: LayerGroups) -> list[int]:
+    """``indices`` as rows of the cache, else a clear error (a negative index would silently wrap around)."""
+    order = torch.as_tensor(indices).reshape(-1)
+    if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
+        raise CacheUsageError(f"{name} takes integer row indices, got a {order.dtype} tensor.")
+    order = order.tolist()
+    batch = max((group.batch_size for group in groups.values()), default=0)
+    bad = [i for i in order if not 0 <= i < batch]
+    if batch and bad:
+        raise CacheUsageError(f"{name}: row indices {bad[:5]} are outside [0, {batch}): the cache holds {batch} "
+                              "rows, numbered from 0 (no negative indices).")
+    return order
+
+
+def _crop_count(tokens_to_remove) -> int:
+    """``crop``'s argument as an int, else a clear error."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral) or tokens_to_remove > 0:
+        raise CacheUsageError(f"crop({tokens_to_remove!r}): pass a negative int, the number of tokens to remove, as "
+                              "with DynamicCache.")
+    return int(tokens_to_remove)
 
 
 class PagedCache(PrefixReuse, Cache):
@@ -235,11 +250,10 @@ class PagedCache(PrefixReuse, Cache):
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None):
-        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
-        _check_positive_int("max_pages", max_pages, allow_none=True)
+        check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
+        check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
-        if backend not in (None, "auto", "torch", "triton", "cpu"):
-            raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
+        check_backend(backend)
         self.backend = backend
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                         observation_window, score_heads, compress_prompt, score_signal)
@@ -381,21 +395,21 @@ class PagedCache(PrefixReuse, Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b becomes old row ``beam_idx[b]``; pages are shared, copied on write."""
-        order = beam_idx.tolist()
+        order = _row_indices("reorder_cache", beam_idx, self.groups)
         self._remap_rows(lambda rows: [rows[i] for i in order])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        check_positive_int("batch_repeat_interleave: repeats", repeats)
         self._remap_rows(lambda rows: [r for r in rows for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        order = torch.as_tensor(indices).reshape(-1).tolist()
+        order = _row_indices("batch_select_indices", indices, self.groups)
         self._remap_rows(lambda rows: [rows[i] for i in order])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative int)."""
-        if tokens_to_remove > 0:
-            raise CacheUsageError(
-                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache.")
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative int); more than the
+        cache holds empties it, as `DynamicCache.crop` does."""
+        tokens_to_remove = _crop_count(tokens_to_remove)
         self.commit()
         self.groups.crop(-tokens_to_remove)
         if self.token_log is not None:
@@ -417,7 +431,7 @@ class PagedCache(PrefixReuse, Cache):
         """Change the bound of every layer group: None unbounds it (rows grow again, as after a prompt
         compressed with ``compress_prompt``, when the answer may take all the room it needs); a bound
         below the pages a group holds raises, changing nothing."""
-        _check_positive_int("max_pages", max_pages, allow_none=True)
+        check_positive_int("max_pages", max_pages, allow_none=True)
         self.commit()
         self.groups.set_max_pages(max_pages)
         self.max_pages = max_pages

@@ -5,7 +5,8 @@ shares the manager's ids: one `LayerPages` per layer, in one page format. Nothin
 tensor: the caches write a step's slots and copy pages (copy-on-write) through it, attention reads
 through it (`LayerPages.gather`, the float slab view `FloatPages.slab_view`, or the kernel operands).
 
-`LayerPages` is the interface of one layer's pages in one format (today ``"float"``, `FloatPages`):
+`LayerPages` is the interface of one layer's pages in one format (``"float"``: `FloatPages`; the quantized
+formats of `hf_paged.kv_formats`: `QuantizedPages`):
 
     num_pages, page_size, dtype (of the keys/values it returns), device
     grow_to(num_pages)                     keep contents; new pages are zero (never NaN: masked slots are
@@ -13,18 +14,18 @@ through it (`LayerPages.gather`, the float slab view `FloatPages.slab_view`, or 
     write(slots [T], keys [T, H, D], values [T, H, Dv])
     copy_pages(src [C], dst [C])           bytes (and scales, in quantized formats)
     gather(pages [...]) -> keys [..., S, H, D], values [..., S, H, Dv]   (dequantized)
-    kernel_operands() -> dict              keyword arguments of the paged kernels: k_pool, v_pool (+ the
-                                           scales and kv_format of quantized formats)
+    kernel_operands() -> dict              keyword arguments of the paged kernels: k_pool, v_pool, k_scale,
+                                           v_scale (None for float pages), kv_format
     page_bytes() -> int                    one page, keys + values (+ scales)
 
-`make_layer_pages` builds one from a format name; a quantized format adds its class there.
+`make_layer_pages` builds one from a format name.
 """
 
 from __future__ import annotations
 
 import torch
 
-KV_FORMATS = ("float",)
+from .kv_formats import QuantizedPages, check_kv_format, page_format
 
 
 class FloatPages:
@@ -73,10 +74,10 @@ class FloatPages:
         return key_rows, value_rows
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Token t's key and value go to slot ``slots[t]`` (``page * page_size + offset``)."""
+        """Token t's key and value go to slot ``slots[t]`` (``page * page_size + offset``), in the pages' dtype."""
         key_rows, value_rows = self._rows()
-        key_rows.index_copy_(0, slots, keys)
-        value_rows.index_copy_(0, slots, values)
+        key_rows.index_copy_(0, slots, keys.to(self.dtype))
+        value_rows.index_copy_(0, slots, values.to(self.dtype))
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.keys[dst] = self.keys[src]
@@ -97,18 +98,21 @@ class FloatPages:
         return out[0], out[1]
 
     def kernel_operands(self) -> dict:
-        return {"k_pool": self.keys, "v_pool": self.values}
+        return {"k_pool": self.keys, "v_pool": self.values, "k_scale": None, "v_scale": None, "kv_format": "float"}
 
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.keys, self.values))
 
 
 def make_layer_pages(kv_format: str, page_size: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
-                     device: torch.device) -> FloatPages:
-    """Empty pages of one layer in ``kv_format`` (values and keys returned in ``dtype``)."""
-    if kv_format != "float":
-        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}.")
-    return FloatPages(page_size, heads, head_dim, value_dim, dtype, device)
+                     device: torch.device) -> FloatPages | QuantizedPages:
+    """Empty pages of one layer in ``kv_format`` (checked first with `check_kv_format`; keys and values read
+    back in ``dtype``)."""
+    check_kv_format(kv_format, device, head_dim, value_dim)
+    fmt = page_format(kv_format)
+    if not fmt.quantized:
+        return FloatPages(page_size, heads, head_dim, value_dim, dtype, device)
+    return QuantizedPages(fmt, page_size, heads, head_dim, value_dim, dtype, device)
 
 
 class PageStore:

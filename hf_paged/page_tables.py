@@ -67,14 +67,16 @@ def needs_copy(manager: BlockManager, pages: list[int], length: int) -> bool:
 
 class StepUndo:
     """The page tables a step edits as they were before it, and the pages the step took out of them (replaced
-    by copies, trimmed, moved): those are released when the step commits and kept for the rollback until then.
-    For a step that only appends pages of its own (``appends_only``), the tables' lengths stand for them.
-    ``state``: what else the owner restores (lengths, first pages)."""
+    by copies, trimmed, moved): those are released when the step commits and kept for the rollback until then,
+    except ``unshared`` pages (copied from, released at once while another table still holds them), whose
+    reference the rollback takes back. For a step that only appends pages of its own (``appends_only``), the
+    tables' lengths stand for them. ``state``: what else the owner restores (lengths, first pages)."""
 
     def __init__(self, tables: list[list[int]], appends_only: bool = False, state: tuple = ()):
         self.tables, self.appends_only, self.state = tables, appends_only, state  # tables: restored in place
         self.saved = [len(t) for t in tables] if appends_only else [list(t) for t in tables]
         self.replaced: list[int] = []
+        self.unshared: list[int] = []
 
     def commit(self, manager: BlockManager) -> None:
         if self.replaced:
@@ -89,19 +91,26 @@ class StepUndo:
                 del table[length:]
             return
         kept = {p for t in self.saved for p in t}
+        manager.share_row(self.unshared)
         for pages in (*edited, self.replaced):
             manager.release_row([p for p in pages if p not in kept])
         for table, saved in zip(self.tables, self.saved):
             table[:] = saved
 
 
-def copy_on_write(manager: BlockManager, pages: list[int], length: int, undo: StepUndo) -> tuple[int, int] | None:
+def copy_on_write(manager: BlockManager, pages: list[int], length: int, undo: StepUndo,
+                  release_now: bool = False) -> tuple[int, int] | None:
     """When `needs_copy`: the sequence's last page becomes a fresh copy of it (the caller copies the bytes through
-    the page store before the step writes); the shared page is released when the step commits. -> (source, copy)."""
+    the page store before the step writes); the shared page is released when the step commits, or at once with
+    ``release_now`` (so that its last holder in this step finds it unshared and writes in place). -> (source, copy)."""
     if not needs_copy(manager, pages, length):
         return None
     source, copy = pages[-1], manager.allocate()
-    undo.replaced.append(source)
+    if release_now:
+        manager.release(source)  # (another table still holds it: needs_copy saw a second reference)
+        undo.unshared.append(source)
+    else:
+        undo.replaced.append(source)
     pages[-1] = copy
     return source, copy
 
@@ -240,7 +249,7 @@ class PageRows:
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise (changing nothing) if cropping would need tokens these rows no longer hold."""
         new_len = self.num_tokens - tokens_to_remove
-        if tokens_to_remove <= 0:
+        if tokens_to_remove <= 0 or new_len <= 0:  # (cropping everything empties the rows)
             return
         needed_from = self.window.skipped_tokens(new_len)
         if needed_from < self.first_page * self.page_size:
@@ -254,9 +263,12 @@ class PageRows:
                                   "evicted. Crop less, or raise max_pages.")
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages."""
+        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages; as many as the rows
+        hold or more: the rows go (`clear`), as DynamicCache's tensors become empty."""
         self.check_crop(tokens_to_remove)
-        if tokens_to_remove > 0:
+        if self.rows and tokens_to_remove >= self.num_tokens:
+            self.clear()
+        elif tokens_to_remove > 0:
             new_len = self.num_tokens - tokens_to_remove
             keep = math.ceil(new_len / self.page_size) - self.first_page
             for r in self.rows:

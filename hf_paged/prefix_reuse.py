@@ -8,8 +8,10 @@ page hashes, `hf_paged.prefix_index.page_hashes`, make full pages reusable) and,
 empty cache, shares the cached pages of the prompt's leading full pages (`PrefixReuse.reuse_prefix`, through
 each layer group's `PrefixIndex`) and trims the inputs by that much. It never trims a token whose logits the
 caller asked for: ``logits_to_keep`` (0, the default of a plain ``model(**inputs, cache=cache)``, asks for
-every token, so nothing is reused there; ``generate`` asks for the last one). ``cache.prefill(model,
-**inputs)`` is the explicit form. Prefix caching needs 2D padding masks (a custom 4D mask is refused).
+every token, so nothing is reused there; ``generate`` asks for the last one). A forward the hook cannot log
+(``inputs_embeds``, another model stepping the cache) stops the log: no page after it gets a hash until
+``reset()``. ``cache.prefill(model, **inputs)`` is the explicit form. Prefix caching needs 2D padding masks
+(a custom 4D mask is refused).
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ class TokenLog:
     """Per row: the tokens, mask bits and positions processed so far, and the hashes of its full pages.
 
     Invariant: ``len(hashes[b]) == len(tokens[b]) // page_size`` after `extend` (hashes of pages
-    that are full), chained from ``root`` (the fingerprint of the model that computes the rows).
+    that are full), chained from ``root`` (the fingerprint of the model that computes the rows); the log
+    describes the first ``num_tokens`` tokens of its cache. Once the cache holds tokens the log never saw (a
+    forward its hook could not log: ``inputs_embeds``, another model), it stops (`stop`): later pages get no hash
+    (their K/V follow tokens it cannot name) until the log is cleared.
     """
 
     def __init__(self, page_size: int):
@@ -63,10 +68,21 @@ class TokenLog:
         self.mask: list[list[int]] = []
         self.positions: list[list[int]] = []
         self.hashes: list[list[bytes]] = []
+        self.stopped = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens[0]) if self.tokens else 0
+
+    def stop(self) -> None:
+        """The cache holds tokens after ``num_tokens`` that the log did not see: log nothing more."""
+        self.stopped = True
 
     def extend(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None) -> None:
-        past = len(self.tokens[0]) if self.tokens else 0
+        if self.stopped:
+            return
+        past = self.num_tokens
         ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, past)
         if not self.tokens:
             self.tokens, self.mask, self.positions, self.hashes = ([[] for _ in ids] for _ in range(4))
@@ -116,6 +132,7 @@ class TokenLog:
 
     def clear(self) -> None:
         self.tokens, self.mask, self.positions, self.hashes = [], [], [], []
+        self.stopped = False
 
 
 class PrefixReuse:
@@ -183,6 +200,8 @@ def _before_forward(cache_ref, module, args, kwargs):
     check_hashable(attention_mask, position_ids)  # before any change
     cache.commit()  # hash the pages filled by the previous step before this one can free them
     cache.token_log.truncate(cache.get_seq_length())  # a forward that failed before any layer ran
+    if cache.token_log.num_tokens < cache.get_seq_length():
+        cache.token_log.stop()  # a forward this hook did not see (inputs_embeds, another model) wrote the cache
     if cache.get_seq_length() == 0:
         cache.token_log.root = cache.fingerprint(module)
         logits_to_keep = kwargs.get("logits_to_keep", 0)

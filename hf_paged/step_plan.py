@@ -81,8 +81,9 @@ class StepPlan:
         moved = self._on_device.get(device)
         if moved is None:
             move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-            moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots), copy_src=move(self.copy_src),
-                                        copy_dst=move(self.copy_dst), read_table=move(self.read_table),
+            moved = dataclasses.replace(self, table=move(self.table), slots=move(self.slots),
+                                        copy_src=move(self.copy_src), copy_dst=move(self.copy_dst),
+                                        read_table=move(self.read_table),
                                         read_pos=move(self.read_pos), usage=None, shares=None, victims=None,
                                         _on_device={})
             self._on_device[device] = moved
@@ -171,6 +172,8 @@ def relocate_rows(manager: BlockManager, rows: list[list[int]], src: list[int], 
         return False
     stride = len(rows[0]) + len(rows[0]) // 4 + 1
     base = manager.free_run(len(rows) * stride)
+    if base is None:  # no free run, and the free and cached pages suffice: no growth for a move
+        return False
     copied_from = dict(zip(dst, src))  # a page copied on write this step moves from its source
     for b, r in enumerate(rows):
         moved = [manager.allocate(base + b * stride + i) for i in range(len(r))]

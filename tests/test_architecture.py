@@ -226,9 +226,10 @@ def calls_to(name: str) -> dict[str, int]:
 
 def test_copy_on_write_rollback_kernel_index_view_and_prefix_registration_each_exist_once():
     """Both caches plan with the sequence core: one copy-on-write, one undo of a failed step, one kernel index (the
-    one caller of `mark_checked` outside the kernels), one data-less view tensor, one prefix registration (the one
-    writer of the block manager's hashes)."""
-    assert calls_to("mark_checked") == {"page_tables.py": 1}
+    one caller of `mark_checked` outside the kernels and the kernel timings of the evaluation tools), one data-less
+    view tensor, one prefix registration (the one writer of the block manager's hashes)."""
+    assert {m: n for m, n in calls_to("mark_checked").items() if not m.startswith("evaluation/")} == {
+        "page_tables.py": 1}
     assert calls_to("set_hash") == {"prefix_index.py": 1}
     assert calls_to("_make_wrapper_subclass") == {"attention.py": 1}
     for shared in ("copy_on_write", "StepUndo", "register_pages"):

@@ -11,6 +11,6 @@ Shared pieces:
 
 Studies (one module each, driven by the script of the same name): `perplexity` (scripts/perplexity.py),
 `long_context` (scripts/evaluation.py), `benchmark` (scripts/benchmark.py), `many_prompts`
-(scripts/many_prompts.py), `sharing` (scripts/sharing_memory.py). Heavy packages (accelerate, matplotlib,
+(scripts/many_prompts.py), `sharing` (scripts/sharing_memory.py), `quantized` (scripts/quantized.py). Heavy packages (accelerate, matplotlib,
 scipy, evaluate) are imported where they are used; these modules are not imported by ``import hf_paged``.
 """
