@@ -13,9 +13,13 @@ alternately (order rotated every repeat), medians over ``--repeats``:
 * ``transformers CB``: transformers' continuous batching manager, one request per prompt with its own
   ``max_new_tokens``, ``max_batch_tokens=--cb-max-batch-tokens`` and its pool sized to the workload (its
   default block size, enough blocks for every request at once);
-* ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step).
+* ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step);
+* ``vLLM CPU`` (``--vllm``, when ``.venv-vllm`` exists: ``scripts/make_vllm_env.sh``): vLLM's engine on the
+  same token ids and weights (float32, greedy, the same threads, its own default step size), in its own
+  process (scripts/vllm_runner.py); its row reads "not run" when the environment is absent.
 
-Reported: tokens/s over wanted tokens (and the ratio to ``dynamic``), mean time to first token over
+Reported: tokens/s over wanted tokens (and the ratio to ``dynamic``), CPU-seconds per pass (the process's
+``time.process_time``, vLLM's runner's own; steadier than wall time on a shared machine), mean time to first token over
 prompts, peak RSS growth (see scripts/benchmark.py's MemoryMeter), prefix pages reused, and whether every
 prompt's tokens equal the ``dynamic`` run's. Spread = (max - min) / median of a system's repeats; over 20%
 marks a noisy row. Outputs: many_prompts.md / .json / .png in ``--out``.
@@ -37,6 +41,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_paged  # noqa: E402
 from benchmark import MemoryMeter  # noqa: E402
+from vllm_runner import VllmPeer  # noqa: E402
 from hf_paged import assets  # noqa: E402
 
 SYSTEMS = ("dynamic", "paged", "transformers CB", "generate_many")
@@ -54,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="generate's batch size (dynamic, paged)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="generate_many's tokens per step")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="transformers CB's tokens per step")
+    p.add_argument("--vllm", default="auto", help="'auto' (.venv-vllm if present), 'off', or a python with vllm")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: 4 short prompts, 1 repeat")
@@ -146,6 +152,12 @@ def run_generate_many(model, prompts, wanted, args):
     return outputs, first_times, time.perf_counter() - start, cache.prefix_hits
 
 
+def run_vllm(peer: VllmPeer):
+    """One pass in vLLM's runner; its CPU-seconds are the runner process's own."""
+    answer = peer.run_pass()
+    return answer["outputs"], answer["ttft"], answer["wall_s"], 0, answer["cpu_s"]
+
+
 def measure(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,26 +172,39 @@ def measure(args) -> dict:
         "transformers CB": lambda: run_transformers_cb(models["sdpa"], prompts, wanted, args),
         "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args),
     }
+    peer, vllm_status = VllmPeer.start(args.vllm, assets.resolve_model_path(args.model), prompts, wanted,
+                                       torch.get_num_threads())
+    systems = SYSTEMS + (("vLLM CPU",) if peer else ())
+    if peer:
+        runners["vLLM CPU"] = lambda: run_vllm(peer)
     meter = MemoryMeter(torch.device("cpu"))
-    runs = {name: [] for name in SYSTEMS}
-    bar = tqdm(total=args.repeats * len(SYSTEMS), desc="many prompts", disable=args.no_progress)
-    for repeat in range(args.repeats):
-        order = SYSTEMS[repeat % len(SYSTEMS):] + SYSTEMS[:repeat % len(SYSTEMS)]
-        for name in order:
-            meter.start()
-            outputs, first_times, elapsed, hits = runners[name]()
-            runs[name].append(dict(outputs=outputs, ttft=statistics.mean(first_times), seconds=elapsed,
-                                   peak_bytes=meter.stop(), prefix_hits=hits))
-            bar.update()
-    bar.close()
+    runs = {name: [] for name in systems}
+    bar = tqdm(total=args.repeats * len(systems), desc="many prompts", disable=args.no_progress)
+    try:
+        for repeat in range(args.repeats):
+            order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
+            for name in order:
+                meter.start()
+                cpu = time.process_time()
+                outputs, first_times, elapsed, hits, *child_cpu = runners[name]()
+                cpu = child_cpu[0] if child_cpu else time.process_time() - cpu
+                peak = meter.stop() if not child_cpu else float("nan")  # another process's memory is not metered
+                runs[name].append(dict(outputs=outputs, ttft=statistics.mean(first_times), seconds=elapsed,
+                                       cpu_s=cpu, peak_bytes=peak, prefix_hits=hits))
+                bar.update()
+    finally:
+        bar.close()
+        if peer:
+            peer.close()
     reference = runs["dynamic"][0]["outputs"]
     total = sum(wanted)
     rows = []
-    for name in SYSTEMS:
+    for name in systems:
         tps = [total / r["seconds"] for r in runs[name]]
         rows.append(dict(
             system=name, tokens_per_s=statistics.median(tps),
             spread=(max(tps) - min(tps)) / statistics.median(tps),
+            cpu_s=statistics.median(r["cpu_s"] for r in runs[name]),
             ttft_s=statistics.median(r["ttft"] for r in runs[name]),
             peak_mib=statistics.median(r["peak_bytes"] for r in runs[name]) / 2**20,
             prefix_hits=runs[name][-1]["prefix_hits"],
@@ -187,7 +212,7 @@ def measure(args) -> dict:
     for row in rows:
         row["vs_dynamic"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return dict(settings=vars(args), prompt_lengths=[len(p) for p in prompts], wanted=wanted,
-                threads=torch.get_num_threads(), load_average=_load_average(), rows=rows)
+                threads=torch.get_num_threads(), load_average=_load_average(), rows=rows, vllm=vllm_status)
 
 
 def _load_average() -> list[float] | None:
@@ -205,14 +230,20 @@ def markdown(result: dict) -> str:
              f"load average {result['load_average']}, median of {s['repeats']}"
              + (". Smoke test (--quick): checks that everything runs; its numbers are not results" if s["quick"] else ""),
              "",
-             "| system | tokens/s | vs dynamic | spread | time to first token | peak RSS growth | prefix pages "
-             "reused | tokens equal to dynamic |", "|---|---|---|---|---|---|---|---|"]
+             "| system | tokens/s | vs dynamic | spread | CPU s / pass | time to first token | peak RSS growth | "
+             "prefix pages reused | tokens equal to dynamic |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratio = f"noisy ({r['spread']:.0%})" if r["spread"] > 0.2 else f"{r['vs_dynamic']:.2f}x"
         lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} | {ratio} | "
-                     f"{r['spread']:.0%} | {r['ttft_s']:.2f} s | {r['peak_mib']:+.0f} MiB | {r['prefix_hits']} | "
-                     f"{r['equal_prompts']}/{s['num_prompts']} |")
+                     f"{r['spread']:.0%} | {r['cpu_s']:.2f} | {r['ttft_s']:.2f} s | {_mib(r['peak_mib'])} | "
+                     f"{r['prefix_hits']} | {r['equal_prompts']}/{s['num_prompts']} |")
+    if result.get("vllm", "ok") != "ok":
+        lines.append(f"| vLLM CPU | {result['vllm'].splitlines()[0]} | | | | | | | |")
     return "\n".join(lines) + "\n"
+
+
+def _mib(value: float) -> str:
+    return "not metered (own process)" if value != value else f"{value:+.0f} MiB"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -229,7 +260,7 @@ def plot(result: dict, path: Path) -> None:
                                "mean time to first token, s (lower is better)",
                                "peak RSS growth, MiB (lower is better)")):
         values = [r[key] for r in rows]
-        bars = ax.barh(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868"])
+        bars = ax.barh(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868", "#c44e52"])
         ax.bar_label(bars, fmt="%.2f" if key != "peak_mib" else "%.0f")
         ax.set_title(title, fontsize=9)
         ax.invert_yaxis()
