@@ -14,6 +14,8 @@ alternately (order rotated every repeat), medians over ``--repeats``:
   ``max_new_tokens``, ``max_batch_tokens=--cb-max-batch-tokens`` and its pool sized to the workload (its
   default block size, enough blocks for every request at once);
 * ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step);
+* ``generate_many packed``: the same with ``pack_weights=True`` (`hf_paged.cpu_weights`: linear weights packed
+  once for oneDNN), on a second copy of the model so the other rows run unpacked;
 * ``vLLM CPU`` (``--vllm``, when ``.venv-vllm`` exists: ``scripts/make_vllm_env.sh``): vLLM's engine on the
   same token ids and weights (float32, greedy, the same threads, its own default step size), in its own
   process (scripts/vllm_runner.py); its row reads "not run" when the environment is absent.
@@ -44,7 +46,7 @@ from benchmark import MemoryMeter  # noqa: E402
 from vllm_runner import VllmPeer  # noqa: E402
 from hf_paged import assets  # noqa: E402
 
-SYSTEMS = ("dynamic", "paged", "transformers CB", "generate_many")
+SYSTEMS = ("dynamic", "paged", "transformers CB", "generate_many", "generate_many packed")
 
 
 def parse_args(argv=None):
@@ -59,13 +61,15 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="generate's batch size (dynamic, paged)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="generate_many's tokens per step")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="transformers CB's tokens per step")
-    p.add_argument("--vllm", default="auto", help="'auto' (.venv-vllm if present), 'off', or a python with vllm")
+    p.add_argument("--vllm", default=None, help="'auto' (.venv-vllm if present; the default, 'off' with --quick), "
+                   "'off', or a python with vllm")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: 4 short prompts, 1 repeat")
     p.add_argument("--out", default="runs/many_prompts")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.vllm = args.vllm or ("off" if args.quick else "auto")  # a smoke test does not wait for vLLM's compile
     if args.quick:
         args.num_prompts, args.max_len, args.short_new, args.long_new, args.repeats = 4, 48, 4, 8, 1
         args.system_prompt = min(args.system_prompt, 32)
@@ -142,6 +146,7 @@ def run_transformers_cb(model, prompts, wanted, args):
 
 
 def run_generate_many(model, prompts, wanted, args):
+    """`stream_many` on a fresh cache; a packed model (`hf_paged.pack_linear_weights`) runs packed."""
     cache = hf_paged.RaggedCache(model.config, page_size=16)
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
@@ -153,9 +158,9 @@ def run_generate_many(model, prompts, wanted, args):
 
 
 def run_vllm(peer: VllmPeer):
-    """One pass in vLLM's runner; its CPU-seconds are the runner process's own."""
+    """One pass in vLLM's runner; its CPU-seconds are the runner process's own (its prefix reuse is not counted)."""
     answer = peer.run_pass()
-    return answer["outputs"], answer["ttft"], answer["wall_s"], 0, answer["cpu_s"]
+    return answer["outputs"], answer["ttft"], answer["wall_s"], None, answer["cpu_s"]
 
 
 def measure(args) -> dict:
@@ -165,12 +170,16 @@ def measure(args) -> dict:
     for attn in ("sdpa", "hf_paged"):
         models[attn], tokenizer = assets.load_model_and_tokenizer(args.model, attn_implementation=attn)
         models[attn].generation_config.eos_token_id = None  # every request generates all it wants
+    models["packed"], _ = assets.load_model_and_tokenizer(args.model, attn_implementation="hf_paged")
+    models["packed"].generation_config.eos_token_id = None
+    hf_paged.pack_linear_weights(models["packed"])  # once, as a user serving many calls would
     prompts, wanted = workload(tokenizer, args)
     runners = {
         "dynamic": lambda: run_generate(models["sdpa"], prompts, wanted, args, paged=False),
         "paged": lambda: run_generate(models["hf_paged"], prompts, wanted, args, paged=True),
         "transformers CB": lambda: run_transformers_cb(models["sdpa"], prompts, wanted, args),
         "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args),
+        "generate_many packed": lambda: run_generate_many(models["packed"], prompts, wanted, args),
     }
     peer, vllm_status = VllmPeer.start(args.vllm, assets.resolve_model_path(args.model), prompts, wanted,
                                        torch.get_num_threads())
@@ -236,7 +245,8 @@ def markdown(result: dict) -> str:
         ratio = f"noisy ({r['spread']:.0%})" if r["spread"] > 0.2 else f"{r['vs_dynamic']:.2f}x"
         lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} | {ratio} | "
                      f"{r['spread']:.0%} | {r['cpu_s']:.2f} | {r['ttft_s']:.2f} s | {_mib(r['peak_mib'])} | "
-                     f"{r['prefix_hits']} | {r['equal_prompts']}/{s['num_prompts']} |")
+                     f"{'n/a' if r['prefix_hits'] is None else r['prefix_hits']} | "
+                     f"{r['equal_prompts']}/{s['num_prompts']} |")
     if result.get("vllm", "ok") != "ok":
         lines.append(f"| vLLM CPU | {result['vllm'].splitlines()[0]} | | | | | | | |")
     return "\n".join(lines) + "\n"
@@ -260,7 +270,7 @@ def plot(result: dict, path: Path) -> None:
                                "mean time to first token, s (lower is better)",
                                "peak RSS growth, MiB (lower is better)")):
         values = [r[key] for r in rows]
-        bars = ax.barh(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868", "#c44e52"])
+        bars = ax.barh(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"])
         ax.bar_label(bars, fmt="%.2f" if key != "peak_mib" else "%.0f")
         ax.set_title(title, fontsize=9)
         ax.invert_yaxis()
