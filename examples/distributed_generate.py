@@ -1,7 +1,7 @@
 """Data-parallel generation over a prompt set: one process per GPU (or CPU process), one PagedCache each.
 
 GPUs (one process per GPU):
-    accelerate launch --multi_gpu --num_processes 4 examples/distributed_generate.py --out results/gen.jsonl
+    accelerate launch --multi_gpu --num_processes 4 examples/distributed_generate.py --out runs/gen.jsonl
     accelerate launch --config_file integrations/accelerate/multi_gpu.yaml examples/distributed_generate.py
 
 CPU only, 2 processes over gloo (NOT `accelerate launch --cpu --num_processes 2`: in accelerate
@@ -16,9 +16,12 @@ Prompts: by default ``--num-prompts`` excerpts of the embedded Britannica articl
 else the ``--column`` of a ``datasets`` dataset (``--dataset/--config/--split``) or of a local
 ``--text-file`` (one row per paragraph). Greedy unless ``--do-sample``.
 
-Writes ``--out`` (JSONL, one line per prompt in input order: index, prompt, completion, tokens,
-prompt_tokens; the same bytes whatever the number of processes, greedy) and ``<out>.summary.json``
-(per-rank and total tokens/s, KV statistics), and prints the summary.
+Writes ``--out`` (default runs/distributed_generate.jsonl, git-ignored; JSONL, one line per prompt in input
+order: index, prompt, completion, tokens, prompt_tokens; the same bytes whatever the number of processes, greedy)
+and ``<out>.summary.json`` (per-rank and total tokens/s, KV statistics), and prints the summary.
+
+Threads: each process uses ``--threads`` torch threads; by default $OMP_NUM_THREADS, else the idle cores (cores
+minus the load average) divided among the processes on a CPU (oversubscribed OpenMP threads are 5-10x slower).
 """
 
 from __future__ import annotations
@@ -36,15 +39,14 @@ import torch  # noqa: E402
 import hf_paged  # noqa: E402,F401  (registers the "hf_paged" attention)
 from hf_paged import assets  # noqa: E402
 from hf_paged.distributed import format_summary, generate_distributed, make_state  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from hf_paged.evaluation.run_info import idle_cores  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(assets.DTYPES), default="float32")
     p.add_argument("--dataset", default=None, help="datasets name or path (default: embedded Britannica prompts)")
     p.add_argument("--config", default=None, help="dataset config name")
     p.add_argument("--split", default="train")
@@ -63,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="prompt selection; sampling seed (+ prompt index)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present (gloo)")
-    p.add_argument("--out", default="results/distributed_generate.jsonl", help="JSONL output path")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: $OMP_NUM_THREADS, "
+                   "else on a CPU the idle cores divided among the processes)")
+    p.add_argument("--out", default="runs/distributed_generate.jsonl", help="JSONL output path (runs/ is git-ignored)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -89,9 +93,14 @@ def summary_path(out: Path) -> Path:
 def main(argv=None) -> int:
     args = parse_args(argv)
     state = make_state(cpu=True if args.cpu else None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ and state.device.type == "cpu":
+        torch.set_num_threads(max(1, idle_cores() // state.num_processes))
     with state.main_process_first():  # the first process converts / downloads, the others read the cache
         prompts = load_prompts(args)
-        model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=DTYPES[args.dtype], device=state.device,
+        model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=assets.DTYPES[args.dtype],
+                                                           device=state.device,
                                                            attn_implementation=hf_paged.ATTN_IMPLEMENTATION)
     gen = {}
     if args.do_sample:

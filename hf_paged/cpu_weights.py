@@ -83,7 +83,8 @@ def pack_linear_weights(model: torch.nn.Module, batch_hint: int = DEFAULT_BATCH_
         raise RuntimeError("pack_linear_weights needs a torch build with oneDNN (mkldnn); this one has none: "
                            "run the model unpacked.")
     if isinstance(batch_hint, bool) or not isinstance(batch_hint, int) or batch_hint < 1:
-        raise ValueError(f"batch_hint must be a positive int (rows per call to lay weights out for), got {batch_hint!r}.")
+        raise ValueError(f"batch_hint must be a positive int (rows per call to lay weights out for), "
+                         f"got {batch_hint!r}.")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     if not any(_packable(m) or is_packed(m) for _, m in linears):
         held = sorted({f"{m.weight.dtype} on {m.weight.device}" for _, m in linears}) or ["no nn.Linear"]

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The main job: install into .venv, then compare PagedCache with DynamicCache on the embedded SmolLM2
-# model and Britannica text: speed and memory (scripts/benchmark.py), perplexity under page budgets
-# (scripts/perplexity.py, 2048 tokens), then many prompts of different lengths (scripts/many_prompts.py:
-# generate_many against generate and transformers' continuous batching). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored);
-# nothing tracked changes unless --out names a tracked folder on purpose.
+# The main job: install into .venv, then compare PagedCache with DynamicCache on the embedded SmolLM2-135M-Instruct
+# and the Britannica text: speed and memory (scripts/benchmark.py, about 8 minutes on 2 idle cores), perplexity
+# under page budgets (scripts/perplexity.py, 2048 tokens, about 3.5 minutes), then many prompts of different lengths
+# (scripts/many_prompts.py: generate_many against generate and transformers' continuous batching, about 6.5
+# minutes). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored); nothing tracked changes.
 #
 #   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install]
-#     --quick        smoke test of every part (about 2 minutes on 2 idle cores); its numbers are not results
-#     --threads N    torch threads for both parts (default: the idle cores, i.e. cores minus the load average,
+#     --quick        smoke test of every part (about 90 s on 2 idle cores); its numbers are not results
+#     --threads N    torch threads for every part (default: the idle cores, i.e. cores minus the load average,
 #                    at least 1; too many threads on a busy machine make every ratio noise)
-#     --out DIR      write DIR/benchmark and DIR/perplexity instead; --out results regenerates the README's
-#                    reference results
+#     --out DIR      write DIR/benchmark, DIR/perplexity and DIR/many_prompts instead of runs/<UTC time>/. The
+#                    stored results in results/ each have their own command, named in docs/ (benchmark.md,
+#                    perplexity.md, many_prompts.md, ...)
 #     --no-install   skip scripts/install.sh and use the `python` on PATH as it is
 set -euo pipefail
 cd "$(dirname "$0")/.."

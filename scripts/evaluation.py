@@ -24,65 +24,31 @@ tasks run there through kvpress's presses (scripts/kvpress_runner.py) on the sam
 token ids, and land in the same tables; without it they are reported as not run.
 
 Several processes (``accelerate launch ... scripts/evaluation.py``) split the jobs round-robin; only
-the main process writes ``--out``/evaluate.md, evaluate.json, continuation.png, passkey.png (and
-jobs.json, every job's raw result, first).
-``--quick``: a few small cases (CI).
+the main process writes ``--out`` (default runs/evaluate)/evaluate.md, evaluate.json, continuation.png,
+passkey.png (and jobs.json, every job's raw result, first). ``--quick``: a few small cases (CI).
+The study is `hf_paged.evaluation.long_context`; docs/eviction.md has the stored results and their commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-
-import hf_paged  # noqa: E402
 from hf_paged import assets  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import perplexity  # noqa: E402  (text loading, token NLL, streaming loop, versions)
-
-ROOT = Path(__file__).resolve().parent.parent
-TASKS = ("continuation", "passkey", "streaming")
-REGIMES = ("streaming", "compress", "compress+grow")
-POLICIES = ("score", "lru", "fifo+sinks")
-PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv")
-KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
-PROMPT = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "\n\nWhat is the pass key? The pass key is"
-QUICK = dict(windows=1, context=96, continuation=32, budgets=[32], lengths=[128], depths=[0.5],
-             passkey_budgets=[32], trials=1, max_tokens=128, streaming_budgets=[32], page_size=8, chunk=8)
-
-
-def _list(kind):
-    def parse(text: str):
-        try:
-            values = [kind(x) for x in text.replace(" ", "").split(",") if x]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-        if not values:
-            raise argparse.ArgumentTypeError("expected at least one value")
-        return values
-    return parse
+from hf_paged.evaluation import long_context as study  # noqa: E402
+from hf_paged.evaluation.formats import value_list  # noqa: E402
+from hf_paged.evaluation.long_context import POLICIES, PRESSES, QUICK, REGIMES, TASKS  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tasks", type=_list(str), default=",".join(TASKS))
-    p.add_argument("--regimes", type=_list(str), default=",".join(REGIMES))
-    p.add_argument("--policies", type=_list(str), default=",".join(POLICIES))
+    p.add_argument("--tasks", type=value_list(str), default=",".join(TASKS))
+    p.add_argument("--regimes", type=value_list(str), default=",".join(REGIMES))
+    p.add_argument("--policies", type=value_list(str), default=",".join(POLICIES))
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
     p.add_argument("--dtype", choices=sorted(assets.DTYPES), default="float32")
     p.add_argument("--dataset", default=None, help="datasets name or path; none: the embedded Britannica article")
@@ -93,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=1, help="PagedCache page size (1 keeps best when bounded)")
     p.add_argument("--score-decay", type=float, default=None,
                    help="continuation/passkey caches: PagedCache(score_decay=...); none: by page size")
-    p.add_argument("--recent-pages", type=int, default=1, help="continuation/passkey caches: PagedCache(recent_pages=...)")
+    p.add_argument("--recent-pages", type=int, default=1,
+                   help="continuation/passkey caches: PagedCache(recent_pages=...)")
     p.add_argument("--observation-window", type=int, default=None,
                    help="continuation/passkey caches: PagedCache(observation_window=...); none: by page size")
     p.add_argument("--score-heads", choices=("mean", "max"), default=None,
@@ -108,20 +75,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=6, help="continuation: windows of the text")
     p.add_argument("--context", type=int, default=1504, help="continuation: context tokens per window")
     p.add_argument("--continuation", type=int, default=256, help="continuation: scored tokens per window")
-    p.add_argument("--budgets", type=_list(int), default="128,256,512", help="continuation: budgets (tokens)")
-    p.add_argument("--lengths", type=_list(int), default="512,1280", help="passkey: prompt lengths (tokens)")
-    p.add_argument("--depths", type=_list(float), default="0.1,0.5,0.9", help="passkey: needle depths")
-    p.add_argument("--passkey-budgets", type=_list(int), default="128,256")
+    p.add_argument("--budgets", type=value_list(int), default="128,256,512", help="continuation: budgets (tokens)")
+    p.add_argument("--lengths", type=value_list(int), default="512,1280", help="passkey: prompt lengths (tokens)")
+    p.add_argument("--depths", type=value_list(float), default="0.1,0.5,0.9", help="passkey: needle depths")
+    p.add_argument("--passkey-budgets", type=value_list(int), default="128,256")
     p.add_argument("--trials", type=int, default=2, help="passkey: keys (and filler offsets) per cell")
     p.add_argument("--new-tokens", type=int, default=6, help="passkey: greedy tokens generated")
     p.add_argument("--max-tokens", type=int, default=4096, help="streaming task: tokens of the text")
-    p.add_argument("--streaming-budgets", type=_list(int), default="128,256,512")
+    p.add_argument("--streaming-budgets", type=value_list(int), default="128,256,512")
     p.add_argument("--kvpress", default="auto", help="'auto' (.venv-kvpress if present), 'off', or a python path")
-    p.add_argument("--presses", type=_list(str), default=",".join(PRESSES))
+    p.add_argument("--presses", type=value_list(str), default=",".join(PRESSES))
     p.add_argument("--quick", action="store_true", help="a few small cases (CI)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu", action="store_true")
-    p.add_argument("--out", default="results/evaluate")
+    p.add_argument("--out", default="runs/evaluate", help="output folder (git-ignored runs/; the stored studies are in "
+                   "results/evaluate, docs/eviction.md names their commands)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -145,437 +113,5 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------------------------------- caches
-def policy_kwargs(policy: str) -> dict:
-    """PagedCache arguments of a policy; sinks are PagedCache's default (the pages of the first 4 tokens)."""
-    return dict(eviction="fifo" if policy == "fifo+sinks" else policy)
-
-
-def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_paged.PagedCache:
-    return hf_paged.PagedCache(page_size=args.page_size, max_pages=budget // args.page_size, config=model.config,
-                               compress_prompt=regime.startswith("compress"),
-                               per_layer_eviction=None if args.per_layer_eviction == "on" else False,
-                               score_decay=args.score_decay, observation_window=args.observation_window,
-                               score_heads=args.score_heads, recent_pages=args.recent_pages,
-                               score_signal=args.score_signal if policy == "score" else None, **policy_kwargs(policy))
-
-
-class Held:
-    """Most tokens a cache held during any forward (the budget check): read before the step commits, so a
-    compressed prompt counts whole."""
-
-    def __init__(self, cache):
-        self.cache, self.peak = cache, 0
-
-    def __call__(self) -> None:
-        if isinstance(self.cache, hf_paged.PagedCache):
-            self.peak = max(self.peak, self.cache.groups.tokens_held())
-
-
-def forward(model, cache, ids: torch.Tensor, start: int, device) -> torch.Tensor:
-    """Logits ``[T, V]`` of ``ids`` at positions ``start..``, through ``cache``."""
-    position_ids = torch.arange(start, start + len(ids), device=device)[None]
-    return model(input_ids=ids[None].to(device), position_ids=position_ids, use_cache=True,
-                 **{hf_paged.CACHE_KWARG: cache}).logits[0]
-
-
-@torch.no_grad()
-def prefill(model, cache, ids: torch.Tensor, regime: str, chunk: int, device, held: Held) -> torch.Tensor:
-    """Write ``ids`` (whole, or in chunks) into ``cache``; the logits of the last token."""
-    step = len(ids) if regime != "streaming" else chunk
-    for start in range(0, len(ids), step):
-        logits = forward(model, cache, ids[start:start + step], start, device)
-        held()
-    if regime == "compress+grow":
-        cache.set_max_pages(None)  # the prompt was cut to B; what follows is added on top, as kvpress does
-    return logits[-1]
-
-
-# ----------------------------------------------------------------------------------- continuation
-@torch.no_grad()
-def continuation_nll(model, cache, x: torch.Tensor, context: int, regime: str, chunk: int, device) -> tuple:
-    """NLL of ``x[context:]`` given ``x[:context]`` through ``cache``; (nll [N], peak tokens held)."""
-    held = Held(cache)
-    logits = [prefill(model, cache, x[:context], regime, chunk, device, held)[None]]
-    for start in range(context, len(x) - 1, chunk if regime != "full" else len(x)):
-        end = min(start + (chunk if regime != "full" else len(x)), len(x) - 1)
-        logits.append(forward(model, cache, x[start:end], start, device))
-        held()
-    return perplexity.token_nll(torch.cat(logits), x[context:].to(device)).cpu(), held.peak
-
-
-def continuation_jobs(args) -> list[dict]:
-    jobs = [dict(task="continuation", method="full", regime="full", policy=None, budget=None, window=w)
-            for w in range(args.windows)]
-    for regime in args.regimes:
-        for policy in args.policies:
-            for budget in args.budgets:
-                jobs += [dict(task="continuation", method=f"hf_paged {policy}", regime=regime, policy=policy,
-                              budget=budget, window=w) for w in range(args.windows)]
-    return jobs
-
-
-def run_continuation_job(job, models, ids, args, device) -> dict:
-    span = args.context + args.continuation
-    x = ids[job["window"] * span:(job["window"] + 1) * span]
-    if job["regime"] == "full":
-        from transformers import DynamicCache
-
-        model, cache = models["dynamic"], DynamicCache(config=models["dynamic"].config)
-    else:
-        model = models["paged"]
-        cache = bounded_cache(model, args, job["policy"], job["regime"], job["budget"])
-    nll, peak = continuation_nll(model, cache, x, args.context, job["regime"], args.chunk, device)
-    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak)
-    if isinstance(cache, hf_paged.PagedCache):
-        stats = cache.stats()
-        out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"])
-    return out
-
-
-def summarize_continuation(results: list[dict], kv: dict | None) -> dict:
-    groups: dict[tuple, list] = {}
-    for r in results:
-        groups.setdefault((r["method"], r["regime"], r["budget"]), []).append(r)
-    rows = []
-    for (method, regime, budget), rs in groups.items():
-        nll, tokens = math.fsum(r["nll_sum"] for r in rs), sum(r["tokens"] for r in rs)
-        rows.append(dict(library="kvpress" if method.startswith("kvpress") else "hf_paged", method=method,
-                         regime=regime, budget=budget, windows=len(rs), tokens=tokens, nll_sum=nll,
-                         perplexity=perplexity.ppl(nll, tokens),
-                         peak_tokens_held=max((r.get("peak_tokens_held") or 0) for r in rs),
-                         tokens_held_after=max((r.get("tokens_held") or 0) for r in rs),
-                         evictions=sum(r.get("evictions", 0) for r in rs)))
-    full = next(r["perplexity"] for r in rows if r["method"] == "full")
-    for r in rows:
-        r["excess"] = r["perplexity"] / full - 1
-        r["within_budget"] = r["budget"] is None or r["peak_tokens_held"] <= r["budget"]
-    return dict(full_perplexity=full, rows=rows, kvpress=kv)
-
-
-# ---------------------------------------------------------------------------------------- passkey
-def passkey_cases(args, tokenizer, filler: torch.Tensor) -> list[dict]:
-    """Prompts of exactly ``length`` tokens: intro, filler with the needle at ``depth``, question."""
-    g = torch.Generator().manual_seed(0)
-    enc = lambda s: tokenizer(s, add_special_tokens=False, return_tensors="pt").input_ids[0]  # noqa: E731
-    cases = []
-    for length in args.lengths:
-        for depth in args.depths:
-            for trial in range(args.trials):
-                key = str(int(torch.randint(10000, 100000, (1,), generator=g)))
-                head, needle, question = enc(PROMPT), enc(NEEDLE.format(key=key)), enc(QUESTION)
-                n = length - len(head) - len(needle) - len(question)
-                if n <= 0:
-                    raise SystemExit(f"--lengths: {length} tokens leave no room for filler text")
-                offset = (trial * 997) % max(1, len(filler) - n)
-                text = filler[offset:offset + n]
-                if len(text) < n:
-                    raise SystemExit(f"the text has {len(filler)} tokens, {n} are needed as filler")
-                cut = int(round(depth * n))
-                ids = torch.cat([head, text[:cut], needle, text[cut:], question])
-                cases.append(dict(case=len(cases), length=length, depth=depth, trial=trial, key=key,
-                                  ids=ids.tolist()))
-    return cases
-
-
-def passkey_jobs(args, cases) -> list[dict]:
-    jobs = [dict(task="passkey", method="full", regime="full", policy=None, budget=None, case=c["case"])
-            for c in cases]
-    for regime in args.regimes:
-        for policy in args.policies:
-            for budget in args.passkey_budgets:
-                jobs += [dict(task="passkey", method=f"hf_paged {policy}", regime=regime, policy=policy,
-                              budget=budget, case=c["case"]) for c in cases]
-    return jobs
-
-
-@torch.no_grad()
-def greedy(model, cache, ids: torch.Tensor, regime: str, chunk: int, new_tokens: int, device) -> tuple:
-    held = Held(cache)
-    logits = prefill(model, cache, ids, regime, chunk, device, held)
-    out = []
-    for i in range(new_tokens):
-        out.append(int(logits.argmax()))
-        logits = forward(model, cache, torch.tensor(out[-1:]), len(ids) + i, device)[-1]
-        held()
-    return out, held.peak
-
-
-def answer_of(text: str) -> str:
-    """The first run of digits in a generated answer ('' when none)."""
-    found = re.search(r"\d+", text)
-    return found.group(0) if found else ""
-
-
-def run_passkey_job(job, models, cases, args, device) -> dict:
-    case = cases[job["case"]]
-    ids = torch.tensor(case["ids"])
-    if job["regime"] == "full":
-        from transformers import DynamicCache
-
-        model, cache = models["dynamic"], DynamicCache(config=models["dynamic"].config)
-    else:
-        model = models["paged"]
-        cache = bounded_cache(model, args, job["policy"], job["regime"], job["budget"])
-    tokens, peak = greedy(model, cache, ids, job["regime"], args.chunk, args.new_tokens, device)
-    return dict(tokens=tokens, peak_tokens_held=peak)
-
-
-def summarize_passkey(results: list[dict], cases: list[dict], tokenizer, kv: dict | None) -> dict:
-    import evaluate
-
-    metric = evaluate.load(str(ROOT / "integrations" / "exact_match_metric"))
-    groups: dict[tuple, list] = {}
-    for r in results:
-        c = cases[r["case"]]
-        r["answer"] = answer_of(tokenizer.decode(r["tokens"], skip_special_tokens=True))
-        r["key"] = c["key"]
-        groups.setdefault((r["method"], r["regime"], r["budget"], c["length"], c["depth"]), []).append(r)
-    rows = []
-    for (method, regime, budget, length, depth), rs in groups.items():
-        em = metric.compute(predictions=[r["answer"] for r in rs], references=[r["key"] for r in rs])
-        rows.append(dict(library="kvpress" if method.startswith("kvpress") else "hf_paged", method=method,
-                         regime=regime, budget=budget, length=length, depth=depth, trials=len(rs),
-                         accuracy=em["exact_match"], answers=[r["answer"] for r in rs],
-                         peak_tokens_held=max((r.get("peak_tokens_held") or 0) for r in rs)))
-    overall: dict[tuple, list] = {}
-    for r in rows:
-        overall.setdefault((r["method"], r["regime"], r["budget"]), []).append(r["accuracy"])
-    summary = [dict(method=m, regime=g, budget=b, accuracy=sum(a) / len(a)) for (m, g, b), a in overall.items()]
-    cases_out = [{k: v for k, v in c.items() if k != "ids"} for c in cases]
-    return dict(cases=cases_out, rows=rows, summary=summary, kvpress=kv)
-
-
-# -------------------------------------------------------------------------------------- streaming
-def run_streaming_task(args, text: str) -> dict:
-    """Streaming perplexity of ``text`` per policy and budget, through the `evaluate` perplexity module."""
-    import evaluate
-
-    metric = evaluate.load(str(ROOT / "integrations" / "perplexity_metric"))
-    common = dict(predictions=[text], model_id=args.model, page_size=args.page_size, max_length=args.max_tokens,
-                  batch_size=1, dtype=args.dtype, device="cpu" if args.cpu else None)
-    full = metric.compute(**common)["mean_perplexity"]
-    rows = [dict(policy="unbounded", budget=None, perplexity=full, excess=0.0)]
-    for policy in args.policies:
-        for budget in args.streaming_budgets:
-            value = metric.compute(**common, max_pages=budget // args.page_size, chunk_size=args.chunk,
-                                   **policy_kwargs(policy))["mean_perplexity"]
-            rows.append(dict(policy=policy, budget=budget, perplexity=value, excess=value / full - 1))
-    return dict(tokens=args.max_tokens, rows=rows)
-
-
-# ---------------------------------------------------------------------------------------- kvpress
-def kvpress_python(choice: str) -> Path | None:
-    if choice == "off":
-        return None
-    path = KVPRESS_PYTHON if choice == "auto" else Path(choice)
-    return path if path.exists() else None
-
-
-def run_kvpress(args, ids, cases) -> tuple[dict, list, list]:
-    """(status, continuation results, passkey results) of the presses, run in kvpress's environment."""
-    python = kvpress_python(args.kvpress)
-    if python is None:
-        why = "off" if args.kvpress == "off" else f"{KVPRESS_PYTHON if args.kvpress == 'auto' else args.kvpress} absent"
-        return dict(status=f"not run ({why}; scripts/make_kvpress_env.sh makes .venv-kvpress)"), [], []
-    span = args.context + args.continuation
-    request = dict(model=assets.resolve_model_path(args.model), dtype=args.dtype, threads=args.threads,
-                   presses=args.presses, new_tokens=args.new_tokens, quiet=args.no_progress)
-    if "continuation" in args.tasks:
-        request["continuation"] = dict(context=args.context, budgets=args.budgets, windows=[
-            ids[w * span:(w + 1) * span].tolist() for w in range(args.windows)])
-    if "passkey" in args.tasks:
-        request["passkey"] = [dict(case=c["case"], budget=b, ids=c["ids"]) for b in args.passkey_budgets for c in cases]
-    with tempfile.TemporaryDirectory() as tmp:
-        req, ans = Path(tmp) / "request.json", Path(tmp) / "answer.json"
-        req.write_text(json.dumps(request), encoding="utf-8")
-        t0 = time.perf_counter()
-        proc = subprocess.run([str(python), str(ROOT / "scripts" / "kvpress_runner.py"), str(req), str(ans)])
-        if proc.returncode != 0:
-            return dict(status=f"failed (exit status {proc.returncode})"), [], []
-        answer = json.loads(ans.read_text(encoding="utf-8"))
-    status = dict(status="ok", versions=answer["versions"], wall_s=time.perf_counter() - t0)
-    cont = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], window=w,
-                 nll_sum=math.fsum(nll), tokens=len(nll), peak_tokens_held=None)
-            for r in answer["continuation"] for w, nll in enumerate(r["nll"])]
-    pk = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], case=r["case"],
-               tokens=r["tokens"], peak_tokens_held=None) for r in answer["passkey"]]
-    return status, cont, pk
-
-
-# ----------------------------------------------------------------------------------------- output
-def _pct(x) -> str:
-    return "—" if x is None else f"{100 * x:+.1f}%"
-
-
-def markdown(report: dict) -> str:
-    s = report["settings"]
-    lines = [f"# Long-context evaluation: {s['model']}, {report['text']['source']}", ""]
-    cont = report.get("continuation")
-    if cont:
-        budgets = s["budgets"]
-        lines += [f"## Continuation perplexity ({s['windows']} windows: {s['context']} context tokens held to B, "
-                  f"the next {s['continuation']} scored; full cache {cont['full_perplexity']:.2f})", "",
-                  "Excess perplexity over the full cache (lower is better); * = held more than B at some point "
-                  "(compress: the prompt during prefill; compress+grow and kvpress: also the continuation, on top "
-                  "of B).",
-                  "",
-                  "| method | regime | " + " | ".join(f"B={b}" for b in budgets) + " |",
-                  "|---|---|" + "---:|" * len(budgets)]
-        keyed = {(r["method"], r["regime"], r["budget"]): r for r in cont["rows"]}
-        for method, regime in dict.fromkeys((r["method"], r["regime"]) for r in cont["rows"] if r["budget"]):
-            cells = []
-            for b in budgets:
-                r = keyed.get((method, regime, b))
-                cells.append("—" if r is None else _pct(r["excess"]) + ("" if r["within_budget"] and
-                                                                          r["library"] == "hf_paged" else "*"))
-            lines.append(f"| {method} | {regime} | " + " | ".join(cells) + " |")
-        lines += ["", f"kvpress: {cont['kvpress']['status']}", ""]
-    pk = report.get("passkey")
-    if pk:
-        lines += [f"## Pass-key retrieval (lengths {s['lengths']}, depths {s['depths']}, {s['trials']} key(s) per "
-                  "cell; question at the end of the prompt)", "", "| method | regime | budget | accuracy |",
-                  "|---|---|---:|---:|"]
-        for r in pk["summary"]:
-            lines.append(f"| {r['method']} | {r['regime']} | {r['budget'] or '—'} | {100 * r['accuracy']:.0f}% |")
-        lines += ["", f"kvpress: {pk['kvpress']['status']}", ""]
-    st = report.get("streaming")
-    if st:
-        lines += [f"## Streaming perplexity ({st['tokens']} tokens, chunks of {s['chunk']}, `evaluate` perplexity "
-                  "module)", "", "| policy | budget | perplexity | excess |", "|---|---:|---:|---:|"]
-        for r in st["rows"]:
-            lines.append(f"| {r['policy']} | {r['budget'] or '—'} | {r['perplexity']:.3f} | {_pct(r['excess'])} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def plot(report: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    cont = report.get("continuation")
-    if cont:
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        lines: dict[tuple, list] = {}
-        for r in cont["rows"]:
-            if r["budget"]:
-                lines.setdefault((r["method"], r["regime"]), []).append((r["budget"], 100 * r["excess"]))
-        for (method, regime), pts in lines.items():
-            pts.sort()
-            ax.plot(*zip(*pts), marker="o" if method.startswith("hf_paged") else "x",
-                    ls="-" if regime == "streaming" else "--", label=f"{method} ({regime})")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(report["settings"]["budgets"], [str(b) for b in report["settings"]["budgets"]])
-        ax.set_xlabel("budget B (context tokens held)")
-        ax.set_ylabel("excess perplexity over the full cache (%)")
-        ax.set_title(f"Continuation perplexity (full cache {cont['full_perplexity']:.2f})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "continuation.png", dpi=120)
-        plt.close(fig)
-        written.append("continuation.png")
-    pk = report.get("passkey")
-    if pk:
-        s = report["settings"]
-        panels = list(dict.fromkeys((r["method"], r["regime"], r["budget"]) for r in pk["rows"]))
-        cols = min(4, len(panels))
-        rows_n = math.ceil(len(panels) / cols)
-        fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols, 2.8 * rows_n), squeeze=False)
-        for ax, (method, regime, budget) in zip(axes.flat, panels):
-            grid = torch.full((len(s["depths"]), len(s["lengths"])), float("nan"))
-            for r in pk["rows"]:
-                if (r["method"], r["regime"], r["budget"]) == (method, regime, budget):
-                    grid[s["depths"].index(r["depth"]), s["lengths"].index(r["length"])] = r["accuracy"]
-            ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(s["lengths"])), [str(x) for x in s["lengths"]])
-            ax.set_yticks(range(len(s["depths"])), [f"{d:.0%}" for d in s["depths"]])
-            ax.set_title(f"{method}\n{regime}, B={budget or 'all'}", fontsize=8)
-            ax.set_xlabel("prompt length", fontsize=7)
-            ax.set_ylabel("key depth", fontsize=7)
-        for ax in list(axes.flat)[len(panels):]:
-            ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(out / "passkey.png", dpi=110)
-        plt.close(fig)
-        written.append("passkey.png")
-    return written
-
-
-# ------------------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
-
-    from hf_paged.distributed import deal, make_state
-
-    state = make_state(cpu=True if args.cpu else None)
-    t0 = time.perf_counter()
-    with state.main_process_first():
-        models, tokenizer = {}, None
-        for kind, attn in (("dynamic", "sdpa"), ("paged", hf_paged.ATTN_IMPLEMENTATION)):
-            models[kind], tokenizer = assets.load_model_and_tokenizer(
-                args.model, dtype=assets.DTYPES[args.dtype], device=state.device, attn_implementation=attn)
-        need = max(args.windows * (args.context + args.continuation), max(args.lengths) * 2, args.max_tokens)
-        text_args = argparse.Namespace(dataset=args.dataset, config=args.config, split=args.split,
-                                       column=args.column, text_file=args.text_file, max_tokens=need)
-        ids, text_info = perplexity.load_token_ids(text_args, tokenizer)
-    if "continuation" in args.tasks and len(ids) < args.windows * (args.context + args.continuation):
-        raise SystemExit(f"the text has {len(ids)} tokens; --windows x (--context + --continuation) needs "
-                         f"{args.windows * (args.context + args.continuation)}")
-    cases = passkey_cases(args, tokenizer, ids) if "passkey" in args.tasks else []
-    jobs = []
-    if "continuation" in args.tasks:
-        jobs += continuation_jobs(args)
-    if "passkey" in args.tasks:
-        jobs += passkey_jobs(args, cases)
-    results = []
-    with state.split_between_processes(deal(list(enumerate(jobs)), state.num_processes)) as mine:
-        bar = tqdm(total=len(mine), desc=f"evaluate (rank {state.process_index})", dynamic_ncols=True,
-                   disable=args.no_progress or not state.is_main_process)
-        for index, job in mine:
-            t = time.perf_counter()
-            run = run_continuation_job if job["task"] == "continuation" else run_passkey_job
-            data = ids if job["task"] == "continuation" else cases
-            results.append(dict(job, index=index, **run(job, models, data, args, state.device),
-                                wall_s=time.perf_counter() - t))
-            bar.update(1)
-        bar.close()
-    results = sorted(gather_object(results), key=lambda r: r["index"])
-    report = dict(settings={k: v for k, v in vars(args).items() if k != "no_progress"}, text=text_info)
-    report["settings"].update(num_processes=state.num_processes, device=str(state.device),
-                              torch_threads=torch.get_num_threads())
-    if state.is_main_process:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "jobs.json").write_text(json.dumps(results) + "\n", encoding="utf-8")  # before anything can fail
-        kv_status, kv_cont, kv_pk = run_kvpress(args, ids, cases) if args.tasks != ["streaming"] else ({}, [], [])
-        if "continuation" in args.tasks:
-            report["continuation"] = summarize_continuation(
-                [r for r in results if r["task"] == "continuation"] + kv_cont, kv_status)
-        if "passkey" in args.tasks:
-            report["passkey"] = summarize_passkey([r for r in results if r["task"] == "passkey"] + kv_pk, cases,
-                                                  tokenizer, kv_status)
-        if "streaming" in args.tasks:
-            report["streaming"] = run_streaming_task(args, tokenizer.decode(ids[:args.max_tokens]))
-        report.update(versions=perplexity.versions(), wall_s=time.perf_counter() - t0)
-        table = markdown(report)
-        (out / "evaluate.md").write_text(table, encoding="utf-8")
-        pngs = plot(report, out)
-        (out / "evaluate.json").write_text(json.dumps(perplexity._finite(report), indent=2) + "\n", encoding="utf-8")
-        print(table)
-        print("wrote", ", ".join(str(out / n) for n in ("evaluate.md", "evaluate.json", *pngs)))
-    state.wait_for_everyone()
-    if state.use_distributed:
-        state.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(study.main(parse_args()))

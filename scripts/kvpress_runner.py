@@ -1,7 +1,9 @@
 """Run NVIDIA kvpress presses on the tasks of scripts/evaluation.py; executed in kvpress's own environment.
 
-kvpress 0.5.5 needs transformers < 5.3 and hf_paged needs >= 5.17, so this script imports nothing
-of hf_paged: ``scripts/make_kvpress_env.sh`` makes ``.venv-kvpress``, and ``scripts/evaluation.py
+kvpress 0.5.5 needs transformers < 5.3 and hf_paged needs >= 5.17, so this script imports nothing of the
+hf_paged package: it loads two of its files by path, ``hf_paged/evaluation/nll.py`` (the loop that feeds a cache
+and scores tokens, the same one hf_paged's side uses) and ``run_info.py`` (versions), which import only torch and
+the standard library. ``scripts/make_kvpress_env.sh`` makes ``.venv-kvpress``, and ``scripts/evaluation.py
 --kvpress`` writes a request (the model folder, the token ids of every case, the budgets) and runs
 
     .venv-kvpress/bin/python scripts/kvpress_runner.py request.json answer.json
@@ -17,11 +19,26 @@ Later tokens get explicit positions (the compressed cache's length is not the nu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
+
+EVALUATION = Path(__file__).resolve().parents[1] / "hf_paged" / "evaluation"
+
+
+def load(name: str):
+    """``hf_paged/evaluation/<name>.py`` as a module of its own, without importing the hf_paged package."""
+    spec = importlib.util.spec_from_file_location(f"kvpress_runner_{name}", EVALUATION / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+nll = load("nll")
 
 
 def presses(names: list[str], ratio: float):
@@ -39,39 +56,27 @@ def ratio_for(budget: int, length: int) -> float:
     return max(0.0, 1.0 - (budget + 0.5) / length)
 
 
-@torch.no_grad()
+def pressed_prefill(model, press, ids: list[int]):
+    """A stream over a fresh DynamicCache with ``ids`` prefilled under ``press``: (stream, last token's logits)."""
+    from transformers import DynamicCache
+
+    stream = nll.CacheStream(model, DynamicCache(), cache_kwarg="past_key_values")
+    with press(model) if press is not None else nullcontext():
+        logits = stream.feed(torch.tensor([ids]))[0]
+    return stream, logits
+
+
 def continuation_nll(model, press, ids: list[int], context: int) -> list[float]:
-    from transformers import DynamicCache
-
-    x = torch.tensor([ids])
-    cache = DynamicCache()
-    with press(model) if press is not None else nullcontext():
-        first = model(input_ids=x[:, :context], past_key_values=cache, use_cache=True).logits[0, -1:]
-    positions = torch.arange(context, x.shape[1] - 1)[None]  # the compressed cache holds fewer: positions go on
-    rest = model(input_ids=x[:, context:-1], position_ids=positions, past_key_values=cache, use_cache=True).logits[0]
-    logits = torch.cat([first, rest]).float()
-    targets = x[0, context:]
-    return (-torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].double()).tolist()
+    stream, logits = pressed_prefill(model, press, ids[:context])
+    return stream.score_after(logits, torch.tensor(ids[context:])).tolist()
 
 
-@torch.no_grad()
 def greedy(model, press, ids: list[int], new_tokens: int) -> list[int]:
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with press(model) if press is not None else nullcontext():
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
-    out = []
-    for i in range(new_tokens):
-        token = int(logits.argmax())
-        out.append(token)
-        logits = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[len(ids) + i]]),
-                       past_key_values=cache, use_cache=True).logits[0, -1]
-    return out
+    stream, logits = pressed_prefill(model, press, ids)
+    return stream.greedy(logits, new_tokens)
 
 
 def main(request_path: str, answer_path: str) -> int:
-    import kvpress
     import transformers
     from tqdm.auto import tqdm
 
@@ -80,15 +85,15 @@ def main(request_path: str, answer_path: str) -> int:
     torch.set_num_threads(req.get("threads") or torch.get_num_threads())
     model = transformers.AutoModelForCausalLM.from_pretrained(req["model"], dtype=getattr(torch, req["dtype"]),
                                                               attn_implementation="sdpa").eval()
-    answer = dict(versions=dict(kvpress=getattr(kvpress, "__version__", "0.5.5"), transformers=transformers.__version__,
-                                torch=torch.__version__), continuation=[], passkey=[])
+    answer = dict(versions=load("run_info").versions(("kvpress", "transformers", "torch")), continuation=[],
+                  passkey=[])
     cont = req.get("continuation")
     if cont:
         jobs = [(name, b) for b in cont["budgets"] for name in req["presses"]]
         for name, budget in tqdm(jobs, desc="kvpress continuation", disable=req.get("quiet")):
             press = presses([name], ratio_for(budget, cont["context"]))[name]
-            nll = [continuation_nll(model, press, ids, cont["context"]) for ids in cont["windows"]]
-            answer["continuation"].append(dict(press=name, budget=budget, nll=nll))
+            scored = [continuation_nll(model, press, ids, cont["context"]) for ids in cont["windows"]]
+            answer["continuation"].append(dict(press=name, budget=budget, nll=scored))
     for case in tqdm(req.get("passkey", []), desc="kvpress passkey", disable=req.get("quiet")):
         for name in req["presses"]:
             press = presses([name], ratio_for(case["budget"], len(case["ids"])))[name]

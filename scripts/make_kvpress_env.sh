@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Make ./.venv-kvpress: NVIDIA kvpress 0.5.5 beside hf_paged, for scripts/evaluation.py --kvpress.
 # kvpress 0.5.5 needs transformers < 5.3, hf_paged needs >= 5.17: they cannot share one environment.
-# The runner (scripts/kvpress_runner.py) imports neither hf_paged nor anything of this repository;
-# it reads the model folder and token ids that scripts/evaluation.py hands it. Idempotent.
+# The runner (scripts/kvpress_runner.py) does not import the hf_paged package: it loads two of its files by path
+# (hf_paged/evaluation/nll.py and run_info.py, which need only torch) and reads the model folder and token ids that
+# scripts/evaluation.py hands it. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1

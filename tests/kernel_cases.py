@@ -8,8 +8,10 @@ import math
 import torch
 
 from hf_paged.kernels.reference import paged_attention_reference
+from hf_paged.kv_formats import QuantizedPages, page_format
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+QUANTIZED_FORMATS = ("int8", "int4", "fp8_e4m3")
 
 
 def make_case(
@@ -114,6 +116,17 @@ def make_case(
     )
 
 
+def quantize_case(case: dict, kv_format: str) -> dict:
+    """``case`` with its pools stored in ``kv_format``: every slot written through `QuantizedPages` (the NaN
+    of the slots that hold no token becomes NaN scales), the pools replaced by ``kernel_operands()``."""
+    P, S, H, D = case["k_pool"].shape
+    pages = QuantizedPages(page_format(kv_format), S, H, D, D, case["k_pool"].dtype, case["k_pool"].device)
+    pages.grow_to(P)
+    slots = torch.arange(P * S, device=case["k_pool"].device)
+    pages.write(slots, case["k_pool"].flatten(0, 1), case["v_pool"].flatten(0, 1))
+    return {**{k: v for k, v in case.items() if k not in ("k_pool", "v_pool")}, **pages.kernel_operands()}
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
@@ -137,11 +150,13 @@ KERNEL_CASES = {
 }
 
 
-def assert_matches_reference(case: dict, out: torch.Tensor, mass: torch.Tensor, mass_tol: float | None = None) -> None:
-    """A kernel's ``out`` and ``page_mass`` for ``case`` agree with the float64 reference (page mass within
-    ``mass_tol``, default the dtype's tolerance), and ``-1`` page-table entries get no mass."""
+def assert_matches_reference(case: dict, out: torch.Tensor, mass: torch.Tensor, mass_tol: float | None = None,
+                             tol: float | None = None) -> None:
+    """A kernel's ``out`` and ``page_mass`` for ``case`` (float or quantized pools) agree with the float64
+    reference (``out`` within ``tol`` and page mass within ``mass_tol``, both by default the dtype's tolerance),
+    and ``-1`` page-table entries get no mass."""
     ref_out, ref_mass = paged_attention_reference(**case, return_page_mass=True)
-    tol = TOL[case["query"].dtype]
+    tol = TOL[case["query"].dtype] if tol is None else tol
     assert rel_err(out, ref_out) <= tol, rel_err(out, ref_out)
-    assert float((mass - ref_mass).abs().max()) <= (tol if mass_tol is None else mass_tol)
+    assert float((mass - ref_mass).abs().max()) <= (TOL[case["query"].dtype] if mass_tol is None else mass_tol)
     assert torch.all(mass.masked_select((case["page_table"] < 0)[:, None, :]) == 0)

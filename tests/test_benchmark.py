@@ -1,6 +1,6 @@
-"""scripts/benchmark.py: configuration sets (fast) and a --quick run on the real model (slow, no timing asserts)."""
+"""scripts/benchmark.py and its study, hf_paged.evaluation.benchmark: configuration sets (fast) and a --quick run on
+the real model (slow, no timing asserts)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -10,23 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from hf_paged.evaluation import benchmark as bench
+from script_commands import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "benchmark.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("hf_paged_benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
+parse_args = load_script("benchmark").parse_args  # the command's arguments; the rest is the study's
 
 
 def test_default_set_covers_every_value():
-    configs = bench.build_configs(bench.parse_args([]))
+    configs = bench.build_configs(parse_args([]))
     assert {c.context for c in configs} == {256, 1024, 4096}
     assert {c.batch for c in configs} == {1, 8}
     assert {c.mode for c in configs} == {"greedy", "beam4", "sample8"}
@@ -37,13 +32,13 @@ def test_default_set_covers_every_value():
 
 
 def test_axis_flags_and_full_grid():
-    args = bench.parse_args(["--contexts", "128,512", "--modes", "greedy,beam2"])
+    args = parse_args(["--contexts", "128,512", "--modes", "greedy,beam2"])
     configs = bench.build_configs(args)
     assert sorted((c.context, c.mode) for c in configs) == [(128, "beam2"), (128, "greedy"), (512, "beam2"),
                                                             (512, "greedy")]
     assert {(c.batch, c.page_size) for c in configs} == {(bench.BASE["batch"], bench.BASE["page_size"])}
-    assert len(bench.build_configs(bench.parse_args(["--full"]))) == 3 * 2 * 3 * 2
-    quick = bench.parse_args(["--quick"])
+    assert len(bench.build_configs(parse_args(["--full"]))) == 3 * 2 * 3 * 2
+    quick = parse_args(["--quick"])
     assert quick.repeats == 1 and quick.new_tokens <= 8
     assert {c.mode for c in bench.build_configs(quick)} == {"greedy", "beam4", "sample8"}
 
@@ -58,7 +53,7 @@ def test_modes_and_bad_flags():
     for argv in (["--modes", "nucleus"], ["--contexts", "0"], ["--new-tokens", "1"], ["--budget-eviction", "fifo"],
                  ["--budget", "64", "--budget-per-layer", "maybe"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(argv)
+            parse_args(argv)
 
 
 def test_help_describes_default_set():

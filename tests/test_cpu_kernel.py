@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import KERNEL_CASES, assert_matches_reference, make_case
+from kernel_cases import KERNEL_CASES, assert_matches_reference, make_case, quantize_case
 from tiny_models import left_padded_batch, make_pair
 
 import hf_paged
@@ -37,6 +37,27 @@ def test_matches_reference(name, splits):
             check(make_case(seed=1, **dict(KERNEL_CASES[name], dtype=dtype)), num_splits=splits)
     else:
         check(make_case(seed=1, **KERNEL_CASES[name]), num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_quantized_pages_match_reference(kv_format, name, splits):
+    """The shared cases (page sizes 1, 3, 4 and 16, partial pages, holes, an evicted page, GQA/MQA, masks, a
+    window, softcaps, sinks, page mass) with pools in int8 / int4, passed as the pages' ``kernel_operands()``:
+    the kernel dequantizes (and un-rotates int4) as the reference does; float16 cases run in float32."""
+    shape = dict(KERNEL_CASES[name])
+    shape["dtype"] = torch.float32 if shape.get("dtype") == torch.float16 else shape.get("dtype", torch.float32)
+    check(quantize_case(make_case(seed=4, **shape), kv_format), num_splits=splits)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("D", [8, 24, 48, 80])
+def test_quantized_head_dims(kv_format, D):
+    """Head dims a multiple of 16 read 16 lanes at a time (int4 key groups of 16), others element by element
+    (int4 key groups of 8)."""
+    case = make_case(B=2, Hq=6, Hkv=3, D=D, S=20, Q=2, lengths=[75, 41], pad=[3, 0], seed=D)
+    check(quantize_case(case, kv_format), num_splits=2)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -85,21 +106,35 @@ def test_output_signal_matches_reference(shape, splits, threads, monkeypatch):
                                        return_page_mass=True, page_mass_signal="output")
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_output_signal_of_quantized_pages(kv_format):
+    """The output signal reads each token's dequantized value (int4: in the rotated basis, where distances are
+    the same)."""
+    case = quantize_case(make_case(B=2, Hq=9, Hkv=3, D=48, S=1, Q=2, lengths=[40, 23], pad=[0, 3], seed=3,
+                                   dtype=torch.bfloat16), kv_format)
+    for splits in (1, 3):
+        _, moved = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits,
+                                                  page_mass_signal="output")
+        _, want = paged_attention_reference(**case, return_page_mass=True, page_mass_signal="output")
+        torch.testing.assert_close(moved, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("D", [8, 24, 48, 80])
 def test_head_dims(D):
     """Multiples of 16 take the lane-sum-tree path, others one dot product per slot: both exact."""
     check(make_case(B=2, Hq=6, Hkv=3, D=D, S=20, Q=2, lengths=[75, 41], pad=[3, 0], seed=D), num_splits=2)
 
 
+@pytest.mark.parametrize("kv_format", ["float", "int8", "int4"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_long_row_automatic_splits(threads):
+def test_long_row_automatic_splits(threads, kv_format):
     """Several chunks per page (page size 80 > the kernel's chunk), automatic splits on 2 threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         case = make_case(B=2, Hq=6, Hkv=2, D=64, S=80, Q=1, lengths=[1500, 700], sink=True, seed=6)
         assert (cpu_kernel._choose_num_splits(2, case["page_table"].shape[1] * 80, threads) > 1) == (threads > 1)
-        check(case)
+        check(case if kv_format == "float" else quantize_case(case, kv_format))
     finally:
         torch.set_num_threads(before)
 
@@ -129,6 +164,29 @@ def test_bad_input_is_refused_with_a_reason():
         cpu_kernel.paged_attention_cpu(**dict(case, query=case["query"][:, :3]))
     with pytest.raises(ValueError, match="unit stride"):
         cpu_kernel.paged_attention_cpu(**dict(case, k_pool=case["k_pool"].transpose(1, 3).contiguous().transpose(1, 3)))
+
+
+def test_bad_quantized_input_is_refused_with_a_reason():
+    """A format the kernel does not read, missing or misshapen scales, pools of another format, scales with float
+    pools, an unknown format: each refused, naming what was wrong."""
+    case = make_case(B=1, Hq=4, Hkv=2, D=32, S=4, Q=1, lengths=[5], seed=8)
+    int4, int8 = quantize_case(case, "int4"), quantize_case(case, "int8")
+    with pytest.raises(ValueError, match="CPU kernel reads kv_format 'float', 'int8', 'int4', not 'fp8_e4m3'"):
+        cpu_kernel.paged_attention_cpu(**quantize_case(case, "fp8_e4m3"))
+    with pytest.raises(ValueError, match=r"k_scale of kv_format='int4' must be torch.float16 \[.*\], got none"):
+        cpu_kernel.paged_attention_cpu(**dict(int4, k_scale=None))
+    with pytest.raises(ValueError, match="v_scale of kv_format='int8' must be torch.float16"):
+        cpu_kernel.paged_attention_cpu(**dict(int8, v_scale=int8["v_scale"].float()))
+    with pytest.raises(ValueError, match="v_pool of kv_format='int4' must be torch.uint8"):
+        cpu_kernel.paged_attention_cpu(**dict(int4, v_pool=int4["k_pool"]))  # key rows are wider (2 groups)
+    with pytest.raises(ValueError, match="k_pool of kv_format='int4'"):
+        cpu_kernel.paged_attention_cpu(**dict(int8, kv_format="int4"))
+    with pytest.raises(ValueError, match="k_scale/v_scale belong to quantized pools"):
+        cpu_kernel.paged_attention_cpu(**dict(case, k_scale=int8["k_scale"], v_scale=int8["v_scale"]))
+    with pytest.raises(TypeError, match="kv_format='float' reads float16/bfloat16/float32 pools, got torch.int8"):
+        cpu_kernel.paged_attention_cpu(**dict(int8, k_scale=None, v_scale=None, kv_format="float"))
+    with pytest.raises(ValueError, match="kv_format='q4' is not a page format; choose one of 'float'"):
+        cpu_kernel.paged_attention_cpu(**dict(int8, kv_format="q4"))
 
 
 def test_missing_compiler_falls_back_to_torch_with_a_warning(tmp_path):

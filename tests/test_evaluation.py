@@ -1,9 +1,8 @@
-"""scripts/evaluation.py: its quick mode end to end (every JSON field), and its core against direct computation."""
+"""scripts/evaluation.py and its study hf_paged.evaluation.long_context: quick mode end to end (every JSON field),
+and the core against direct computation."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,19 +10,16 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import assets
+from hf_paged.evaluation import long_context as study
+from script_commands import Command
 from tiny_models import make_pair
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("evaluation_script", ROOT / "scripts" / "evaluation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return Command("evaluation", study)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +80,7 @@ def test_continuation_full_cache_equals_one_forward(script):
         logits = model(input_ids=x[None], cache=DynamicCache(config=model.config)).logits[0]
     want = -torch.log_softmax(logits[context - 1:-1].double(), -1).gather(-1, x[context:, None])[:, 0]
     got, peak = script.continuation_nll(model, hf_paged.PagedCache(page_size=4, config=model.config), x, context,
-                                        "streaming", 4, "cpu")
+                                        "streaming", 4)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
     assert peak == len(x) - 1
 

@@ -1,6 +1,6 @@
-"""scripts/perplexity.py (both modes) and the evaluate metric in integrations/perplexity_metric, on the real SmolLM2."""
+"""scripts/perplexity.py (both modes, its study hf_paged.evaluation.perplexity) and the evaluate metric in
+integrations/perplexity_metric, on the real SmolLM2."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,11 +10,12 @@ import torch
 from transformers import DynamicCache
 
 from hf_paged import assets
+from hf_paged.evaluation import perplexity as study
+from script_commands import Command
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "perplexity.py"
 METRIC = ROOT / "integrations" / "perplexity_metric"
 TOL = 1e-4
 TEXTS = [
@@ -39,10 +40,7 @@ def rel(a: float, b: float) -> float:
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("perplexity_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return Command("perplexity", study)
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +220,8 @@ def test_paired_intervals_on_constructed_rows(script):
 
 
 def test_missing_plot_or_interval_library_is_reported_before_the_run(script, monkeypatch, tmp_path):
-    find_spec = script.importlib.util.find_spec
-    monkeypatch.setattr(script.importlib.util, "find_spec", lambda name: None if name == "scipy" else find_spec(name))
+    find_spec = study.importlib.util.find_spec
+    monkeypatch.setattr(study.importlib.util, "find_spec", lambda name: None if name == "scipy" else find_spec(name))
     with pytest.raises(SystemExit, match=r'needs scipy: pip install "\.\[eval\]"'):
         script.main(["--quick", "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())

@@ -1,8 +1,10 @@
-"""The scripts' shared module and structure (fast), and `compare.sh --quick` end to end (slow)."""
+"""The scripts' shared package `hf_paged.evaluation` and their structure (fast); `compare.sh --quick` (slow)."""
 
 import argparse
+import ast
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -11,10 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-import common
+import hf_paged
+from hf_paged.evaluation import benchmark, caches, formats, run_info
+from hf_paged.evaluation.nll import CacheStream, token_nll
+from script_commands import load_script
+from tiny_models import make_pair
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_gpu_check_import_runs_nothing(tmp_path, monkeypatch):
@@ -27,22 +35,104 @@ def test_gpu_check_import_runs_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
-def test_common_int_list_and_mib():
-    assert common.int_list("256, 1024") == [256, 1024]
+def test_formats_lists_mib_and_json(tmp_path):
+    assert formats.int_list("256, 1024") == [256, 1024]
     for bad in ("", "0", "-1", "a,b"):
         with pytest.raises(argparse.ArgumentTypeError):
-            common.int_list(bad)
-    assert common.mib(3 * 2**19) == "1.5" and common.mib(2**20, 2) == "1.00"
+            formats.int_list(bad)
+    assert formats.value_list(float)("0.1, 0.5") == [0.1, 0.5]
+    with pytest.raises(argparse.ArgumentTypeError):
+        formats.value_list(int)("1,x")
+    assert formats.mib(3 * 2**19) == "1.5" and formats.mib(2**20, 2) == "1.00"
+    data = {"a": [1.5, float("nan")], "b": float("inf")}
+    formats.write_json(tmp_path / "strict.json", data)
+    assert json.loads((tmp_path / "strict.json").read_text()) == {"a": [1.5, None], "b": None}
+    formats.write_json(tmp_path / "loose.json", data, indent=None, strict=False, newline=False)
+    assert (tmp_path / "loose.json").read_text() == '{"a": [1.5, NaN], "b": Infinity}'
 
 
-def test_common_dynamic_kv_bytes_counts_keys_and_values():
-    from transformers import DynamicCache
-
+def test_caches_count_keys_values_tokens_and_rows():
+    """kv_bytes, tokens_held and cache_rows agree between a DynamicCache and a PagedCache after beam search."""
+    ref, paged = make_pair("llama")
     cache = DynamicCache()
     k = torch.zeros(2, 3, 5, 4)
     for layer in range(2):
         cache.update(k, k.clone(), layer)
-    assert common.dynamic_kv_bytes(cache) == 2 * 2 * k.numel() * k.element_size()
+    assert caches.dynamic_kv_bytes(cache) == 2 * 2 * k.numel() * k.element_size()
+    assert caches.kv_bytes(cache) == (caches.dynamic_kv_bytes(cache),) * 2
+    ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
+    rows, held = {}, {}
+    for kind, model in (("dynamic", ref), ("paged", paged)):
+        made = caches.make_cache(kind, model, page_size=4)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=3, max_new_tokens=4,
+                       min_new_tokens=4, pad_token_id=0, **{hf_paged.CACHE_KWARG: made})
+        rows[kind], held[kind] = caches.cache_rows(made), caches.tokens_held(made)
+    assert rows == {"dynamic": 3, "paged": 3}
+    assert held == {"dynamic": 13, "paged": 3 * 13}  # a DynamicCache's first layer per row; the paged rows summed
+
+
+def test_cache_stream_scores_like_one_forward():
+    """NLL streamed in chunks at explicit positions through a PagedCache equals one forward's over a DynamicCache;
+    score_after continues a fed prefix; greedy feeds back the argmax."""
+    ref, paged = make_pair("llama")
+    ids = torch.randint(3, 90, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = ref(input_ids=ids, **{hf_paged.CACHE_KWARG: DynamicCache(config=ref.config)}).logits
+    want = token_nll(logits[:, :-1], ids[:, 1:])
+    stream = CacheStream(paged, hf_paged.PagedCache(page_size=4, config=paged.config), hf_paged.CACHE_KWARG)
+    got = stream.score(ids, chunk=6)
+    assert got.shape == (2, 20) and got.dtype == torch.float64 and stream.position == 20
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    seen = []
+    stream = CacheStream(paged, hf_paged.PagedCache(page_size=4, config=paged.config), hf_paged.CACHE_KWARG,
+                         after_forward=lambda: seen.append(stream.position))
+    last = stream.feed(ids[:1, :8], chunk=3)[0]
+    torch.testing.assert_close(stream.score_after(last, ids[0, 8:], chunk=5), want[0, 7:], atol=1e-5, rtol=1e-5)
+    assert seen == [3, 6, 8, 13, 18, 20]  # after every forward: prefix chunks 3, 3, 2, then 12 tokens in 5, 5, 2
+    direct = float(-torch.log_softmax(logits[0, -1], -1)[ids[0, 0]])
+    assert math.isclose(float(token_nll(logits[0, -1], ids[0, 0])), direct, rel_tol=1e-6)
+    stream = CacheStream(paged, hf_paged.PagedCache(page_size=4, config=paged.config), hf_paged.CACHE_KWARG)
+    tokens = stream.greedy(stream.feed(ids[:1, :5])[0], 4)
+    sequence = ids[0, :5].tolist()
+    with torch.no_grad():  # greedy without a cache: the whole sequence again for every token
+        for _ in range(4):
+            sequence.append(int(ref(input_ids=torch.tensor([sequence]), use_cache=False).logits[0, -1].argmax()))
+    assert tokens == sequence[5:] and stream.position == 9  # the last token is fed back too
+
+
+def test_run_info_versions_and_load():
+    info = run_info.versions(("torch", "no-such-package-here"))
+    assert list(info) == ["python", "platform", "torch", "no-such-package-here"]
+    assert info["torch"] == torch.__version__ and info["no-such-package-here"] is None
+    load = run_info.load_average()
+    assert load is None or len(load) == 3
+    assert len(run_info.source_fingerprint(hf_paged)) == 12
+
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+def test_no_script_imports_another_script():
+    """Scripts are commands over hf_paged.evaluation: none imports a sibling (no import cycles between them)."""
+    names = {path.stem for path in SCRIPTS}
+    for path in SCRIPTS:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        assert not imported & names, f"{path.name} imports {imported & names}"
+
+
+def test_kvpress_runner_needs_nothing_of_the_hf_paged_package():
+    """kvpress's environment has an older transformers: the runner loads nll.py and run_info.py by path, and those
+    files import neither hf_paged nor transformers."""
+    code = ("import sys; sys.modules['hf_paged'] = None; sys.modules['transformers'] = None; import runpy; "
+            f"runner = runpy.run_path({str(ROOT / 'scripts' / 'kvpress_runner.py')!r}); "
+            "print(runner['nll'].CacheStream.__name__, sorted(runner['load']('run_info').versions(('torch',))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["CacheStream", "['platform',", "'python',", "'torch']"]
 
 
 def _git_status() -> str:
@@ -57,7 +147,8 @@ def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
     before_runs = set(runs.iterdir()) if runs.is_dir() else set()
     before_status = _git_status()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", "scripts/compare.sh", "--quick", "--no-install", "--threads", "1"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", "scripts/compare.sh", "--quick", "--no-install", "--threads", "1"], cwd=ROOT,
+                          env=env,
                           capture_output=True, text=True, timeout=1800)
     new = (set(runs.iterdir()) if runs.is_dir() else set()) - before_runs
     try:
@@ -80,16 +171,8 @@ def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
             shutil.rmtree(folder)
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_script_for_tests", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_perplexity_defaults_are_the_readmes_and_quick_shortens_them():
-    ppl = _load("perplexity")
+def test_perplexity_defaults_are_the_stored_studys_and_quick_shortens_them():
+    ppl = load_script("perplexity")
     args = ppl.parse_args([])
     assert (args.max_tokens, args.budgets, args.quick) == (2048, [128, 256, 512, 1024], False)
     quick = ppl.parse_args(["--quick"])
@@ -106,7 +189,7 @@ def _config(dynamic: list[float], paged: list[float]) -> dict:
 
 
 def test_benchmark_prints_noisy_instead_of_a_ratio_when_repetitions_disagree():
-    bench = _load("benchmark")
+    bench = benchmark
     steady = _config([10.0, 10.5, 9.8], [12.0, 12.2, 11.9])
     assert bench.spread(steady, "dynamic", "decode_tok_s") == pytest.approx(0.7 / 10.0)
     assert bench.noisy(steady, "decode_tok_s") is None

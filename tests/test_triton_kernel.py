@@ -18,7 +18,7 @@ import sys
 import kernel_cases
 import pytest
 import torch
-from kernel_cases import KERNEL_CASES, assert_matches_reference, rel_err
+from kernel_cases import KERNEL_CASES, QUANTIZED_FORMATS, assert_matches_reference, quantize_case, rel_err
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -52,7 +52,12 @@ def run_kernel(case: dict, **kw) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_against_reference(case: dict, **kw) -> None:
-    assert_matches_reference(case, *run_kernel(case, **kw))
+    """The kernel's output and page mass against the reference. A quantized tile is dequantized in fp32 and
+    rounded to the query's dtype for its dot (what tensor cores multiply), a rounding the reference does not
+    have: twice the dtype's tolerance then for half-precision queries."""
+    dtype = case["query"].dtype
+    half_quantized = case.get("kv_format", "float") != "float" and dtype != torch.float32
+    assert_matches_reference(case, *run_kernel(case, **kw), tol=2 * kernel_cases.TOL[dtype] if half_quantized else None)
 
 
 # --------------------------------------------------------------------------- #
@@ -144,6 +149,23 @@ def test_reference_hand_computed():
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_matches_reference(name):
     check_against_reference(make_case(seed=1, **KERNEL_CASES[name]))
+
+
+@pytest.mark.parametrize("kv_format", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("name", ["gqa-page3-chunk-leftpad-fp32", "mqa-page16-decode-bf16-window-softcap-sink"])
+def test_quantized_pages_match_reference(kv_format, name):
+    """Pools in int8 / int4 / fp8_e4m3 (page sizes 3 and 16, partial pages, holes, an evicted page, GQA/MQA, a
+    mask, a window, a softcap, sinks, page mass): tiles dequantized in the kernel as the reference does."""
+    check_against_reference(quantize_case(make_case(seed=4, **KERNEL_CASES[name]), kv_format))
+
+
+@pytest.mark.parametrize("kv_format", ["int4", "fp8_e4m3"])
+def test_quantized_split_k_and_head_dim_24(kv_format):
+    """Split partials of quantized pools (int4: the output rotated back after the splits are merged); head dim
+    24 (int4 key groups of 8, a tile wider than the head)."""
+    case = quantize_case(make_case(B=2, Hq=4, Hkv=2, D=24, S=5, Q=2, lengths=[70, 23], sink=True, seed=9), kv_format)
+    for splits in (1, 3):
+        check_against_reference(case, num_splits=splits)
 
 
 def test_kernel_default_output_allocation():

@@ -1,4 +1,4 @@
-"""scripts/vllm_runner.py: the caller's side (`VllmPeer`) and the runner's protocol, with a stand-in for vLLM.
+"""scripts/vllm_runner.py and its caller's side (`hf_paged.evaluation.vllm_peer.VllmPeer`), with a stand-in for vLLM.
 
 The stand-in (a ``vllm`` package written into a temporary folder) "generates" token ``prompt[-1] + k`` at step
 k, so the test checks what the runner hands back, not vLLM's numbers; vLLM itself runs in
@@ -7,12 +7,10 @@ scripts/many_prompts.py when ``.venv-vllm`` exists.
 
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from vllm_runner import VllmPeer  # noqa: E402
+from hf_paged.evaluation.vllm_peer import VllmPeer
 
 FAKE_VLLM = textwrap.dedent('''
     __version__ = "0.0-stand-in"

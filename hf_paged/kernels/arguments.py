@@ -1,6 +1,9 @@
 """The argument contract shared by the paged-attention kernels (Triton, CPU): shape, type, device and
 index checks, and the mask's broadcast strides. Layout and semantics: :mod:`hf_paged.kernels.reference`.
 
+Pools hold keys and values in a page format (`hf_paged.kv_formats`): ``"float"`` pools ``[P, S, Hkv, D]`` of a
+floating dtype, or codes and float16 scales (``k_scale``/``v_scale``) in the shapes their format defines.
+
 The kernels read the pools at the page ids of ``page_table`` without bounds checks, so no call reaches
 them unless every id is a hole (-1) or a page of the pools. Checking ids costs a reduction over the
 table; a `PagedCache` step does it once per step and device (`mark_checked`), not once per layer.
@@ -10,22 +13,26 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_formats import PageFormat, page_format
+
 _CHECKED = "_hf_paged_checked_pages"  # attribute of a page table: the pool size its ids were checked against
 
 
-def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux) -> None:
-    """Raise ValueError/TypeError (naming the argument) unless the arguments meet the contract."""
+def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale=None, v_scale=None,
+                     kv_format: str = "float") -> PageFormat:
+    """Raise ValueError/TypeError (naming the argument) unless the arguments meet the contract; -> the format."""
     B, Hq, Q, D = query.shape
-    Hkv, Dk = k_pool.shape[2:]
+    fmt = page_format(kv_format)
+    _check_pools(fmt, D, k_pool, v_pool, k_scale, v_scale)
+    Hkv = k_pool.shape[2]
     N = page_table.shape[1]
-    if Dk != D or tuple(v_pool.shape) != tuple(k_pool.shape):
-        raise ValueError(f"k_pool/v_pool must be [P, S, Hkv, {D}], got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
-    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
-                         ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask), ("s_aux", s_aux)):
+    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("k_scale", k_scale), ("v_scale", v_scale),
+                         ("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask),
+                         ("s_aux", s_aux)):
         if tensor is not None and tensor.device != query.device:
             raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
                              "device")
@@ -39,6 +46,38 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
     checked = getattr(page_table, _CHECKED, None)
     if checked is None or checked > k_pool.shape[0]:
         check_index(page_table, page_pos, q_pos, k_pool.shape[0])
+    return fmt
+
+
+def _check_pools(fmt: PageFormat, D: int, k_pool, v_pool, k_scale, v_scale) -> None:
+    """The pools (and scales) hold pages of ``fmt`` for head dim ``D``: shapes, dtypes, unit last strides."""
+    if k_pool.dim() != 4:
+        raise ValueError(f"k_pool must be [P, S, Hkv, W], got {tuple(k_pool.shape)}")
+    pages = tuple(k_pool.shape[:3])
+    if not fmt.quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale/v_scale belong to quantized pools: pass kv_format='int8', 'int4' or 'fp8_e4m3' "
+                             "with them, or no scales with float pools")
+        if k_pool.shape[3] != D or tuple(v_pool.shape) != tuple(k_pool.shape):
+            raise ValueError(f"k_pool/v_pool must be [P, S, Hkv, {D}], got {tuple(k_pool.shape)}, "
+                             f"{tuple(v_pool.shape)}")
+        if not k_pool.dtype.is_floating_point or k_pool.element_size() < 2:
+            raise TypeError(f"kv_format='float' reads float16/bfloat16/float32 pools, got {k_pool.dtype}: pass the "
+                            "kv_format (and k_scale/v_scale) of quantized pools")
+        return
+    if fmt.even_dims and D % 2:
+        raise ValueError(f"kv_format={fmt.name!r} packs two values a byte: the head dim must be even, got {D}")
+    for name, codec, pool, scale in (("k", fmt.key, k_pool, k_scale), ("v", fmt.value, v_pool, v_scale)):
+        want = (*pages, codec.width(D))
+        if tuple(pool.shape) != want or pool.dtype != codec.dtype:
+            raise ValueError(f"{name}_pool of kv_format={fmt.name!r} must be {codec.dtype} {list(want)}, got "
+                             f"{pool.dtype} {list(pool.shape)}")
+        want = (*pages, codec.groups(D))
+        if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float16:
+            got = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
+            raise ValueError(f"{name}_scale of kv_format={fmt.name!r} must be torch.float16 {list(want)}, got {got}")
+        if pool.stride(-1) != 1 or scale.stride(-1) != 1:
+            raise ValueError(f"{name}_pool/{name}_scale of kv_format={fmt.name!r} need a unit last stride")
 
 
 def check_index(page_table, page_pos, q_pos, num_pages: int) -> None:

@@ -13,9 +13,19 @@
  * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
  * With `mass_output` (pages of one token) the page "mass" is how far the head's output would move if
  * the token were dropped, p / (1 - p) * |v - out| for its probability p: `finalize` reads its value.
+ *
+ * Pool formats (hf_paged/kv_formats.py): float32, bfloat16, int8 (x = scale * code) and int4 (two codes a
+ * byte, then an int8 zero point per group: x = scale * (code - zero)), with float16 scales per token, head
+ * and group in separate tensors. Quantized rows are dequantized to fp32 as they are read, 16 lanes at a
+ * time (keys: once per slot and KV head, into a row that the group's query heads share). Rotated formats
+ * (int4) store x R for a block-Hadamard R: the queries are rotated the same way (q.k = qR.kR) and the output
+ * rotated back (R R = I), both in place by a fast Walsh-Hadamard transform.
  */
 #include <float.h>
 #include <math.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,12 +34,19 @@
 #define MASKED (-1e30f) /* score of a slot a row may not attend: exp() of it minus any max is 0 */
 #define LEAVE_OUT_FLOOR 1e-6f /* 1 - p below this (a token holding all the attention) counts as this */
 
+enum { FMT_F32, FMT_BF16, FMT_I8, FMT_I4 }; /* pool formats, one compiled entry point each */
+
 typedef struct {
     const float *q;        /* [B, Hq, Q, D] fp32, strides q_stride */
     int64_t q_stride[4];
-    const void *k, *v;     /* [P, S, Hkv, D] fp32 or bf16, last stride 1 */
+    const void *k, *v;     /* [P, S, Hkv, W] in format `format`, last stride 1; W = D, or D / 2 + groups for int4 */
     int64_t k_stride[3], v_stride[3];
-    int64_t kv_bf16;       /* 1: pools hold bfloat16 */
+    int64_t format;        /* FMT_*: what the pools hold */
+    const uint16_t *k_scale, *v_scale; /* [P, S, Hkv, D / group] float16, last stride 1; NULL for float pools */
+    int64_t ks_stride[3], vs_stride[3];
+    int64_t k_group, v_group; /* elements per scale group */
+    int64_t k_width, v_width; /* W of each pool */
+    int64_t k_rotated, v_rotated; /* 1: the keys / values are stored rotated */
     const int64_t *table;  /* [B, N] page ids, -1 = skip */
     const int64_t *page_pos; /* [B, N] position of slot 0 */
     const int64_t *q_pos;  /* [B, Q] */
@@ -72,12 +89,84 @@ static inline float load_bf16(const uint16_t *p, int64_t i) {
     return x.f;
 }
 
+/* float16 bits -> float (exact: every float16 is a float) */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    union { uint32_t u; float f; } x;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        const float f = (float)mantissa * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    x.u = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+    return x.f;
+#endif
+}
+
+/* Where one token's row of one KV head starts: its codes in the pool and its scales (element offsets). */
+typedef struct {
+    int64_t row, scales;
+} Row;
+
+/* The scale and the zero point (int4; 0 otherwise) of the group holding element d of a quantized row. */
+static inline __attribute__((always_inline)) void group_of(const PagedArgs *a, int value, Row at, int64_t d,
+                                                           int fmt, float *scale, float *zero) {
+    const int64_t g = d / (value ? a->v_group : a->k_group);
+    *scale = half_to_float((value ? a->v_scale : a->k_scale)[at.scales + g]);
+    *zero = fmt == FMT_I4 ? (float)((const int8_t *)(value ? a->v : a->k))[at.row + a->D / 2 + g] : 0.0f;
+}
+
+/* Element d of a row as fp32. */
+static inline __attribute__((always_inline)) float load1(const PagedArgs *a, int value, Row at, int64_t d, int fmt) {
+    const void *pool = value ? a->v : a->k;
+    if (fmt == FMT_F32) return ((const float *)pool)[at.row + d];
+    if (fmt == FMT_BF16) return load_bf16((const uint16_t *)pool, at.row + d);
+    float scale, zero;
+    group_of(a, value, at, d, fmt, &scale, &zero);
+    if (fmt == FMT_I8) return (float)((const int8_t *)pool)[at.row + d] * scale;
+    const uint8_t byte = ((const uint8_t *)pool)[at.row + d / 2];
+    return ((float)(d % 2 ? byte >> 4 : byte & 15) - zero) * scale;
+}
+
+/* x <- x R for the rotation of rotated formats (hf_paged/kv_formats.py `rotation`): blocks of the largest power of
+ * two dividing D, each a Sylvester-Hadamard transform scaled to be orthogonal. */
+static void rotate(float *x, int64_t D) {
+    const int64_t block = D & -D;
+    const float norm = 1.0f / sqrtf((float)block);
+    for (int64_t b0 = 0; b0 < D; b0 += block) {
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t i = b0; i < b0 + block; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float u = x[j], v = x[j + h];
+                    x[j] = u + v;
+                    x[j + h] = u - v;
+                }
+        for (int64_t i = b0; i < b0 + block; i++) x[i] *= norm;
+    }
+}
+
 /* The slots of one chunk: where each slot's K and V rows start in the pools (element offsets), the
  * position of its token, and the page-table entry it belongs to. */
 typedef struct {
     int64_t C;
-    int64_t k_off[CHUNK], v_off[CHUNK], pos[CHUNK], entry[CHUNK];
+    int64_t k_off[CHUNK], v_off[CHUNK], ks_off[CHUNK], vs_off[CHUNK], pos[CHUNK], entry[CHUNK];
 } Chunk;
+
+/* The scales and zero points of a chunk's quantized rows as floats, [CHUNK][Hkv][groups] each (converted once
+ * per chunk, for the slots some row attends; the others' entries are stale and never read). */
+typedef struct {
+    float *k_scale, *k_zero, *v_scale, *v_zero;
+    int64_t k_groups, v_groups;
+} ChunkScales;
+
+/* Slot c's row of KV head kvh in the keys (value = 0) or the values (value = 1). */
+static inline __attribute__((always_inline)) Row slot_row(const PagedArgs *a, const Chunk *ch, int64_t c, int64_t kvh,
+                                                          int value) {
+    return value ? (Row){ch->v_off[c] + kvh * a->v_stride[2], ch->vs_off[c] + kvh * a->vs_stride[2]}
+                 : (Row){ch->k_off[c] + kvh * a->k_stride[2], ch->ks_off[c] + kvh * a->ks_stride[2]};
+}
 
 /* ok[c] = 1 iff query qi of head h in row b may attend the token of the chunk's slot c. */
 static inline void allowed_slots(const PagedArgs *a, int64_t b, int64_t h, int64_t qi, const Chunk *ch,
@@ -99,24 +188,63 @@ static inline void allowed_slots(const PagedArgs *a, int64_t b, int64_t h, int64
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 static const float ZEROS[CHUNK];
 
-/* 16 consecutive pool values as fp32 lanes (bf16 widened exactly). */
-static inline __attribute__((always_inline)) v16 load16(const void *pool, int64_t off, int bf16) {
+/* Elements d..d+15 of a float row as fp32 lanes (bf16 widened exactly). */
+static inline __attribute__((always_inline)) v16 load16(const PagedArgs *a, int value, Row at, int64_t d, int fmt) {
+    const void *pool = value ? a->v : a->k;
     v16 x;
-    if (bf16) {
+    if (fmt == FMT_BF16) {
         u16x16 h;
-        memcpy(&h, (const uint16_t *)pool + off, sizeof h);
+        memcpy(&h, (const uint16_t *)pool + at.row + d, sizeof h);
         u32x16 w = __builtin_convertvector(h, u32x16) << 16;
         memcpy(&x, &w, sizeof x);
     } else {
-        memcpy(&x, (const float *)pool + off, sizeof x);
+        memcpy(&x, (const float *)pool + at.row + d, sizeof x);
     }
     return x;
 }
 
+/* The codes of elements d..d+15 of a quantized row as fp32 lanes (int8: -127..127; int4: 0..15), before their
+ * group's zero point and scale. With AVX-512 one widening and one conversion each (gcc lowers the portable
+ * vector conversions lane by lane). */
+static inline __attribute__((always_inline)) v16 codes16(const PagedArgs *a, int value, Row at, int64_t d, int fmt) {
+    const void *pool = value ? a->v : a->k;
+    v16 x;
+    if (fmt == FMT_I8) {
+#if defined(__AVX512F__)
+        const __m128i codes = _mm_loadu_si128((const void *)((const int8_t *)pool + at.row + d));
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+        memcpy(&x, &f, sizeof x);
+#else
+        i8x16 codes;
+        memcpy(&codes, (const int8_t *)pool + at.row + d, sizeof codes);
+        x = __builtin_convertvector(__builtin_convertvector(codes, i32x16), v16);
+#endif
+        return x;
+    }
+#if defined(__AVX512F__)
+    const __m128i bytes = _mm_loadl_epi64((const void *)((const uint8_t *)pool + at.row + d / 2));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+    memcpy(&x, &f, sizeof x);
+#else
+    u8x16 bytes = {0};
+    memcpy(&bytes, (const uint8_t *)pool + at.row + d / 2, 8);
+    const u8x16 interleave = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const u8x16 codes = __builtin_shuffle(bytes & 15, bytes >> 4, interleave);
+    x = __builtin_convertvector(__builtin_convertvector(codes, i32x16), v16);
+#endif
+    return x;
+}
+
 /* acc[r] += p[r][c] * V[c] for the chunk's slots: for each KV head, blocks of 4 rows x NB * 16 lanes of
- * acc stay in registers while the slots stream by (each V row is read from memory once, then from L1). */
+ * acc stay in registers while the slots stream by (each V row is read from memory once, then from L1).
+ * Quantized rows (one group a row): pw = p * scale multiplies the codes, and sum(pw * zero) is taken off. */
 #define ADD_VALUES_BLOCK(NB)                                                                              \
     for (; d0 + 16 * (NB) <= D; d0 += 16 * (NB)) {                                                       \
         v16 t[4][NB];                                                                                     \
@@ -124,64 +252,83 @@ static inline __attribute__((always_inline)) v16 load16(const void *pool, int64_
             for (int k = 0; k < (NB); k++) memcpy(&t[j][k], ar[j] + d0 + 16 * k, sizeof(v16));            \
         for (int64_t c = 0; c < C; c++) {                                                                 \
             if (!slot_used[c]) continue;                                                                  \
-            const int64_t off = ch->v_off[c] + head + d0;                                                 \
+            const Row at = slot_row(a, ch, c, kvh, 1);                                                    \
             v16 v[NB];                                                                                    \
-            for (int k = 0; k < (NB); k++) v[k] = load16(a->v, off + 16 * k, bf16);                       \
+            for (int k = 0; k < (NB); k++)                                                                \
+                v[k] = fmt >= FMT_I8 ? codes16(a, 1, at, d0 + 16 * k, fmt) : load16(a, 1, at, d0 + 16 * k, fmt); \
             for (int j = 0; j < 4; j++) {                                                                 \
-                const float p = pr[j][c];                                                                 \
+                const float p = pw[j][c];                                                                 \
                 for (int k = 0; k < (NB); k++) t[j][k] += p * v[k];                                       \
             }                                                                                             \
         }                                                                                                 \
+        if (fmt == FMT_I4)                                                                                \
+            for (int j = 0; j < 4; j++)                                                                   \
+                for (int k = 0; k < (NB); k++) t[j][k] -= zero_sum[j];                                    \
         for (int j = 0; j < 4; j++)                                                                       \
             for (int k = 0; k < (NB); k++) memcpy(ar[j] + d0 + 16 * k, &t[j][k], sizeof(v16));            \
     }
 
 static inline __attribute__((always_inline)) void add_values(const PagedArgs *a, const Chunk *ch,
                                                               const uint8_t *slot_used, const float *score,
-                                                              float *acc, int bf16) {
+                                                              const ChunkScales *cs, float *acc, int fmt) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, C = ch->C;
+    const int vector = fmt < FMT_I8 || a->v_group == D; /* quantized: one group a row, folded into the weights */
     float spare[4][D]; /* accumulators of the padding rows of a block */
+    float weight[4][CHUNK];
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-        const int64_t head = kvh * a->v_stride[2];
         for (int64_t i0 = 0; i0 < rows; i0 += 4) {
             float *ar[4];
-            const float *pr[4];
+            const float *pr[4], *pw[4];
+            float zero_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int j = 0; j < 4; j++) {
                 const int64_t i = i0 + j, r = (i / G) * Hq + kvh * G + i % G; /* (query, head) row */
                 ar[j] = i < rows ? acc + r * D : spare[j];
-                pr[j] = i < rows ? score + r * CHUNK : ZEROS;
+                pr[j] = pw[j] = i < rows ? score + r * CHUNK : ZEROS;
             }
+            if (fmt >= FMT_I8 && vector)
+                for (int j = 0; j < 4; j++) {
+                    for (int64_t c = 0; c < C; c++) {
+                        const int64_t at = c * a->Hkv + kvh;
+                        weight[j][c] = slot_used[c] ? pr[j][c] * cs->v_scale[at] : 0.0f;
+                        if (fmt == FMT_I4 && slot_used[c]) zero_sum[j] += weight[j][c] * cs->v_zero[at];
+                    }
+                    pw[j] = weight[j];
+                }
             int64_t d0 = 0;
-            ADD_VALUES_BLOCK(4)
-            ADD_VALUES_BLOCK(1)
-            for (int64_t c = 0; c < C; c++) /* head dims that are not a multiple of 16 */
+            if (vector) {
+                ADD_VALUES_BLOCK(4)
+                ADD_VALUES_BLOCK(1)
+            }
+            for (int64_t c = 0; c < C; c++) /* head dims that are not a multiple of 16, smaller groups */
                 if (slot_used[c])
                     for (int64_t d = d0; d < D; d++) {
-                        const int64_t off = ch->v_off[c] + head + d;
-                        const float v = bf16 ? load_bf16((const uint16_t *)a->v, off) : ((const float *)a->v)[off];
+                        const float v = load1(a, 1, slot_row(a, ch, c, kvh, 1), d, fmt);
                         for (int j = 0; j < 4; j++) ar[j][d] += pr[j][c] * v;
                     }
         }
     }
 }
 
-static inline __attribute__((always_inline)) const float *load_slot(const void *pool, int64_t off, int64_t n,
-                                                                     int bf16, float *buffer) {
-    if (!bf16) return (const float *)pool + off;
-    for (int64_t i = 0; i < n; i++) buffer[i] = load_bf16((const uint16_t *)pool + off, i);
+/* A key row as fp32: in place for fp32 pools, else converted into ``buffer`` (D floats). */
+static inline __attribute__((always_inline)) const float *load_key_row(const PagedArgs *a, Row at, int fmt,
+                                                                        float *buffer) {
+    if (fmt == FMT_F32) return (const float *)a->k + at.row;
+    for (int64_t d = 0; d < a->D; d++) buffer[d] = load1(a, 0, at, d, fmt);
     return buffer;
 }
 
-/* Prefetch one slot's rows of every KV head from ``pool`` (K or V, strides ``stride``; the slot starts at
- * element offset ``off``). */
-static inline void prefetch_slot(const PagedArgs *a, const void *pool, int64_t off, const int64_t *stride, int bf16) {
-    const int64_t elem = bf16 ? 2 : 4;
-    const char *row = (const char *)pool + off * elem;
+/* Prefetch the rows of every KV head of the keys' (value = 0) or values' (value = 1) slot whose first row
+ * starts at element offset ``off`` (scales at ``scale_off``). */
+static inline __attribute__((always_inline)) void prefetch_slot(const PagedArgs *a, int value, int64_t off,
+                                                                int64_t scale_off, int fmt) {
+    const int64_t elem = fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
+    const int64_t head_stride = (value ? a->v_stride : a->k_stride)[2] * elem;
+    const int64_t width = value ? a->v_width : a->k_width;
+    const char *row = (const char *)(value ? a->v : a->k) + off * elem;
     for (int64_t h = 0; h < a->Hkv; h++)
-        for (int64_t byte = 0; byte < a->D * elem; byte += 64) __builtin_prefetch(row + h * stride[2] * elem + byte);
+        for (int64_t byte = 0; byte < width * elem; byte += 64) __builtin_prefetch(row + h * head_stride + byte);
+    if (fmt >= FMT_I8) __builtin_prefetch((value ? a->v_scale : a->k_scale) + scale_off);
 }
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 /* Lane sums of x[0..15], in order: a transpose-and-add tree (in-lane shuffles first, then 128-bit
  * blocks), 45 vector operations for 16 dot products instead of a horizontal sum each. */
@@ -221,8 +368,11 @@ static inline __attribute__((always_inline)) void store_scores(const PagedArgs *
 static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs *a, const Chunk *ch,
                                                                   const uint8_t *slot_used,
                                                                   const uint8_t *allowed, const float *q,
-                                                                  float *score, int bf16, v16 *partial) {
+                                                                  const ChunkScales *cs, float *score, int fmt,
+                                                                  v16 *partial) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
+    const int64_t blocks_per_group = a->k_group / 16;
+    v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -230,20 +380,33 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
                 continue;
             }
-            const int64_t off = ch->k_off[c0 + j];
             /* add_values reads V head by head: fetch the slot's whole V row in order now */
-            prefetch_slot(a, a->v, ch->v_off[c0 + j], a->v_stride, bf16);
-            for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
+            prefetch_slot(a, 1, ch->v_off[c0 + j], ch->vs_off[c0 + j], fmt);
+            for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+                const Row at = slot_row(a, ch, c0 + j, kvh, 0);
+                float after = 1.0f; /* one group a row: its scale multiplies the dot products instead */
+                if (fmt >= FMT_I8) {
+                    const float *scale = cs->k_scale + ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
+                    const float *zero = cs->k_zero + ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
+                    if (cs->k_groups == 1) after = scale[0];
+                    for (int64_t b = 0; b < D / 16; b++) {
+                        const int64_t g = b / blocks_per_group;
+                        const v16 codes = fmt == FMT_I4 ? codes16(a, 0, at, 16 * b, fmt) - zero[g]
+                                                         : codes16(a, 0, at, 16 * b, fmt);
+                        key[b] = cs->k_groups == 1 ? codes : codes * scale[g];
+                    }
+                }
                 for (int64_t i = 0; i < a->Q * G; i++) {
                     const int64_t r = (i / G) * Hq + kvh * G + i % G;
                     v16 x = {0};
                     for (int64_t d = 0; d < D; d += 16) {
                         v16 qd;
                         memcpy(&qd, q + r * D + d, sizeof qd);
-                        x += qd * load16(a->k, off + kvh * a->k_stride[2] + d, bf16);
+                        x += qd * (fmt >= FMT_I8 ? key[d / 16] : load16(a, 0, at, d, fmt));
                     }
-                    partial[r * 16 + j] = x;
+                    partial[r * 16 + j] = fmt >= FMT_I8 ? x * after : x;
                 }
+            }
         }
         for (int64_t r = 0; r < R; r++) {
             const v16 dots = sum_lanes16(partial + r * 16);
@@ -258,17 +421,16 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
 static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *a, const Chunk *ch,
                                                                 const uint8_t *slot_used,
                                                                 const uint8_t *allowed, const float *q,
-                                                                float *score, int bf16, float *slot) {
+                                                                float *score, int fmt, float *slot) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, C = ch->C;
     for (int64_t c = 0; c < C; c++) {
         if (!slot_used[c]) { /* never read: may be garbage */
             for (int64_t r = 0; r < a->Q * Hq; r++) score[r * CHUNK + c] = MASKED;
             continue;
         }
-        const int64_t off = ch->k_off[c];
-        prefetch_slot(a, a->v, ch->v_off[c], a->v_stride, bf16);
+        prefetch_slot(a, 1, ch->v_off[c], ch->vs_off[c], fmt);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-            const float *kr = load_slot(a->k, off + kvh * a->k_stride[2], D, bf16, slot);
+            const float *kr = load_key_row(a, slot_row(a, ch, c, kvh, 0), fmt, slot);
             for (int64_t i = 0; i < a->Q * G; i++) {
                 const int64_t r = (i / G) * Hq + kvh * G + i % G;
                 const float *qr = q + r * D;
@@ -298,6 +460,8 @@ static inline void next_chunk(const PagedArgs *a, int64_t b, int64_t *n, int64_t
         for (int64_t s = *s0; s < end; s++, ch->C++) {
             ch->k_off[ch->C] = page * a->k_stride[0] + s * a->k_stride[1];
             ch->v_off[ch->C] = page * a->v_stride[0] + s * a->v_stride[1];
+            ch->ks_off[ch->C] = page * a->ks_stride[0] + s * a->ks_stride[1];
+            ch->vs_off[ch->C] = page * a->vs_stride[0] + s * a->vs_stride[1];
             ch->pos[ch->C] = first + s;
             ch->entry[ch->C] = *n;
         }
@@ -331,7 +495,22 @@ static inline void add_entry_stats(const PagedArgs *a, int64_t b, int64_t r, con
     }
 }
 
-static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int bf16,
+/* Fill ``cs`` with the float scales and zero points of the chunk's attended quantized rows. */
+static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8_t *slot_used, ChunkScales *cs) {
+    for (int64_t c = 0; c < ch->C; c++) {
+        if (!slot_used[c]) continue;
+        for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
+            for (int value = 0; value < 2; value++) {
+                const int64_t groups = value ? cs->v_groups : cs->k_groups, at = (c * a->Hkv + kvh) * groups;
+                const Row row = slot_row(a, ch, c, kvh, value);
+                for (int64_t g = 0; g < groups; g++)
+                    group_of(a, value, row, g * (value ? a->v_group : a->k_group), (int)a->format,
+                             (value ? cs->v_scale : cs->k_scale) + at + g, (value ? cs->v_zero : cs->k_zero) + at + g);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int fmt,
                                                                 float *work) {
     const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, N = a->N;
     const int64_t split = item % a->splits, b = item / a->splits;
@@ -342,11 +521,17 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     float *slot = run_sum + R;                            /* Hkv * D */
     float *score = slot + a->Hkv * D;                     /* [R][CHUNK] */
     uint8_t *allowed = (uint8_t *)(score + R * CHUNK);   /* [R][CHUNK] */
+    ChunkScales cs = {.k_groups = D / a->k_group, .v_groups = D / a->v_group};
+    cs.k_scale = (float *)(allowed + R * CHUNK);          /* [CHUNK][Hkv][groups] each */
+    cs.k_zero = cs.k_scale + CHUNK * a->Hkv * cs.k_groups;
+    cs.v_scale = cs.k_zero + CHUNK * a->Hkv * cs.k_groups;
+    cs.v_zero = cs.v_scale + CHUNK * a->Hkv * cs.v_groups;
     uint8_t slot_used[CHUNK];
 
     for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
         const float *src = a->q + b * a->q_stride[0] + (r % Hq) * a->q_stride[1] + (r / Hq) * a->q_stride[2];
         for (int64_t d = 0; d < D; d++) q[r * D + d] = src[d * a->q_stride[3]];
+        if (a->k_rotated) rotate(q + r * D, D);
         run_max[r] = MASKED;
         run_sum[r] = 0.0f;
     }
@@ -361,7 +546,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
         Chunk *next = &chunks[cur ^ 1];
         next_chunk(a, b, &n, &s0, n_end, next);
         for (int64_t c = 0; c < next->C; c++)
-            prefetch_slot(a, a->k, next->k_off[c], a->k_stride, bf16);
+            prefetch_slot(a, 0, next->k_off[c], next->ks_off[c], fmt);
         const int64_t C = ch->C;
         int any = 0;
         memset(slot_used, 0, CHUNK);
@@ -375,10 +560,11 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
             for (int64_t c = 0; c < C; c++) { slot_used[c] |= ok[c]; any |= ok[c]; }
         }
         if (!any) continue;
-        if (D % 16 == 0)
-            chunk_scores16(a, ch, slot_used, allowed, q, score, bf16, (v16 *)partial16);
+        if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &cs);
+        if (D % 16 == 0 && (fmt < FMT_I8 || a->k_group % 16 == 0)) /* 16-lane loads stay inside a group */
+            chunk_scores16(a, ch, slot_used, allowed, q, &cs, score, fmt, (v16 *)partial16);
         else
-            chunk_scores(a, ch, slot_used, allowed, q, score, bf16, slot);
+            chunk_scores(a, ch, slot_used, allowed, q, score, fmt, slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
         for (int64_t r = 0; r < R; r++) {
             float *sr = score + r * CHUNK;
@@ -403,7 +589,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
             run_max[r] = new_max;
             if (a->entry_stats) add_entry_stats(a, b, r, ch, sr, new_max);
         }
-        add_values(a, ch, slot_used, score, acc, bf16);
+        add_values(a, ch, slot_used, score, &cs, acc, fmt);
     }
     float *dst = a->partial + (b * a->splits + split) * R * (D + 2);
     for (int64_t r = 0; r < R; r++) {
@@ -446,16 +632,19 @@ static void finalize(const PagedArgs *a, int64_t item) {
                 mass[n] += p / (float)a->Q;
                 continue;
             }
-            const int64_t off = a->table[b * N + n] * a->v_stride[0] + kvh * a->v_stride[2];
+            const int64_t page = a->table[b * N + n];
+            const Row at = {page * a->v_stride[0] + kvh * a->v_stride[2],
+                            page * a->vs_stride[0] + kvh * a->vs_stride[2]};
             float d2 = 0.0f;
             for (int64_t d = 0; d < D; d++) {
-                const float v = a->kv_bf16 ? load_bf16((const uint16_t *)a->v, off + d) : ((const float *)a->v)[off + d];
+                const float v = load1(a, 1, at, d, (int)a->format);
                 d2 += (v - out[d]) * (v - out[d]);
             }
             const float rest = 1.0f - p;
             mass[n] += p / (rest > LEAVE_OUT_FLOOR ? rest : LEAVE_OUT_FLOOR) * sqrtf(d2) / (float)a->Q;
         }
     }
+    if (a->v_rotated) rotate(out, D); /* (after the page mass, which measured in the values' basis) */
 }
 
 /* The heads' mean or max of the page mass per head [B, Hq, N] into out [B, N]. */
@@ -477,7 +666,7 @@ static void reduce_heads(const PagedArgs *a, const float *per_head, float *out) 
 }
 
 /* Returns 0, or -1 when scratch memory cannot be allocated (nothing written). */
-static int run(PagedArgs *a, int bf16) {
+static int run(PagedArgs *a, int fmt) {
     float *reduced = NULL; /* with mass_heads: the caller's [B, N]; the page mass per head goes to scratch */
     if (a->page_mass && a->mass_heads) {
         reduced = a->page_mass;
@@ -485,14 +674,16 @@ static int run(PagedArgs *a, int bf16) {
         if (a->page_mass == NULL) return -1;
     }
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
-    const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK) + R * CHUNK;
+    const int64_t groups = a->D / a->k_group + a->D / a->v_group; /* of the chunk scales */
+    const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
+                                               + 2 * CHUNK * a->Hkv * groups) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
     if (!failed && a->threads <= 1) { /* no parallel region: a decode step of a short row takes microseconds */
         float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
         failed = work == NULL;
-        for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, bf16, work);
+        for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, fmt, work);
         for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i);
         free(work);
     } else if (!failed) {
@@ -506,7 +697,7 @@ static int run(PagedArgs *a, int bf16) {
 #pragma omp barrier
             if (!failed) {
 #pragma omp for schedule(dynamic)
-                for (int64_t i = 0; i < items; i++) attend_split(a, i, bf16, work);
+                for (int64_t i = 0; i < items; i++) attend_split(a, i, fmt, work);
             }
             free(work);
         }
@@ -527,5 +718,7 @@ static int run(PagedArgs *a, int bf16) {
     return failed ? -1 : 0;
 }
 
-int paged_attention_f32(PagedArgs *a) { return run(a, 0); }
-int paged_attention_bf16(PagedArgs *a) { return run(a, 1); }
+int paged_attention_f32(PagedArgs *a) { return run(a, FMT_F32); }
+int paged_attention_bf16(PagedArgs *a) { return run(a, FMT_BF16); }
+int paged_attention_int8(PagedArgs *a) { return run(a, FMT_I8); }
+int paged_attention_int4(PagedArgs *a) { return run(a, FMT_I4); }

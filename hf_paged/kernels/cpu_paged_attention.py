@@ -39,8 +39,9 @@ __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-SYMBOLS = ("paged_attention_f32", "paged_attention_bf16")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)  # of float pools
+KV_FORMATS = ("float", "int8", "int4")  # the page formats it reads (hf_paged.kv_formats)
+SYMBOLS = ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8", "paged_attention_int4")
 MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
 PAGE_MASS_SIGNALS = ("attention", "output")  # what the page mass measures (`page_mass_signal`, reference.py)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
@@ -58,7 +59,10 @@ class _PagedArgs(ctypes.Structure):
 
     _fields_ = [
         ("q", _ptr), ("q_stride", _i64x4),
-        ("k", _ptr), ("v", _ptr), ("k_stride", _i64x3), ("v_stride", _i64x3), ("kv_bf16", _i64),
+        ("k", _ptr), ("v", _ptr), ("k_stride", _i64x3), ("v_stride", _i64x3), ("format", _i64),
+        ("k_scale", _ptr), ("v_scale", _ptr), ("ks_stride", _i64x3), ("vs_stride", _i64x3),
+        ("k_group", _i64), ("v_group", _i64), ("k_width", _i64), ("v_width", _i64), ("k_rotated", _i64),
+        ("v_rotated", _i64),
         ("table", _ptr), ("page_pos", _ptr), ("q_pos", _ptr),
         ("B", _i64), ("Hq", _i64), ("Hkv", _i64), ("Q", _i64), ("D", _i64), ("S", _i64), ("N", _i64),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", _i64),
@@ -171,14 +175,19 @@ def paged_attention_cpu(
     num_splits: int | None = None,
     page_mass_heads: str | None = None,
     page_mass_signal: str = "attention",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_format: str = "float",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention of ``query [B, Hq, Q, D]`` over ``k_pool/v_pool [P, S, Hkv, D]`` (CPU tensors).
 
-    Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; pools must be
-    float32 or bfloat16 with a unit last stride. Returns ``out [B, Q, Hq, D]`` in ``query.dtype``, and
-    float32 ``page_mass [B, Hq, N]`` (averaged over the queries) with ``return_page_mass``, or its heads'
-    ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``; ``page_mass_signal="output"`` (pages of one
-    token): instead of each token's probability, how far it moves the head's output (reference.py).
+    Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; float pools must
+    be float32 or bfloat16 with a unit last stride; ``kv_format`` may be any of `KV_FORMATS` (``"int8"`` and
+    ``"int4"`` pools are dequantized as they are read, their ``k_scale``/``v_scale`` beside them). Returns
+    ``out [B, Q, Hq, D]`` in ``query.dtype``, and float32 ``page_mass [B, Hq, N]`` (averaged over the queries)
+    with ``return_page_mass``, or its heads' ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``;
+    ``page_mass_signal="output"`` (pages of one token): instead of each token's probability, how far it moves
+    the head's output (reference.py).
     """
     library = _library()
     if isinstance(library, str):
@@ -186,8 +195,12 @@ def paged_attention_cpu(
     B, Hq, Q, D = query.shape
     S, Hkv = k_pool.shape[1:3]
     N = page_table.shape[1]
-    check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux)
-    if k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype:
+    fmt = check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale, v_scale,
+                           kv_format)
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"the CPU kernel reads kv_format {', '.join(map(repr, KV_FORMATS))}, not {kv_format!r} "
+                         "(the Triton kernel on CUDA reads it)")
+    if not fmt.quantized and (k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype):
         raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
@@ -212,7 +225,8 @@ def paged_attention_cpu(
     args = _PagedArgs(
         q32.data_ptr(), _i64x4(*q32.stride()),
         k_pool.data_ptr(), v_pool.data_ptr(), _i64x3(*k_pool.stride()[:3]), _i64x3(*v_pool.stride()[:3]),
-        k_pool.dtype == torch.bfloat16,
+        KV_FORMATS.index(kv_format) + 1 if fmt.quantized else int(k_pool.dtype == torch.bfloat16),
+        None, None, _i64x3(), _i64x3(), D, D, k_pool.shape[3], v_pool.shape[3], 0, 0,  # float pools: no scales
         table.data_ptr(), first.data_ptr(), qpos.data_ptr(),
         B, Hq, Hkv, Q, D, S, N,
         scale, softcap or 0.0, sliding_window or 0,
@@ -228,9 +242,13 @@ def paged_attention_cpu(
     if s_aux is not None:
         sinks = s_aux.float().contiguous()
         args.sinks = sinks.data_ptr()
+    if fmt.quantized:
+        args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        args.ks_stride, args.vs_stride = _i64x3(*k_scale.stride()[:3]), _i64x3(*v_scale.stride()[:3])
+        args.k_group, args.v_group = fmt.key.group_size(D), fmt.value.group_size(D)
+        args.k_rotated, args.v_rotated = fmt.key.rotated, fmt.value.rotated  # the kernel rotates q and out itself
     if out.numel():
-        kernel = library.paged_attention_bf16 if args.kv_bf16 else library.paged_attention_f32
-        if kernel(ctypes.byref(args)) != 0:
+        if getattr(library, SYMBOLS[args.format])(ctypes.byref(args)) != 0:
             raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
     if query.dtype != torch.float32:
         out = out.to(query.dtype)

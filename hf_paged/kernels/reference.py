@@ -16,6 +16,8 @@ Layout (shared with the Triton kernel)
 * ``page_pos``   ``[B, N]`` int: logical position of slot 0 of that page; slot
   ``s`` holds the token at position ``page_pos + s``.  Ignored for ``-1`` entries.
 * ``q_pos``      ``[B, Q]`` int64: logical position of every query token.
+* ``kv_format``  a page format of :mod:`hf_paged.kv_formats`: ``"float"`` (the default), or quantized pools
+  (codes) with their float16 ``k_scale``/``v_scale``, which are dequantized first (into the model's basis).
 
 Query ``i`` of row ``b``, head ``h``, attends the token at position ``p`` held
 in a valid page iff all of the following hold:
@@ -35,6 +37,8 @@ no token gets an all-zero output.  Query head ``h`` reads KV head
 from __future__ import annotations
 
 import torch
+
+from ..kv_formats import dequantize, page_format
 
 __all__ = ["paged_attention_reference", "LEAVE_OUT_FLOOR"]
 
@@ -57,8 +61,11 @@ def paged_attention_reference(
     s_aux: torch.Tensor | None = None,
     return_page_mass: bool = False,
     page_mass_signal: str = "attention",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_format: str = "float",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Paged attention computed in float64 with explicit loops and gathers.
+    """Paged attention computed in float64 with explicit loops and gathers (quantized pools dequantized first).
 
     Returns ``out [B, Q, Hq, D]`` in ``query.dtype`` and, with
     ``return_page_mass``, also ``page_mass`` float32 ``[B, Hq, N]``: the
@@ -70,6 +77,10 @@ def paged_attention_reference(
     over the queries.
     """
     B, Hq, Q, D = query.shape
+    fmt = page_format(kv_format)
+    if fmt.quantized:
+        k_pool = dequantize(fmt.key, k_pool, k_scale, D)
+        v_pool = dequantize(fmt.value, v_pool, v_scale, D)
     P, S, Hkv, Dk = k_pool.shape
     N = page_table.shape[1]
     if Dk != D or v_pool.shape != k_pool.shape:

@@ -8,7 +8,12 @@ the package does not.
 Layout
 ------
 * ``query``      ``[B, Hq, Q, D]``: any strides (a transposed ``[B, Q, Hq, D]`` view is fine).
-* ``k_pool``/``v_pool`` ``[P, S, Hkv, D]``: any strides, e.g. halves of a ``[P, 2, S, Hkv, D]`` pool.
+* ``k_pool``/``v_pool`` ``[P, S, Hkv, D]``: any strides, e.g. halves of a ``[P, 2, S, Hkv, D]`` pool; or the
+  codes of a quantized page format (``kv_format`` "int8", "int4", "fp8_e4m3" of :mod:`hf_paged.kv_formats`,
+  unit last stride) with their float16 ``k_scale``/``v_scale``: each tile is loaded, dequantized in fp32
+  (scale, and zero point for int4) and cast to the query's dtype before its dot, as vLLM's
+  ``triton_unified_attention`` does with fp8 caches. Rotated formats (int4) get the query rotated before
+  the kernel and the output rotated back after it.
 * ``page_table`` ``[B, N]`` int32/int64: physical page id of the row's n-th kept page, ``-1`` = none.
 * ``page_pos``   ``[B, N]`` int32/int64: position of slot 0 of that page (slot ``s`` is at ``page_pos + s``).
 * ``q_pos``      ``[B, Q]`` int64: position of every query token.
@@ -59,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_formats import KV_FORMATS, rotation
 from .arguments import check_paged_args, mask_strides
 
 __all__ = ["paged_attention_triton"]
@@ -77,6 +83,27 @@ def _tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _load_rows(Pool, Scale, base, scale_base, d, ok, stride_d,
+               FORMAT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Elements ``d`` of the K or V rows starting at element offsets ``base`` (their scales at ``scale_base``),
+    all broadcast together; 0 where not ``ok``. FORMAT: 0 float (the pool's dtype, strides ``stride_d``), else
+    fp32 dequantized: 1 int8 ``scale * code``, 2 int4 ``scale * (code - zero)``, 3 fp8 ``scale * code``."""
+    if FORMAT == 0:
+        return tl.load(Pool + base + d * stride_d, mask=ok, other=0.0)
+    group = d // GROUP
+    scale = tl.load(Scale + scale_base + group, mask=ok, other=0.0).to(tl.float32)
+    if FORMAT == 2:
+        byte = tl.load(Pool + base + d // 2, mask=ok, other=0).to(tl.int32)
+        code = (byte >> ((d % 2) * 4)) & 15
+        zero = tl.load(Pool + base + HEAD_DIM // 2 + group, mask=ok, other=0).to(tl.int32)
+        zero = tl.where(zero >= 128, zero - 256, zero)  # the int8 stored in a uint8 pool
+        return (code - zero).to(tl.float32) * scale
+    if FORMAT == 3:
+        return tl.load(Pool + base + d, mask=ok, other=0.0).to(tl.float32) * scale
+    return tl.load(Pool + base + d, mask=ok, other=0).to(tl.float32) * scale
 
 
 @triton.jit
@@ -169,13 +196,15 @@ def _finalize(m, l, acc, sink, HAS_SINK: tl.constexpr):
 # --------------------------------------------------------------------------- #
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, PageTable, PagePos, QPos, Mask, Sink,
+    Q, K, V, KScale, VScale, PageTable, PagePos, QPos, Mask, Sink,
     Out, Lse, MidM, MidL, MidAcc,
     scale, softcap, sliding_window, mask_offset, mask_len,
     num_q, num_kv_heads, num_entries,
     stride_qb, stride_qh, stride_qq, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_ksp, stride_kss, stride_ksh,  # KScale / VScale (unit last stride)
+    stride_vsp, stride_vss, stride_vsh,
     stride_ptb, stride_ptn,
     stride_ppb, stride_ppn,
     stride_qpb, stride_qpq,
@@ -186,6 +215,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    FORMAT: tl.constexpr,  # 0 float, 1 int8, 2 int4, 3 fp8 (`_load_rows`)
+    K_GROUP: tl.constexpr,  # elements per scale group of quantized keys / values
+    V_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # tile rows >= BLOCK_Q * GROUP, power of two >= 16
     BLOCK_N: tl.constexpr,  # slots per tile
@@ -243,9 +275,10 @@ def _paged_attention_kernel(
         # Only slots that some row attends are read: the rest may be garbage.
         col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
 
-        k_ptr = (K + page[None, :] * stride_kp + offset[None, :] * stride_ks
-                 + kv_head * stride_kh + offs_d[:, None] * stride_kd)
-        k = tl.load(k_ptr, mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
+                       page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
+                       offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd,
+                       FORMAT, K_GROUP, HEAD_DIM)  # [BLOCK_D, BLOCK_N]
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
         s = tl.where(ok, s, float("-inf"))
 
@@ -255,9 +288,12 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        v_ptr = (V + page[:, None] * stride_vp + offset[:, None] * stride_vs
-                 + kv_head * stride_vh + offs_d[None, :] * stride_vd)
-        v = tl.load(v_ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = _load_rows(V, VScale, page[:, None] * stride_vp + offset[:, None] * stride_vs + kv_head * stride_vh,
+                       page[:, None] * stride_vsp + offset[:, None] * stride_vss + kv_head * stride_vsh,
+                       offs_d[None, :], col_ok[:, None] & d_ok[None, :], stride_vd,
+                       FORMAT, V_GROUP, HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        if FORMAT != 0:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRET)
         m_i = m_new
 
@@ -333,11 +369,12 @@ def _combine_splits_kernel(
 # --------------------------------------------------------------------------- #
 @triton.jit
 def _page_mass_kernel(
-    Q, K, PageTable, PagePos, QPos, Mask, Lse, Mass,
+    Q, K, KScale, PageTable, PagePos, QPos, Mask, Lse, Mass,
     scale, softcap, sliding_window, mask_offset, mask_len,
     num_q, num_heads, num_entries,
     stride_qb, stride_qh, stride_qq, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_ksp, stride_kss, stride_ksh,
     stride_ptb, stride_ptn,
     stride_ppb, stride_ppn,
     stride_qpb, stride_qpq,
@@ -347,6 +384,8 @@ def _page_mass_kernel(
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    FORMAT: tl.constexpr,
+    K_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # power of two >= 16
     BLOCK_N: tl.constexpr,  # power of two >= 16
     BLOCK_D: tl.constexpr,
@@ -393,8 +432,9 @@ def _page_mass_kernel(
             col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
             q = tl.load(Q + b.to(tl.int64) * stride_qb + head * stride_qh + q_idx[:, None] * stride_qq
                         + offs_d[None, :] * stride_qd, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-            k = tl.load(K + page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh
-                        + offs_d[:, None] * stride_kd, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
+                           page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
+                           offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd, FORMAT, K_GROUP, HEAD_DIM)
             s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
             lse_ref = tl.where(row_ok, lse, 0.0)
             p = tl.where(ok, tl.exp(s - lse_ref[:, None]), 0.0)
@@ -453,6 +493,9 @@ def paged_attention_triton(
     return_page_mass: bool = False,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_format: str = "float",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention over K/V read in place from ``k_pool``/``v_pool`` via ``page_table``.
 
@@ -475,6 +518,8 @@ def paged_attention_triton(
         out: optional ``[B, Q, Hq, D]`` output buffer of ``query.dtype`` (any strides).
         num_splits: force the number of split-K parts per row (default: chosen
             from the context length and the GPU size).
+        k_scale, v_scale, kv_format: the scales and the page format of quantized pools
+            (:mod:`hf_paged.kv_formats`: "int8", "int4", "fp8_e4m3"); none for "float".
 
     Returns:
         ``out [B, Q, Hq, D]`` (``query.dtype``), and ``page_mass`` if requested.
@@ -484,7 +529,8 @@ def paged_attention_triton(
     S, Hkv = k_pool.shape[1:3]
     N = page_table.shape[1]
     device = query.device
-    check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux)
+    fmt = check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale, v_scale,
+                           kv_format)
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"unsupported query dtype {query.dtype}")
     interpret = bool(triton.knobs.runtime.interpret)
@@ -499,6 +545,16 @@ def paged_attention_triton(
     page_mass = torch.zeros(B, Hq, N, dtype=torch.float32, device=device) if return_page_mass else None
     if out.numel() == 0:
         return (out, page_mass) if return_page_mass else out
+    result = out
+    if fmt.quantized and fmt.key.rotated:  # keys are stored rotated: q.k = (q R).(k R)
+        query = (query.float() @ rotation(D, device)).to(query.dtype)
+    if fmt.quantized and fmt.value.rotated:  # the kernel's output is rotated: written aside, rotated back below
+        out = torch.empty(B, Q, Hq, D, dtype=torch.float32, device=device)
+    if fmt.quantized:
+        k_scale_arg, v_scale_arg, ks, vs = k_scale, v_scale, k_scale.stride()[:3], v_scale.stride()[:3]
+        groups = dict(K_GROUP=fmt.key.group_size(D), V_GROUP=fmt.value.group_size(D))
+    else:
+        k_scale_arg, v_scale_arg, ks, vs, groups = k_pool, v_pool, (0, 0, 0), (0, 0, 0), dict(K_GROUP=1, V_GROUP=1)
 
     if mask is not None:
         mask_arg, mask_len, sm = mask.view(torch.uint8), mask.shape[3], mask_strides(mask)
@@ -528,6 +584,7 @@ def paged_attention_triton(
     ls = lse.stride() if store_lse else (0, 0, 0)
 
     flags = dict(
+        FORMAT=KV_FORMATS.index(kv_format),
         INTERPRET=interpret,
         HAS_MASK=mask is not None,
         HAS_SLIDING=sliding_window is not None,
@@ -543,18 +600,18 @@ def paged_attention_triton(
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
 
     _paged_attention_kernel[(num_programs, num_splits)](
-        query, k_pool, v_pool, page_table, page_pos, q_pos, mask_arg, sink_arg,
+        query, k_pool, v_pool, k_scale_arg, v_scale_arg, page_table, page_pos, q_pos, mask_arg, sink_arg,
         out, lse, mid_m, mid_l, mid_acc,
         *scalars,
         Q, Hkv, N,
-        *query.stride(), *k_pool.stride(), *v_pool.stride(),
+        *query.stride(), *k_pool.stride(), *v_pool.stride(), *ks, *vs,
         *page_table.stride(), *page_pos.stride(), *q_pos.stride(), *sm,
         *out.stride(), *ls, *xs,
         GROUP=group, PAGE_SIZE=S, HEAD_DIM=D,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SINK=s_aux is not None, SPLIT=split, STORE_LSE=store_lse,
         num_warps=num_warps,
-        **flags,
+        **groups, **flags,
     )
     if split:
         _combine_splits_kernel[(B * Hq * Q,)](
@@ -565,22 +622,24 @@ def paged_attention_triton(
             HAS_SINK=s_aux is not None, STORE_LSE=store_lse,
             num_warps=4,
         )
+    if out is not result:
+        result.copy_(out @ rotation(D, device))
     if not return_page_mass:
-        return out
+        return result
 
     if N > 0:
         mass_block_q = 16 if Q <= 16 else 32
         mass_block_n = min(64, max(16, triton.next_power_of_2(S)))
         _page_mass_kernel[(B * Hq * N,)](
-            query, k_pool, page_table, page_pos, q_pos, mask_arg, lse, page_mass,
+            query, k_pool, k_scale_arg, page_table, page_pos, q_pos, mask_arg, lse, page_mass,
             *scalars,
             Q, Hq, N,
-            *query.stride(), *k_pool.stride(),
+            *query.stride(), *k_pool.stride(), *ks,
             *page_table.stride(), *page_pos.stride(), *q_pos.stride(), *sm,
             *ls, *page_mass.stride(),
             GROUP=group, PAGE_SIZE=S, HEAD_DIM=D,
-            BLOCK_Q=mass_block_q, BLOCK_N=mass_block_n, BLOCK_D=block_d,
+            K_GROUP=groups["K_GROUP"], BLOCK_Q=mass_block_q, BLOCK_N=mass_block_n, BLOCK_D=block_d,
             num_warps=4,
             **flags,
         )
-    return out, page_mass
+    return result, page_mass

@@ -36,6 +36,7 @@ import torch
 
 import hf_paged
 from hf_paged import assets
+from hf_paged.evaluation.nll import CacheStream
 
 _DESCRIPTION = __doc__
 _KWARGS_DESCRIPTION = """
@@ -97,7 +98,8 @@ class PerplexityMetric(evaluate.Metric):
             ids = tokenizer(text, verbose=False).input_ids
             if add_start_token:
                 if tokenizer.bos_token_id is None:
-                    raise ValueError("add_start_token=True but the tokenizer has no BOS token: pass add_start_token=False")
+                    raise ValueError("add_start_token=True but the tokenizer has no BOS token: "
+                                     "pass add_start_token=False")
                 if not ids or ids[0] != tokenizer.bos_token_id:
                     ids = [tokenizer.bos_token_id] + ids
             if max_length is not None:
@@ -117,27 +119,10 @@ class PerplexityMetric(evaluate.Metric):
                 ids[r, :len(encoded[i])] = torch.tensor(encoded[i])
             cache = hf_paged.PagedCache(page_size=page_size, max_pages=max_pages, config=model.config, **policy)
             chunk = chunk_size or (page_size if max_pages is not None else ids.shape[1])
-            sums, counts = _score(model, cache, ids, lengths, chunk, device)
+            nll = CacheStream(model, cache, hf_paged.CACHE_KWARG).score(ids, chunk)
+            real = torch.arange(1, ids.shape[1])[None] < lengths[:, None]  # the target is a real token, not a pad
+            sums, counts = (nll * real).sum(1).tolist(), real.sum(1).tolist()
             for r, i in enumerate(rows):
                 perplexities[i] = math.exp(sums[r] / counts[r])
         return {"perplexities": perplexities, "mean_perplexity": sum(perplexities) / len(perplexities)}
 
-
-@torch.no_grad()
-def _score(model, cache, ids, lengths, chunk, device):
-    """Feed ``ids[:, :-1]`` in chunks through ``cache``; per row, NLL sum and count of its real tokens."""
-    batch, total = ids.shape
-    sums = torch.zeros(batch, dtype=torch.float64)
-    counts = torch.zeros(batch, dtype=torch.long)
-    for start in range(0, total - 1, chunk):
-        end = min(start + chunk, total - 1)
-        position_ids = torch.arange(start, end, device=device)[None].expand(batch, -1)
-        logits = model(input_ids=ids[:, start:end].to(device), position_ids=position_ids, **{hf_paged.CACHE_KWARG: cache},
-                       use_cache=True).logits
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = ids[:, start + 1:end + 1].to(device)
-        nll = -logprobs.gather(-1, targets[..., None])[..., 0].double().cpu()
-        valid = torch.arange(start + 1, end + 1)[None] < lengths[:, None]  # target is a real token
-        sums += (nll * valid).sum(1)
-        counts += valid.sum(1)
-    return sums.tolist(), counts.tolist()

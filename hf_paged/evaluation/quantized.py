@@ -1,0 +1,333 @@
+"""Quantized pages (issue 32): what each page format costs in perplexity and bytes, and its decode speed.
+
+The study behind scripts/quantized.py (which documents both parts and the arguments): `perplexity_part` scores
+the embedded text through `SimulatedPages`, a DynamicCache that keeps what each page `Scheme` hands back;
+`speed_part` times the C kernel's decode call on one SmolLM2-shaped layer with pages of each format.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from .. import assets
+from ..kv_formats import FloatPages, Int4Codec, QuantizedPages, dequantize, page_format, quantize
+from .formats import pyplot, write_report
+from .intervals import paired_ratio_interval
+from .run_info import load_average, versions
+from .text import load_token_ids
+
+PARTS = ("perplexity", "speed")
+SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4")
+LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
+TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
+DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20)
+QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3)
+
+
+# ------------------------------------------------------------------------------------------ schemes
+@dataclass(frozen=True)
+class Scheme:
+    """How a page scheme hands keys and values back (``[..., T, D]`` -> same), and its bytes per token and KV
+    head, keys and values together, scales included."""
+
+    name: str
+    keys: Callable[[torch.Tensor], torch.Tensor]
+    values: Callable[[torch.Tensor], torch.Tensor]
+    bytes_per_head: float
+    note: str = ""
+
+
+def codec_roundtrip(codec) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a page of ``codec`` reads back of ``x [..., D]``."""
+    return lambda x: dequantize(codec, *quantize(codec, x), x.shape[-1]).to(x.dtype)
+
+
+def codec_bytes(codec, dim: int) -> int:
+    """Bytes of one token's row of one head in ``codec``: codes, then float16 scales."""
+    return codec.width(dim) * torch.empty((), dtype=codec.dtype).element_size() + 2 * codec.groups(dim)
+
+
+def kivi_keys(page_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """KIVI's keys: each full page of ``page_size`` tokens quantized per channel to 4 bits (asymmetric, float16
+    scale and minimum per channel and page), the partial last page left as it is."""
+    def roundtrip(x: torch.Tensor) -> torch.Tensor:
+        full = x.shape[-2] // page_size * page_size
+        pages = x[..., :full, :].float().unflatten(-2, (-1, page_size))
+        low = pages.amin(-2, keepdim=True).half().float()
+        scale = ((pages.amax(-2, keepdim=True) - low) / 15).half().float()
+        scale = torch.where(scale > 0, scale, 1.0)
+        quantized = ((pages - low) / scale).round().clamp(0, 15) * scale + low
+        return torch.cat([quantized.flatten(-3, -2).to(x.dtype), x[..., full:, :]], -2)
+    return roundtrip
+
+
+def schemes(head_dim: int, page_size: int) -> list[Scheme]:
+    """float32 (the reference), bfloat16, the formats, and the int4 alternatives (module docstring)."""
+    same = lambda x: x  # noqa: E731
+    bf16 = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
+    int8, int4 = page_format("int8"), page_format("int4")
+
+    def of(name, key, value, note=""):
+        return Scheme(name, codec_roundtrip(key), codec_roundtrip(value),
+                      codec_bytes(key, head_dim) + codec_bytes(value, head_dim), note)
+
+    value_bytes = codec_bytes(int4.value, head_dim)
+    return [
+        Scheme("float32", same, same, 2 * 4 * head_dim, "the reference"),
+        Scheme("bfloat16", bf16, bf16, 2 * 2 * head_dim),
+        of("int8", int8.key, int8.value, "the format"),
+        of("int4", int4.key, int4.value, "the format"),
+        of("int4, keys not rotated", Int4Codec(int4.key.group, rotated=False), int4.value),
+        of("int4, key groups of 32", Int4Codec(32), int4.value),
+        of("int4, one key group a head", Int4Codec(None), int4.value),
+        of("int4, values not rotated", int4.key, Int4Codec(None, rotated=False)),
+        Scheme(f"int4, KIVI keys (per channel, pages of {page_size})", kivi_keys(page_size),
+               codec_roundtrip(int4.value), head_dim / 2 + 2 * 2 * head_dim / page_size + value_bytes,
+               "needs a page-fill event and a float residual page"),
+    ]
+
+
+class SimulatedPages(DynamicCache):
+    """A DynamicCache that keeps what pages of ``scheme`` would hand back: new keys and values go through the
+    scheme before they are stored, so attention reads them as it would read such pages."""
+
+    def __init__(self, scheme: Scheme, **kwargs):
+        super().__init__(**kwargs)
+        self.scheme = scheme
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self.scheme.keys(key_states), self.scheme.values(value_states), layer_idx,
+                              *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------- perplexity
+@torch.no_grad()
+def log_probs(model, ids: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """float32 log-probabilities ``[T - 1, V]`` of every next token, one forward through `SimulatedPages`."""
+    cache = SimulatedPages(scheme, config=model.config)
+    logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def perplexity_part(args, progress) -> dict:
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    ids, info = load_token_ids(tokenizer, args.max_tokens)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = config.num_hidden_layers * config.num_key_value_heads
+    rows, reference = [], None
+    bar = progress(total=len(schemes(head_dim, args.page_size)), desc="page schemes")
+    for scheme in schemes(head_dim, args.page_size):
+        t0 = time.perf_counter()
+        logp = log_probs(model, ids, scheme)
+        nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
+        row = dict(name=scheme.name, note=scheme.note, tokens=len(nll), perplexity=math.exp(float(nll.mean())),
+                   bytes_per_token=scheme.bytes_per_head * heads,
+                   block_nll=[float(nll[s:s + args.block].sum()) for s in range(0, len(nll), args.block)])
+        if reference is None:
+            reference, ref_row = logp, row
+        kl = (reference.exp() * (reference - logp)).sum(-1)
+        blocks = [len(nll[s:s + args.block]) for s in range(0, len(nll), args.block)]
+        ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], blocks)
+        row.update(kl_mean=float(kl.mean()), kl_p99=float(kl.quantile(0.99)),
+                   top1_agreement=float((logp.argmax(-1) == reference.argmax(-1)).float().mean()),
+                   relative=ratio, low=low, high=high, bytes_ratio=row["bytes_per_token"] / ref_row["bytes_per_token"],
+                   wall_s=time.perf_counter() - t0)
+        rows.append(row)
+        bar.update(1)
+    bar.close()
+    return dict(text=info, head_dim=head_dim, kv_heads_all_layers=heads, rows=rows)
+
+
+# -------------------------------------------------------------------------------------------- speed
+def layer_pages(name: str, num_pages: int, page_size: int):
+    """Empty pages of one SmolLM2 layer in a `SPEED_FORMATS` entry, grown to ``num_pages``."""
+    shape = (page_size, LAYER["kv_heads"], LAYER["head_dim"], LAYER["head_dim"])
+    if name in ("float32", "bfloat16"):
+        pages = FloatPages(*shape, getattr(torch, name), "cpu")
+    else:
+        pages = QuantizedPages(page_format(name), *shape, torch.float32, "cpu")
+    pages.grow_to(num_pages)
+    return pages
+
+
+def time_calls(call: Callable[[], object], calls: int) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) per call, over ``calls`` calls."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.process_time() - cpu) / calls, (time.perf_counter() - wall) / calls
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def speed_part(args, progress) -> dict:
+    from hf_paged.kernels import cpu_paged_attention as kernel
+    from hf_paged.kernels.arguments import mark_checked
+
+    if kernel.unavailable_reason():
+        raise SystemExit(f"the C kernel is unavailable: {kernel.unavailable_reason()}")
+    S, Hq, D = args.page_size, LAYER["query_heads"], LAYER["head_dim"]
+    results = []
+    configs = list(itertools.product(args.contexts, args.batches))
+    bar = progress(total=len(configs) * args.repeats, desc="decode calls")
+    for context, batch in configs:
+        per_row = math.ceil(context / S)
+        g = torch.Generator().manual_seed(context + batch)
+        table = torch.arange(batch * per_row).view(batch, per_row)
+        page_pos = (torch.arange(per_row) * S).expand(batch, per_row).contiguous()
+        q_pos = torch.full((batch, 1), context - 1)
+        mark_checked(table, page_pos, q_pos, batch * per_row)  # as a cache step does, once for every layer
+        query = torch.randn(batch, Hq, 1, D, generator=g)
+        pools = {}
+        for name in SPEED_FORMATS:
+            pools[name] = layer_pages(name, batch * per_row, S)
+        for start in range(0, batch * per_row * S, 1 << 16):  # the same tokens in every format
+            slots = torch.arange(start, min(start + (1 << 16), batch * per_row * S))
+            keys = torch.randn(len(slots), LAYER["kv_heads"], D, generator=g) + torch.linspace(-3, 3, D)
+            values = torch.randn(len(slots), LAYER["kv_heads"], D, generator=g)
+            for pages in pools.values():
+                pages.write(slots, keys, values)
+        calls = {name: (lambda p=pages: kernel.paged_attention_cpu(query, **p.kernel_operands(), page_table=table,
+                                                                   page_pos=page_pos, q_pos=q_pos, scale=D**-0.5))
+                 for name, pages in pools.items()}
+        for call in calls.values():
+            call()  # warm-up
+        times = {name: [] for name in SPEED_FORMATS}
+        for round_ in range(args.repeats):
+            order = SPEED_FORMATS[round_ % len(SPEED_FORMATS):] + SPEED_FORMATS[:round_ % len(SPEED_FORMATS)]
+            for name in order:
+                times[name].append(time_calls(calls[name], args.calls))
+            bar.update(1)
+        for name in SPEED_FORMATS:
+            cpu = [c for c, _ in times[name]]
+            ratios = [c / f for (c, _), (f, _) in zip(times[name], times["float32"])]
+            q1, median, q3 = quartiles(ratios)
+            results.append(dict(context=context, batch=batch, format=name, cpu_ms=1e3 * statistics.median(cpu),
+                                wall_ms=1e3 * statistics.median(w for _, w in times[name]),
+                                cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3,
+                                kv_bytes=pools[name].page_bytes() * batch * per_row))
+        del pools, calls
+    bar.close()
+    return dict(layer=LAYER, page_size=S, threads=torch.get_num_threads(), calls=args.calls, repeats=args.repeats,
+                results=results)
+
+
+# ------------------------------------------------------------------------------------------- output
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = ["# Quantized pages: perplexity, bytes and decode speed", ""]
+    if s["quick"]:
+        lines += ["**Smoke test (`--quick`): to check that everything runs; these numbers are not results.**", ""]
+    if "perplexity" in report:
+        r = report["perplexity"]
+        lines += [f"## Perplexity and bytes: {s['model']}, {r['text']['tokens']} tokens of {r['text']['source']}", "",
+                  "One forward through a DynamicCache that keeps what each page scheme hands back. Perplexity "
+                  f"relative to float32 with a 95% paired bootstrap interval over blocks of {s['block']} tokens; KL: "
+                  "mean divergence of the next-token distribution from float32's (nats per token); bytes: KV bytes "
+                  "per token of the whole model, scales included.", "",
+                  "| pages | perplexity | vs float32 [95% interval] | KL mean | KL p99 | top-1 agreement | "
+                  "bytes/token | vs float32 | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for row in r["rows"]:
+            vs = ("—" if row["name"] == "float32" else
+                  f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]")
+            lines.append(f"| {row['name']} | {row['perplexity']:.4f} | {vs} | {row['kl_mean']:.5f} | "
+                         f"{row['kl_p99']:.4f} | {row['top1_agreement']:.4f} | {row['bytes_per_token']:.0f} | "
+                         f"{row['bytes_ratio']:.3f}x | {row['note']} |")
+        lines.append("")
+    if "speed" in report:
+        r = report["speed"]
+        lines += [f"## C kernel decode call, one SmolLM2 layer ({r['layer']['query_heads']} query heads, "
+                  f"{r['layer']['kv_heads']} KV heads, head dim {r['layer']['head_dim']}), pages of {r['page_size']}, "
+                  f"{r['threads']} thread(s)", "",
+                  f"Medians over {r['repeats']} rounds of {r['calls']} calls per format, formats alternating. Ratio: "
+                  "CPU time against float32 pages per round, median [quartiles]; below 1 is faster. Load average "
+                  f"{report['environment']['load_avg_start']} before, {report['environment']['load_avg_end']} after.",
+                  "", "| context | batch | pages | CPU ms/call | wall ms/call | vs float32 (CPU) | KV MiB |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        for row in r["results"]:
+            ratio = (f"{row['cpu_ratio']:.2f}x [{row['cpu_ratio_q1']:.2f}, {row['cpu_ratio_q3']:.2f}]"
+                     if row["format"] != "float32" else "—")
+            lines.append(f"| {row['context']} | {row['batch']} | {row['format']} | {row['cpu_ms']:.3f} | "
+                         f"{row['wall_ms']:.3f} | {ratio} | {row['kv_bytes'] / 2**20:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    parts = [part for part in PARTS if part in report]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 5), squeeze=False)
+    title = "SMOKE TEST, not a result: " if report["settings"]["quick"] else ""
+    for ax, part in zip(axes[0], parts):
+        if part == "perplexity":
+            rows = report["perplexity"]["rows"][1:]
+            for i, row in enumerate(rows):
+                y = 100 * row["relative"]
+                ax.errorbar(row["bytes_ratio"], y, yerr=[[y - 100 * row["low"]], [100 * row["high"] - y]], fmt="o",
+                            capsize=3, color=f"C{i}", label=f"{row['name']} (KL {row['kl_mean']:.4f})")
+            ax.axhline(0, color="black", lw=1)
+            for target, (x, y) in TARGETS.items():  # each format's target: at most x of the bytes, y% perplexity
+                ax.plot([0, x, x], [y, y, -1], ":", color="gray", lw=1)
+                ax.annotate(f"{target} target", (x, y), fontsize=7, color="gray", xytext=(3, 3),
+                            textcoords="offset points")
+            ax.set_ylim(bottom=min(-0.5, *(100 * r["low"] for r in rows)))
+            ax.set_xlabel("KV bytes per token / float32's")
+            ax.set_ylabel("perplexity vs float32 pages (%), 95% interval")
+            ax.set_title(f"{title}Perplexity against bytes, {report['perplexity']['text']['tokens']} tokens")
+            ax.legend(fontsize=7)
+        else:
+            results = report["speed"]["results"]
+            batches = sorted({r["batch"] for r in results})
+            for i, name in enumerate(SPEED_FORMATS[1:], start=1):
+                for batch, style in zip(batches, ("-o", "--s", ":^", "-.v")):
+                    pts = [(r["context"], r["cpu_ratio"]) for r in results
+                           if r["format"] == name and r["batch"] == batch]
+                    ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}, batch {batch}")
+            ax.axhline(1, color="black", lw=1, label="float32 pages")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("CPU time per decode call / float32 pages'")
+            ax.set_title(f"{title}C kernel decode, one SmolLM2 layer")
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """Run the parts of ``args`` (scripts/quantized.py's arguments); print the report and write it to ``args.out``."""
+    torch.set_num_threads(args.threads)
+    from tqdm.auto import tqdm
+
+    def progress(**kw):
+        return tqdm(disable=args.no_progress, dynamic_ncols=True, **kw)
+
+    environment = dict(load_avg_start=load_average(), **versions(("torch", "transformers", "hf_paged")),
+                       cpu=platform.processor() or platform.machine(), threads=args.threads)
+    report = dict(settings={k: v for k, v in vars(args).items() if k != "no_progress"}, environment=environment)
+    t0 = time.perf_counter()
+    for part in args.parts:
+        report[part] = (perplexity_part if part == "perplexity" else speed_part)(args, progress)
+    environment.update(load_avg_end=load_average(), wall_s=time.perf_counter() - t0)
+    table = markdown(report)
+    write_report(Path(args.out), "quantized", table, report, plot=lambda path: plot(report, path))
+    print(table)
+    print(f"wrote quantized.md, quantized.json and quantized.png in {args.out}")
+    return 0

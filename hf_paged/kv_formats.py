@@ -1,0 +1,337 @@
+"""Page formats: how one layer's keys and values are stored in its pages, and read back.
+
+A format is a pair of codecs (keys, values). Every quantized codec works per token: a token's vector of one
+KV head is encoded on its own, when it is written, with its scales beside it in the same slot. So a page
+needs no fill event and no full-precision residual, a write never changes another token's bytes, and a
+NaN or inf in one token cannot reach another token's scales.
+
+* ``"float"``: the model's dtype, unchanged (`FloatPages`).
+* ``"int8"``: symmetric, one float16 scale per token and KV head: ``x = scale * code``, codes in [-127, 127].
+* ``"int4"``: two codes a byte; asymmetric groups with a float16 scale and an int8 zero point each,
+  ``x = scale * (code - zero)``, codes in [0, 15]; keys in groups of 16 (`KEY_GROUP`), values one group a
+  head; both stored rotated by a fixed orthogonal block-Hadamard matrix (`rotation`), which spreads the
+  few large channels of a key over all of them. A kernel rotates the query the same way (scores are
+  unchanged: R is orthogonal) and rotates its output back (R is its own inverse).
+* ``"fp8_e4m3"`` (CUDA, the Triton kernel): float8 e4m3 scaled into its range per token and KV head.
+
+Why per token, and these groups: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded
+text, paired 95% bootstrap intervals) and bytes of each choice on the embedded SmolLM2: int8 -0.03%
+[-0.17, +0.10] at 0.258x float32's bytes; int4 +1.99% [+0.81, +3.24] at 0.154x, where keys not rotated,
+key groups of 32 or one key group a head, or values not rotated all measure worse (+2.4 to +3.8%). KIVI's
+keys, per channel within each page, measure +1.00% [+0.24, +1.67] (half int4's KL divergence) at 0.162x,
+but need what a per-token format avoids: a full-precision residual for the page being filled and an
+event when it fills.
+
+Non-finite inputs: scales come from a group's finite entries and +-inf saturate to the extreme codes; a
+group holding a NaN, or nothing finite, gets a NaN scale and reads back as NaN (as a float page would hold
+it), while every other group and token keeps its own scales. (A rotated row with an inf is inf throughout
+its rotation block, so it reads back as NaN.)
+
+Layout of a quantized layer's tensors (``P`` pages of ``S`` slots, ``H`` KV heads, head dim ``D``):
+
+* codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4
+  (``W = D / 2 + G``: byte ``j < D / 2`` holds element ``2j`` in its low and ``2j + 1`` in its high nibble,
+  byte ``D / 2 + g`` the int8 zero point of group ``g``);
+* scales ``[P, S, H, G]`` float16, ``G`` groups of ``D / G`` consecutive elements (``G = 1`` but for int4 keys).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CacheUsageError
+
+__all__ = ["KV_FORMATS", "KEY_GROUP", "PageFormat", "FloatPages", "QuantizedPages", "make_layer_pages",
+           "check_kv_format", "page_format", "rotation", "quantize", "dequantize"]
+
+KEY_GROUP = 16  # elements of an int4 key group (fewer when the head dim is not a multiple of it)
+_FP16_MAX = 65504.0
+_FP8_MAX = 448.0  # largest float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------ codecs
+@functools.lru_cache(maxsize=None)
+def _rotation(dim: int, device: torch.device) -> torch.Tensor:
+    block = dim & -dim  # the largest power of two dividing dim
+    hadamard = torch.ones(1, 1, dtype=torch.float64)
+    while hadamard.shape[0] < block:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    matrix = torch.block_diag(*[hadamard / math.sqrt(block)] * (dim // block))
+    return matrix.to(torch.float32).to(device)
+
+
+def rotation(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed ``[dim, dim]`` float32 rotation of rotated codecs: block-diagonal Sylvester Hadamard blocks
+    (the largest power of two dividing ``dim``), scaled to be orthogonal. Symmetric, so ``R @ R = I``:
+    ``x @ R`` rotates a row vector and ``y @ R`` rotates it back; exact and the same on every machine."""
+    return _rotation(dim, torch.device(device))
+
+
+def _finite_range(groups: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Per group (last dim) the min or max of the finite entries; 0 for a group without any."""
+    fill = math.inf if reduce == "amin" else -math.inf
+    out = getattr(torch.where(torch.isfinite(groups), groups, fill), reduce)(-1)
+    return torch.where(torch.isfinite(out), out, 0.0)
+
+
+def _scale(value: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """float16 scales (clamped into float16's range), NaN for the groups (last dim of ``groups``) that hold a
+    NaN or nothing finite."""
+    unreadable = groups.isnan().any(-1) | ~torch.isfinite(groups).any(-1)
+    return value.clamp(max=_FP16_MAX).masked_fill(unreadable, float("nan")).to(torch.float16)
+
+
+@dataclass(frozen=True)
+class SymmetricCodec:
+    """``x = scale * code`` per token and head, codes of ``dtype`` up to ``limit`` in magnitude (int8, fp8)."""
+
+    dtype: torch.dtype
+    limit: float
+    rotated: bool = False
+
+    def group_size(self, dim: int) -> int:
+        return dim
+
+    def groups(self, dim: int) -> int:
+        return 1
+
+    def width(self, dim: int) -> int:
+        return dim
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[..., D]`` -> (codes ``[..., D]``, float16 scales ``[..., 1]``)."""
+        scale = _scale(x.abs().where(torch.isfinite(x), 0.0).amax(-1) / self.limit, x)[..., None]
+        scaled = torch.where(scale > 0, x / scale.float(), 0.0).nan_to_num(0.0).clamp(-self.limit, self.limit)
+        return (scaled.round() if not self.dtype.is_floating_point else scaled).to(self.dtype), scale
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+        return codes.float() * scale.float()
+
+
+@dataclass(frozen=True)
+class Int4Codec:
+    """Two codes a byte, ``x = scale * (code - zero)`` per group of ``group`` elements (None: the whole
+    head), an int8 zero point per group stored after the codes (module docstring)."""
+
+    group: int | None
+    rotated: bool = True
+    dtype = torch.uint8
+
+    def group_size(self, dim: int) -> int:
+        return dim if self.group is None else math.gcd(dim, self.group)
+
+    def groups(self, dim: int) -> int:
+        return dim // self.group_size(dim)
+
+    def width(self, dim: int) -> int:
+        return dim // 2 + self.groups(dim)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[..., D]`` (D even) -> (uint8 ``[..., D / 2 + G]``, float16 scales ``[..., G]``)."""
+        dim = x.shape[-1]
+        groups = x.unflatten(-1, (self.groups(dim), self.group_size(dim)))
+        low, high = _finite_range(groups, "amin"), _finite_range(groups, "amax")
+        # wide enough for the range, and for the zero point -low / scale to fit an int8 (|zero| <= 120)
+        scale = _scale(torch.maximum((high - low) / 15, low.abs() / 120), groups)
+        s = scale.float().nan_to_num(0.0)[..., None]
+        zero = torch.where(s > 0, -low[..., None] / s, 0.0).round().clamp(-128, 127)
+        codes = torch.where(s > 0, groups / s, 0.0).nan_to_num(0.0).add(zero).round().clamp(0, 15).to(torch.uint8)
+        codes = codes.flatten(-2)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return torch.cat([packed, zero[..., 0].to(torch.int8).view(torch.uint8)], -1), scale
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+        half = dim // 2
+        nibbles = torch.stack([codes[..., :half] & 15, codes[..., :half] >> 4], -1).flatten(-2).float()
+        zero = codes[..., half:].view(torch.int8).float()
+        values = (nibbles.unflatten(-1, (zero.shape[-1], -1)) - zero[..., None]) * scale.float()[..., None]
+        return values.flatten(-2)
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """A page format: the codecs of keys and values (None: float), and the device types it can be read on."""
+
+    name: str
+    key: SymmetricCodec | Int4Codec | None
+    value: SymmetricCodec | Int4Codec | None
+    devices: tuple[str, ...] | None  # None: any
+    even_dims: bool = False  # two values a byte: head dims must be even
+
+    @property
+    def quantized(self) -> bool:
+        return self.key is not None
+
+
+_FORMATS = {
+    "float": PageFormat("float", None, None, None),
+    "int8": PageFormat("int8", SymmetricCodec(torch.int8, 127.0), SymmetricCodec(torch.int8, 127.0), ("cpu", "cuda")),
+    "int4": PageFormat("int4", Int4Codec(KEY_GROUP), Int4Codec(None), ("cpu", "cuda"), even_dims=True),
+    "fp8_e4m3": PageFormat("fp8_e4m3", SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX),
+                           SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX), ("cuda",)),
+}
+KV_FORMATS = tuple(_FORMATS)
+
+
+def _unknown(kv_format) -> CacheUsageError:
+    return CacheUsageError(f"kv_format={kv_format!r} is not a page format; choose one of "
+                           f"{', '.join(map(repr, KV_FORMATS))}")
+
+
+def page_format(kv_format: str) -> PageFormat:
+    """The `PageFormat` named ``kv_format`` (CacheUsageError naming the alternatives if there is none)."""
+    if not isinstance(kv_format, str) or kv_format not in _FORMATS:
+        raise _unknown(kv_format)
+    return _FORMATS[kv_format]
+
+
+def check_kv_format(kv_format: str, device: torch.device | str, head_dim: int, value_dim: int | None = None) -> None:
+    """Raise `CacheUsageError` (naming the argument and the alternatives) unless pages of ``kv_format`` can be
+    stored for these head dims and read on ``device``: an unknown format, fp8 off CUDA (the CPU kernel reads
+    float, int8 and int4; Triton reads fp8 from compute capability 8.9), an odd head dim for int4."""
+    fmt = page_format(kv_format)
+    device = torch.device(device)
+    readable = [name for name, f in _FORMATS.items() if f.devices is None or device.type in f.devices]
+    if kv_format not in readable:
+        raise CacheUsageError(f"kv_format={kv_format!r} cannot be read on {device.type} (only the Triton kernel "
+                              f"on CUDA reads it); on {device.type} choose one of {', '.join(map(repr, readable))}")
+    if kv_format == "fp8_e4m3" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise CacheUsageError(f"kv_format='fp8_e4m3' needs a GPU of compute capability 8.9 or newer, {device} has "
+                              f"{torch.cuda.get_device_capability(device)}; choose 'int8' or 'int4'")
+    dims = {"head_dim": head_dim, "value_dim": head_dim if value_dim is None else value_dim}
+    for name, dim in dims.items():
+        if fmt.even_dims and dim % 2:
+            raise CacheUsageError(f"kv_format={kv_format!r} packs two values a byte and needs an even {name}, the "
+                                  f"model's is {dim}; choose 'int8' or 'float'")
+
+
+def dequantize(codec: SymmetricCodec | Int4Codec, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 ``[..., dim]`` values of ``codes``/``scale`` in the model's basis (a rotated codec's rotation
+    undone)."""
+    values = codec.decode(codes, scale, dim)
+    return values @ rotation(dim, values.device) if codec.rotated else values
+
+
+def quantize(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, float16 scales) of ``x [..., dim]`` (any float dtype), rotated first by a rotated codec: what a
+    page stores; `dequantize` reads it back."""
+    x = x.float()
+    return codec.encode(x @ rotation(x.shape[-1], x.device) if codec.rotated else x)
+
+
+# ----------------------------------------------------------------------------------- layer pages
+class FloatPages:
+    """A layer's pages in the model's dtype: ``keys [P, S, H, D]``, ``values [P, S, H, Dv]``.
+
+    Minimal stand-in, for this module's tests: the page store of issue 31 brings the ``FloatPages`` that
+    `make_layer_pages` returns for ``"float"`` once it lands, with this interface."""
+
+    kv_format = "float"
+
+    def __init__(self, page_size: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device):
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
+        self.keys = torch.zeros(0, page_size, heads, head_dim, dtype=dtype, device=self.device)
+        self.values = torch.zeros(0, page_size, heads, value_dim, dtype=dtype, device=self.device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys.shape[0]
+
+    def grow_to(self, num_pages: int) -> None:
+        if num_pages > self.num_pages:
+            self.keys, self.values = (_grown(t, num_pages) for t in (self.keys, self.values))
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys.flatten(0, 1)[slots] = keys.to(self.dtype)
+        self.values.flatten(0, 1)[slots] = values.to(self.dtype)
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.keys[dst], self.values[dst] = self.keys[src], self.values[src]
+
+    def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[pages], self.values[pages]
+
+    def kernel_operands(self) -> dict:
+        return dict(k_pool=self.keys, v_pool=self.values, k_scale=None, v_scale=None, kv_format="float")
+
+    def page_bytes(self) -> int:
+        return (self.keys[0].numel() + self.values[0].numel()) * self.keys.element_size()
+
+
+class QuantizedPages:
+    """A layer's pages in a quantized `PageFormat`: codes and float16 scales of keys and values (layout in
+    the module docstring); reads dequantize to ``dtype``.
+
+    Invariants: the four tensors always have the same number of pages; a slot's codes and scales are written,
+    copied and grown together, so they always encode the same token; pages never written decode to zeros.
+    """
+
+    def __init__(self, fmt: PageFormat, page_size: int, heads: int, head_dim: int, value_dim: int,
+                 dtype: torch.dtype, device):
+        self.format, self.kv_format = fmt, fmt.name
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
+        self.head_dim, self.value_dim = head_dim, value_dim
+        shapes = {"k": (fmt.key, head_dim), "v": (fmt.value, value_dim)}
+        for name, (codec, dim) in shapes.items():
+            setattr(self, f"{name}_codes", torch.zeros(0, page_size, heads, codec.width(dim), dtype=codec.dtype,
+                                                       device=self.device))
+            setattr(self, f"{name}_scale", torch.zeros(0, page_size, heads, codec.groups(dim), dtype=torch.float16,
+                                                       device=self.device))
+
+    _TENSORS = ("k_codes", "k_scale", "v_codes", "v_scale")
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_codes.shape[0]
+
+    def grow_to(self, num_pages: int) -> None:
+        if num_pages > self.num_pages:
+            for name in self._TENSORS:
+                setattr(self, name, _grown(getattr(self, name), num_pages))
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Encode ``keys [T, H, D]``/``values [T, H, Dv]`` into the flat slots ``slots [T]`` (page * S + slot)."""
+        for prefix, codec, x in (("k", self.format.key, keys), ("v", self.format.value, values)):
+            codes, scale = quantize(codec, x)
+            getattr(self, f"{prefix}_codes").flatten(0, 1)[slots] = codes
+            getattr(self, f"{prefix}_scale").flatten(0, 1)[slots] = scale
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for name in self._TENSORS:
+            tensor = getattr(self, name)
+            tensor[dst] = tensor[src]
+
+    def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[..., S, H, D]`` and values ``[..., S, H, Dv]`` of ``pages [...]``, dequantized to ``dtype``
+        (only these pages are decoded)."""
+        keys = dequantize(self.format.key, self.k_codes[pages], self.k_scale[pages], self.head_dim)
+        values = dequantize(self.format.value, self.v_codes[pages], self.v_scale[pages], self.value_dim)
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def kernel_operands(self) -> dict:
+        return dict(k_pool=self.k_codes, v_pool=self.v_codes, k_scale=self.k_scale, v_scale=self.v_scale,
+                    kv_format=self.kv_format)
+
+    def page_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (getattr(self, n) for n in self._TENSORS))
+
+
+def _grown(tensor: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """``tensor`` with ``num_pages`` pages: its pages first, zeros after."""
+    grown = tensor.new_zeros((num_pages, *tensor.shape[1:]))
+    grown[: tensor.shape[0]] = tensor
+    return grown
+
+
+def make_layer_pages(kv_format: str, page_size: int, heads: int, head_dim: int, value_dim: int,
+                     dtype: torch.dtype, device) -> FloatPages | QuantizedPages:
+    """The pages of one layer in ``kv_format`` (checked first with `check_kv_format`), with no page yet."""
+    check_kv_format(kv_format, device, head_dim, value_dim)
+    fmt = page_format(kv_format)
+    if not fmt.quantized:
+        return FloatPages(page_size, heads, head_dim, value_dim, dtype, device)
+    return QuantizedPages(fmt, page_size, heads, head_dim, value_dim, dtype, device)

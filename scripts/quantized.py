@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Quantized pages (issue 32): what each page format costs in perplexity and bytes, and its decode speed.
+
+Part ``perplexity``: the embedded SmolLM2 (float32, "sdpa") scores the first ``--max-tokens`` tokens of the
+embedded Britannica text in one forward through a `SimulatedPages` cache, a DynamicCache that keeps each
+layer's keys and values as a page scheme would hand them back (quantized, then dequantized, by the
+functions of `hf_paged.kv_formats`). The page formats quantize every token on its own when it is written,
+so one forward scores exactly what decoding through such pages would. Rows: float32 (the reference),
+bfloat16, the formats "int8" and "int4", and the int4 alternatives the choice was made among (keys not
+rotated, key groups of 32 or one a head, values not rotated, and KIVI's keys per channel within each page
+of ``--page-size`` tokens, the partial last page kept in float32: in one forward every full page is
+quantized, which decoding would do only once the page fills). Per row: perplexity relative to float32 with a
+95% paired bootstrap interval over blocks of ``--block`` tokens (`hf_paged.evaluation.intervals`), the mean
+KL divergence from float32's next-token distribution (a steadier measure of the damage than one text's
+perplexity), top-1 agreement, and KV bytes per token of the whole model, scales included, against float32.
+
+Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query heads, 3 KV heads, head dim
+64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,
+int8 and int4 pages holding the same random keys and values. Every round times each format once (the order
+rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.process_time``) and wall time;
+the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
+quartiles), with the load average before and after.
+
+Writes ``--out`` (default runs/quantized, git-ignored)/quantized.md, quantized.json and quantized.png. The
+study is `hf_paged.evaluation.quantized`.
+
+Examples:
+    python scripts/quantized.py                          # both parts (about 10 minutes on 1 idle core)
+    python scripts/quantized.py --parts speed --contexts 4096 --batches 1
+    python scripts/quantized.py --quick                  # smoke test, not a result
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from hf_paged import assets  # noqa: E402
+from hf_paged.evaluation import quantized as study  # noqa: E402
+from hf_paged.evaluation.formats import int_list  # noqa: E402
+from hf_paged.evaluation.quantized import DEFAULTS, PARTS, QUICK  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"perplexity: tokens of the text (default {DEFAULTS['max_tokens']}, "
+                        f"--quick {QUICK['max_tokens']})")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="pages of KIVI's keys (perplexity) and of the kernel (speed)")
+    p.add_argument("--block", type=int, default=64, help="perplexity: tokens per block of the paired bootstrap")
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help=f"speed: tokens per row (default {DEFAULTS['contexts']})")
+    p.add_argument("--batches", type=int_list, default=None,
+                   help=f"speed: rows per call (default {DEFAULTS['batches']})")
+    p.add_argument("--repeats", type=int, default=None, help=f"speed: rounds (default {DEFAULTS['repeats']})")
+    p.add_argument("--calls", type=int, default=None, help=f"speed: kernel calls per format and round "
+                                                           f"(default {DEFAULTS['calls']})")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
+    p.add_argument("--quick", action="store_true", help="smoke test (seconds to a minute, not a result)")
+    p.add_argument("--out", default="runs/quantized", help="output folder (git-ignored runs/)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, int_list(value) if key in ("contexts", "batches") else value)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    if not args.parts or set(args.parts) - set(PARTS):
+        p.error(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {','.join(args.parts)!r}")
+    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(study.main(parse_args()))

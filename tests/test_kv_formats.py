@@ -1,0 +1,223 @@
+"""Tests of the page formats (`hf_paged.kv_formats`): round-trip error bounds, the layer-pages interface
+(grow, write, copy, gather, kernel operands, bytes), NaN/inf isolation, and the errors of bad formats."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_paged.errors import CacheUsageError
+from hf_paged.kernels.arguments import check_paged_args
+from hf_paged.kv_formats import (
+    KV_FORMATS,
+    FloatPages,
+    QuantizedPages,
+    check_kv_format,
+    make_layer_pages,
+    page_format,
+    rotation,
+)
+
+QUANTIZED = ("int8", "int4", "fp8_e4m3")
+S, H, D = 4, 3, 64  # page size, KV heads, head dim of most tests
+
+
+def pages_of(kv_format: str, dtype=torch.float32, head_dim=D, value_dim=D, num_pages=6):
+    """Pages of any format on the CPU (fp8 too: the CPU cannot read it in a kernel, but stores it)."""
+    fmt = page_format(kv_format)
+    cls = QuantizedPages if fmt.quantized else None
+    pages = (cls(fmt, S, H, head_dim, value_dim, dtype, "cpu") if cls
+             else FloatPages(S, H, head_dim, value_dim, dtype, "cpu"))
+    pages.grow_to(num_pages)
+    return pages
+
+
+def tokens(n: int, dim: int = D, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    """Keys-like tokens: Gaussian, a few channels with a large offset (as RoPE'd keys have), varied magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, dim, generator=g) * scale * torch.rand(n, H, 1, generator=g).add(0.1)
+    x[..., min(3, dim - 1)] += 8.0
+    return x
+
+
+def roundtrip(kv_format: str, x: torch.Tensor, values=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write tokens ``x`` (and ``values``) into the first slots, read them back (keys, values) [n, H, dim]."""
+    pages = pages_of(kv_format, head_dim=x.shape[-1], value_dim=(x if values is None else values).shape[-1],
+                     num_pages=-(-len(x) // S))
+    pages.write(torch.arange(len(x)), x, x if values is None else values)
+    keys, vals = pages.gather(torch.arange(pages.num_pages))
+    return keys.flatten(0, 1)[: len(x)], vals.flatten(0, 1)[: len(x)]
+
+
+# ------------------------------------------------------------------------------------- error bounds
+def test_int8_error_is_at_most_half_a_step():
+    x = tokens(40)
+    keys, _ = roundtrip("int8", x)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((keys - x).abs() <= 0.5 * step * (1 + 2**-10) + 1e-7).all()
+    assert (keys - x).abs().max() > 0.1 * step.min()  # it did quantize
+
+
+@pytest.mark.parametrize("dim", [64, 24, 2])
+def test_int4_error_is_bounded_by_its_groups_steps(dim):
+    """In the rotated basis each element is off by at most one step of its group (rounding, and the zero point's
+    rounding); rotated back, the error's norm is at most the norm of those steps. Keys groups: 16 (8 for head
+    dim 24, 2 for 2); values: one group."""
+    x, v = tokens(40, dim), tokens(40, dim, seed=1)
+    keys, values = roundtrip("int4", x, v)
+    fmt = page_format("int4")
+    for codec, original, back in ((fmt.key, x, keys), (fmt.value, v, values)):
+        groups = (original @ rotation(dim)).unflatten(-1, (codec.groups(dim), codec.group_size(dim)))
+        spread = groups.amax(-1) - groups.amin(-1)
+        step = torch.maximum(spread / 15, groups.amin(-1).abs() / 120) * (1 + 2**-10)
+        bound = (step.square() * codec.group_size(dim)).sum(-1).sqrt()
+        assert ((back - original).norm(dim=-1) <= bound + 1e-5).all()
+    assert codec.group_size(dim) == dim and fmt.key.group_size(dim) == math.gcd(dim, 16)
+
+
+def test_fp8_error_is_relative():
+    x = tokens(40)
+    keys, _ = roundtrip("fp8_e4m3", x)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    assert ((keys - x).abs() <= x.abs() * 2**-4 + scale * 2**-9 + 1e-6).all()
+
+
+def test_rotation_is_an_exact_symmetric_orthogonal_block_hadamard():
+    for dim, block in ((64, 64), (24, 8), (80, 16), (6, 2)):
+        r = rotation(dim)
+        torch.testing.assert_close(r @ r, torch.eye(dim), rtol=0, atol=1e-6)
+        assert torch.equal(r, r.T)
+        assert torch.equal(r.abs() > 0, torch.block_diag(*[torch.ones(block, block)] * (dim // block)).bool())
+        assert torch.allclose(r.abs()[r != 0], torch.tensor(block**-0.5))
+
+
+# --------------------------------------------------------------------------------- the interface
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_write_gather_grow_and_copy(kv_format):
+    """Tokens read back where they were written (within the format's error), unwritten pages read zeros (never
+    NaN), growing keeps every page, and copy_pages moves codes and scales together (a page of large tokens
+    copied over one of small tokens reads back as the large ones, exactly)."""
+    pages = pages_of(kv_format, dtype=torch.bfloat16, num_pages=3)
+    big, small = tokens(S, seed=2, scale=50.0), tokens(S, seed=3, scale=0.01)
+    pages.write(torch.arange(S), big, big * 2)  # page 0
+    pages.write(torch.arange(S, 2 * S), small, small)  # page 1
+    before = pages.gather(torch.arange(3))
+    assert before[0].dtype == torch.bfloat16 and before[0].shape == (3, S, H, D)
+    assert torch.equal(before[0][2], torch.zeros(S, H, D, dtype=torch.bfloat16))
+    tol = dict(float=0.01, int8=0.01, int4=0.12, fp8_e4m3=0.07)[kv_format]
+    for got, want in ((before[0][0], big), (before[1][0], 2 * big), (before[0][1], small)):
+        assert (got.float() - want).norm() <= tol * want.norm()
+    pages.grow_to(7)
+    after = pages.gather(torch.arange(7))
+    assert pages.num_pages == 7 and torch.equal(after[0][:3], before[0]) and torch.equal(after[1][:3], before[1])
+    assert not after[0][3:].any() and not after[1][3:].any()
+    pages.copy_pages(torch.tensor([0]), torch.tensor([1]))
+    keys, values = pages.gather(torch.tensor([[1, 0]]))
+    assert torch.equal(keys[0, 0], before[0][0]) and torch.equal(values[0, 0], before[1][0])
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_gather_dequantizes_only_the_pages_asked_for_in_their_shape(kv_format):
+    pages = pages_of(kv_format)
+    pages.write(torch.arange(6 * S), tokens(6 * S), tokens(6 * S, seed=1))
+    everything = pages.gather(torch.arange(6))
+    table = torch.tensor([[4, 1], [0, 0]])
+    keys, values = pages.gather(table)
+    assert keys.shape == (2, 2, S, H, D) and values.shape == (2, 2, S, H, D)
+    assert torch.equal(keys, everything[0][table]) and torch.equal(values, everything[1][table])
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_kernel_operands_meet_the_kernels_argument_contract(kv_format):
+    pages = pages_of(kv_format, num_pages=2)
+    operands = pages.kernel_operands()
+    assert set(operands) == {"k_pool", "v_pool", "k_scale", "v_scale", "kv_format"}
+    assert operands["kv_format"] == kv_format and (operands["k_scale"] is None) == (kv_format == "float")
+    query = torch.zeros(1, 2 * H, 1, D)
+    table, pos = torch.tensor([[1, -1]]), torch.zeros(1, 2, dtype=torch.long)
+    assert check_paged_args(query, page_table=table, page_pos=pos, q_pos=torch.tensor([[3]]), mask=None, s_aux=None,
+                            **operands) is page_format(kv_format)
+
+
+def test_page_bytes_meet_the_targets_against_float32():
+    """Per token of a SmolLM2 head (D = 64), scales included: int8 and fp8 at most 0.27x float32, int4 at most
+    0.16x; the bytes are those of the tensors."""
+    float32 = pages_of("float").page_bytes()
+    assert float32 == S * H * 2 * D * 4
+    for kv_format, limit in (("int8", 0.27), ("fp8_e4m3", 0.27), ("int4", 0.16)):
+        pages = pages_of(kv_format)
+        tensors = (pages.k_codes, pages.k_scale, pages.v_codes, pages.v_scale)
+        assert pages.page_bytes() == sum(t.nbytes for t in tensors) // pages.num_pages
+        assert pages.page_bytes() / float32 <= limit, (kv_format, pages.page_bytes() / float32)
+    assert pages_of("float", dtype=torch.bfloat16).page_bytes() == float32 // 2
+
+
+# ------------------------------------------------------------------------------------- non-finite
+@pytest.mark.parametrize("kv_format", QUANTIZED)
+def test_nan_and_inf_stay_in_their_own_group(kv_format):
+    """A NaN key and an inf value in one page: the other tokens (and the other heads of those tokens) read back
+    bit for bit as written without them; the NaN group reads NaN; the inf token's finite entries keep their
+    scale (the inf saturates to the largest code), except in a rotated format (int4), where the inf spreads
+    over the row, which then holds nothing finite and reads NaN, as a float page's attention would."""
+    x, v = tokens(S), tokens(S, seed=1)
+    clean = roundtrip(kv_format, x, v)
+    bad_x, bad_v = x.clone(), v.clone()
+    bad_x[1, 0, 5] = float("nan")
+    bad_v[2, 1, 7] = float("inf")
+    keys, values = roundtrip(kv_format, bad_x, bad_v)
+    others = [0, 3]
+    assert torch.equal(keys[others], clean[0][others]) and torch.equal(values[others], clean[1][others])
+    assert torch.equal(keys[2], clean[0][2]) and torch.equal(values[1], clean[1][1])
+    assert torch.equal(keys[1, 1:], clean[0][1, 1:]) and torch.equal(values[2, [0, 2]], clean[1][2, [0, 2]])
+    assert keys[1, 0].isnan().any()
+    inf_row = values[2, 1]
+    if kv_format == "int4":
+        assert inf_row.isnan().all()
+        return
+    finite = torch.ones(D, dtype=torch.bool)
+    finite[7] = False
+    assert torch.isfinite(inf_row).all()
+    assert (inf_row[finite] - v[2, 1, finite]).abs().max() <= 0.07 * v[2, 1].abs().max()
+    assert inf_row[7] == inf_row.abs().max()  # saturated at the scale of the finite entries
+
+
+@pytest.mark.parametrize("kv_format", QUANTIZED)
+def test_a_token_with_nothing_finite_reads_nan_and_zeros_read_zero(kv_format):
+    x = tokens(3)
+    x[0, 2] = float("-inf")
+    x[1] = 0.0
+    keys, _ = roundtrip(kv_format, x)
+    assert keys[0, 2].isnan().all() and torch.isfinite(keys[0, :2]).all()
+    assert torch.equal(keys[1], torch.zeros(H, D))
+
+
+# --------------------------------------------------------------------------------------- errors
+def test_bad_formats_are_refused_before_any_work_naming_the_argument_and_the_alternatives():
+    with pytest.raises(CacheUsageError, match="kv_format='q4' is not a page format; choose one of 'float', 'int8', "
+                                              "'int4', 'fp8_e4m3'"):
+        make_layer_pages("q4", S, H, D, D, torch.float32, "cpu")
+    with pytest.raises(CacheUsageError, match="kv_format='fp8_e4m3' cannot be read on cpu .* choose one of 'float', "
+                                              "'int8', 'int4'"):
+        make_layer_pages("fp8_e4m3", S, H, D, D, torch.float32, "cpu")
+    with pytest.raises(CacheUsageError, match="kv_format='int4' packs two values a byte and needs an even head_dim, "
+                                              "the model's is 63; choose 'int8' or 'float'"):
+        check_kv_format("int4", "cpu", 63)
+    with pytest.raises(CacheUsageError, match="even value_dim"):
+        make_layer_pages("int4", S, H, D, 33, torch.float32, "cpu")
+    with pytest.raises(CacheUsageError, match="not a page format"):
+        check_kv_format(None, "cpu", 64)
+    for kv_format in ("float", "int8"):
+        check_kv_format(kv_format, "cpu", 63)  # odd head dims are fine without nibbles
+    check_kv_format("float", "meta", 64)
+
+
+def test_make_layer_pages_builds_each_format_empty():
+    for kv_format in ("float", "int8", "int4"):
+        pages = make_layer_pages(kv_format, S, H, D, 32, torch.bfloat16, "cpu")
+        assert pages.num_pages == 0 and pages.page_size == S and pages.dtype == torch.bfloat16
+        assert isinstance(pages, FloatPages if kv_format == "float" else QuantizedPages)
+        pages.grow_to(1)
+        keys, values = pages.gather(torch.tensor([0]))
+        assert keys.shape == (1, S, H, D) and values.shape == (1, S, H, 32)

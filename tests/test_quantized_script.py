@@ -1,0 +1,81 @@
+"""scripts/quantized.py (`hf_paged.evaluation.quantized`): its schemes are the page formats' (bytes and round
+trips), KIVI's simulation, the speed part end to end on small shapes (fast), and the perplexity part on the real
+SmolLM2 (slow)."""
+
+import json
+
+import pytest
+import torch
+from script_commands import Command
+
+from hf_paged.evaluation import quantized as study
+from hf_paged.kv_formats import QuantizedPages, page_format
+
+quantized = Command("quantized", study)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # (main sets torch's threads: the fixture puts them back)
+
+
+def test_format_schemes_hand_back_what_the_pages_store_and_count_their_bytes():
+    """The simulation of "int8" and "int4" is the pages' own write-then-gather, and their bytes per token are
+    the pages' bytes (scales included); float32 and bfloat16 count 4 and 2 bytes an element."""
+    S, H, D = 4, 3, 64
+    schemes = {s.name: s for s in quantized.schemes(D, S)}
+    assert schemes["float32"].bytes_per_head == 2 * 4 * D and schemes["bfloat16"].bytes_per_head == 2 * 2 * D
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, H, 3 * S, D, generator=g) * 4, torch.randn(2, H, 3 * S, D, generator=g)
+    for name in ("int8", "int4"):
+        pages = QuantizedPages(page_format(name), S, H, D, D, torch.float32, "cpu")
+        pages.grow_to(6)
+        slots = torch.arange(6 * S)
+        pages.write(slots, keys.transpose(1, 2).flatten(0, 1), values.transpose(1, 2).flatten(0, 1))
+        stored_keys, stored_values = (t.flatten(0, 1).unflatten(0, (2, 3 * S)).transpose(1, 2)
+                                      for t in pages.gather(torch.arange(6)))
+        assert torch.equal(schemes[name].keys(keys), stored_keys)
+        assert torch.equal(schemes[name].values(values), stored_values)
+        assert schemes[name].bytes_per_head == pages.page_bytes() / (S * H)
+    assert schemes["int8"].bytes_per_head / schemes["float32"].bytes_per_head <= 0.27
+    assert schemes["int4"].bytes_per_head / schemes["float32"].bytes_per_head <= 0.16
+
+
+def test_kivi_keys_quantize_full_pages_per_channel_and_leave_the_last_partial_page():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, 37, 8, generator=g) * torch.linspace(0.1, 10, 8)  # channels of very different ranges
+    back = quantized.kivi_keys(16)(x)
+    assert torch.equal(back[..., 32:, :], x[..., 32:, :])
+    pages = x[..., :32, :].unflatten(-2, (2, 16))
+    step = (pages.amax(-2, keepdim=True) - pages.amin(-2, keepdim=True)) / 15
+    error = (back[..., :32, :].unflatten(-2, (2, 16)) - pages).abs()
+    assert (error <= step * 0.51 + 1e-3).all() and error.max() > 0
+
+
+def test_speed_part_writes_its_table_json_and_plot(tmp_path):
+    assert quantized.main(["--parts", "speed", "--contexts", "40", "--batches", "1,2", "--repeats", "2", "--calls",
+                           "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "quantized.json").read_text())
+    results = report["speed"]["results"]
+    assert {(r["batch"], r["format"]) for r in results} == {(b, f) for b in (1, 2) for f in quantized.SPEED_FORMATS}
+    assert all(r["cpu_ratio"] == 1 for r in results if r["format"] == "float32")
+    assert all(r["cpu_ms"] > 0 and r["kv_bytes"] > 0 for r in results)
+    assert report["environment"]["load_avg_start"] is not None and "perplexity" not in report
+    assert "| 40 | 2 | int4 |" in (tmp_path / "quantized.md").read_text()
+    assert (tmp_path / "quantized.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_parts_are_refused():
+    with pytest.raises(SystemExit):
+        quantized.parse_args(["--parts", "speed,memory"])
+
+
+@pytest.mark.slow
+def test_perplexity_part_on_the_real_model(tmp_path):
+    """float32 is its own reference (0, no KL); int8 is within 0.2% at a fraction of a nat of KL; every row has
+    an interval around its ratio."""
+    assert quantized.main(["--quick", "--parts", "perplexity", "--max-tokens", "128", "--out", str(tmp_path),
+                           "--no-progress"]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "quantized.json").read_text())["perplexity"]["rows"]}
+    assert rows["float32"]["relative"] == rows["float32"]["kl_mean"] == 0 and rows["float32"]["bytes_ratio"] == 1
+    assert abs(rows["int8"]["relative"]) < 0.002 and rows["int8"]["kl_mean"] < 0.005
+    assert rows["int4"]["kl_mean"] > rows["int8"]["kl_mean"]
+    assert all(r["low"] <= r["relative"] <= r["high"] for r in rows.values())
+    assert len(rows) == len(quantized.schemes(64, 16))
