@@ -18,6 +18,7 @@ are imported inside the functions that need them.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import os
@@ -25,11 +26,12 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
-from .paths import cache_dir
+from .paths import cache_dir, unsafe_folder_reason
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names the scripts accept
@@ -59,7 +61,9 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     """'smollm2' -> local safetensors folder (converted once from the embedded GGUF, cached);
     any other string returned unchanged (a hub id or local path).
 
-    The folder is ``cache_dir() / "SmolLM2-135M-Instruct.Q4_1"``. The conversion writes into a
+    The folder is ``cache_dir() / "SmolLM2-135M-Instruct.Q4_1"``, used only when it is private (owned by this
+    user, nobody else can write it or swap it: `hf_paged.paths.unsafe_folder_reason`); otherwise the model is
+    converted into a private temporary folder for this process, with a warning. The conversion writes into a
     temporary folder beside it and renames it into place, so a folder that exists is complete, and
     two processes converting at once (e.g. under ``accelerate launch``) both end up using whichever
     rename won.
@@ -67,9 +71,14 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     if name_or_path != DEFAULT_MODEL:
         return name_or_path
     target = cache_dir() / Path(_GGUF_FILE).stem
+    refused = _untrusted(target)
+    if refused:
+        target = _process_folder() / target.name
+        warnings.warn(f"hf_paged: not using the converted model in the cache folder because {refused}; converting "
+                      f"into the private folder {target.parent} instead (removed at exit). Set HF_PAGED_CACHE_DIR "
+                      "to a folder only you can write.", stacklevel=2)
     if (target / "config.json").is_file():
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _convert_gguf(tmp)
@@ -82,6 +91,24 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _untrusted(target: Path) -> str | None:
+    """Why the converted-model folder ``target`` (or, before it exists, the cache folder that will hold it, created
+    ``0700``) could hold another user's weights (`hf_paged.paths.unsafe_folder_reason`), or None."""
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as error:
+        return f"{target.parent} cannot be created ({error.strerror or error})"
+    return unsafe_folder_reason(target if target.exists() else target.parent)
+
+
+@functools.lru_cache(maxsize=1)
+def _process_folder() -> Path:
+    """A private folder for this process's converted model, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix="hf_paged-model-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _convert_gguf(out_dir: Path) -> None:

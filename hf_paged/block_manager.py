@@ -25,7 +25,9 @@ class BlockManager:
     ``max_pages=None`` lets the pool grow geometrically (+25% at a time); an int bounds it.
     Allocation order: a free page (the preferred one when it is free), else the least recently
     used cached page (vLLM v1 order), else growth (into the preferred page when it lies just
-    beyond the pool, so rows stay consecutive), else `PagePoolExhausted`.
+    beyond the pool, so rows stay consecutive), else `PagePoolExhausted`. An unbounded pool grows
+    only when no page is free or cached: its size stays within a constant factor of the most
+    pages ever in use at once, however often cached pages are made and reused.
     """
 
     def __init__(self, page_size: int, max_pages: int | None = None, initial_pages: int = 0):
@@ -73,7 +75,7 @@ class BlockManager:
     # -------------------------------------------------------------- allocation
     def allocate(self, prefer: int | None = None) -> int:
         """Return a page with reference count 1 (``prefer`` when it is free or can be grown into)."""
-        if (prefer is not None and prefer >= self.num_pages and not self.free
+        if (prefer is not None and prefer >= self.num_pages and not self.free and not self.cached
                 and (self.max_pages is None or prefer < self.max_pages)):
             self.grow_to(max(prefer + 1, self._grown()))  # grow into the preferred page only when full
         if prefer is not None and prefer in self.free:
@@ -94,7 +96,8 @@ class BlockManager:
         return page
 
     def free_run(self, length: int) -> int | None:
-        """First page of ``length`` consecutive free pages, growing an unbounded pool to make room."""
+        """First page of ``length`` consecutive free pages, growing an unbounded pool to make room when the
+        free and cached pages cannot hold ``length`` pages; None when there is no such run (nor growth)."""
         run_start, run = None, 0
         for page in range(self.num_pages):
             if page in self.free:
@@ -106,6 +109,8 @@ class BlockManager:
                 run = 0
         if run == 0:
             run_start = self.num_pages
+        if self.max_pages is None and len(self.free) + len(self.cached) >= length:
+            return None  # the pages are there, if not in a run: reuse them before growing
         if self.max_pages is None or run_start + length <= self.max_pages:
             self.grow_to(max(run_start + length, self._grown()))
             return run_start
@@ -173,6 +178,21 @@ class BlockManager:
         content_hash = self.page_hash.pop(page, None)
         if content_hash is not None:
             del self.hash_to_page[content_hash]
+
+    def release_all(self) -> None:
+        """Drop every reference: pages with a content hash become cached (their content is complete: a page gets
+        its hash once computed, and loses it before it is handed out again), others free. It also restores the
+        invariants after an operation was interrupted midway (a page in no list, a count that no row holds)."""
+        self.hash_to_page = {h: p for p, h in self.page_hash.items()}
+        for page in range(self.num_pages):
+            self.ref[page] = 0
+            if page not in self.free and page not in self.cached:
+                (self.cached if page in self.page_hash else self.free)[page] = None
+        for page in [p for p in self.free if p in self.page_hash]:
+            self._drop_hash(page)
+        for page in [p for p in self.cached if p not in self.page_hash]:
+            del self.cached[page]
+            self.free[page] = None
 
     def reset(self) -> None:
         """Every page becomes free; hashes are dropped. Capacity is kept."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 
 import torch
 from transformers import PretrainedConfig
@@ -29,6 +30,11 @@ def _check_positive_int(name: str, value, allow_none: bool = False, most: int | 
         fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
         fix += f" of at most {most}" if most is not None else ""
         raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
+
+
+def _check_backend(backend) -> None:
+    if backend not in (None, "auto", "torch", "triton", "cpu"):
+        raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
 
 
 def _check_arguments(config, model, lru_threshold) -> None:
@@ -84,8 +90,7 @@ class PagedCache(PrefixCaching, Cache):
         _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         _check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
-        if backend not in (None, "auto", "torch", "triton", "cpu"):
-            raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
+        _check_backend(backend)
         self.backend = backend
         self.policy = EvictionPolicy.for_pages(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                                observation_window, score_heads, compress_prompt, score_signal)
@@ -225,23 +230,41 @@ class PagedCache(PrefixCaching, Cache):
             self.token_log.remap(rows_for(range(len(self.token_log.tokens))))
         self.groups.remap(rows_for)
 
+    def _row_indices(self, name: str, indices) -> list[int]:
+        """``indices`` as rows of this cache, else a clear error (a negative index would silently wrap around)."""
+        order = torch.as_tensor(indices).reshape(-1)
+        if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
+            raise CacheUsageError(f"{name} takes integer row indices, got a {order.dtype} tensor.")
+        order = order.tolist()
+        batch = max((group.batch_size for group in self.groups.values()), default=0)
+        bad = [i for i in order if not 0 <= i < batch]
+        if batch and bad:
+            raise CacheUsageError(f"{name}: row indices {bad[:5]} are outside [0, {batch}): the cache holds {batch} "
+                                  "rows, numbered from 0 (no negative indices).")
+        return order
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b becomes old row ``beam_idx[b]``; pages are shared, copied on write."""
-        order = beam_idx.tolist()
+        order = self._row_indices("reorder_cache", beam_idx)
         self._remap_rows(lambda rows: [rows[i] for i in order])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        _check_positive_int("batch_repeat_interleave: repeats", repeats)
         self._remap_rows(lambda rows: [r for r in rows for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        order = torch.as_tensor(indices).reshape(-1).tolist()
+        order = self._row_indices("batch_select_indices", indices)
         self._remap_rows(lambda rows: [rows[i] for i in order])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative int)."""
-        if tokens_to_remove > 0:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative int); more than the
+        cache holds empties it, as `DynamicCache.crop` does."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral) \
+                or tokens_to_remove > 0:
             raise CacheUsageError(
-                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache.")
+                f"crop({tokens_to_remove!r}): pass a negative int, the number of tokens to remove, as with "
+                "DynamicCache.")
+        tokens_to_remove = int(tokens_to_remove)
         self.commit()
         self.groups.crop(-tokens_to_remove)
         if self.token_log is not None:

@@ -194,8 +194,11 @@ class PagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def activate_past_recording(self) -> None:
-        """Assisted decoding: keep sliding-window pages until the next `crop` (it may roll back)."""
+    def activate_past_recording(self, **recurrent_options) -> None:
+        """Assisted decoding: keep sliding-window pages until the next `crop` (it may roll back).
+
+        ``recurrent_options`` (transformers >= 5.25 passes ``recurrent_states_to_keep``) concern
+        linear-attention layers only; attention pages ignore them."""
         self.group.record_past = True
 
     def reset(self) -> None:

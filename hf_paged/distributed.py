@@ -108,6 +108,13 @@ def deal(items: Sequence, num_processes: int) -> list:
     return [x for share in shares for x in share]
 
 
+def share(state, items: Sequence) -> list:
+    """This rank's share of ``items``: `deal`'s order through ``state.split_between_processes``, never padded
+    (``apply_padding`` would give the short ranks a copy of the last item: a prompt generated twice)."""
+    with state.split_between_processes(deal(items, state.num_processes)) as mine:
+        return list(mine)
+
+
 @dataclass
 class DistributedGeneration:
     """What :func:`generate_distributed` returns, on every rank.
@@ -168,12 +175,13 @@ def generate_distributed(
     from .continuous_batching import stream_many
     from .ragged_cache import RaggedCache
 
+    if sampling.get("num_return_sequences", 1) != 1:
+        raise ValueError("generate_distributed returns one completion per prompt: num_return_sequences must be 1 "
+                         "(repeat a prompt in the list for more samples of it).")
     state = state if state is not None else make_state()
     prompts = list(prompts)
     token_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"] if prompts else []
-    order = sorted(range(len(prompts)), key=lambda i: (-len(token_ids[i]), i))
-    with state.split_between_processes(deal(order, state.num_processes)) as mine:
-        mine = list(mine)
+    mine = share(state, sorted(range(len(prompts)), key=lambda i: (-len(token_ids[i]), i)))
 
     eos = _eos_ids(model, tokenizer)
     cache = RaggedCache(model.config, page_size=page_size, max_pages=max_pages)
@@ -183,8 +191,8 @@ def generate_distributed(
     wall_start = time.time()
     start = time.perf_counter()
     stream = stream_many(model, [token_ids[i] for i in mine], max_new_tokens=max_new_tokens, eos_token_id=sorted(eos),
-                         max_batch_tokens=max_batch_tokens, cache=cache, seed=[seed + i for i in mine],
-                         progress=progress and state.is_main_process, **sampling)
+                         max_batch_tokens=max_batch_tokens, cache=cache, seed=[seed + i for i in mine],  # global index:
+                         progress=progress and state.is_main_process, **sampling)  # any number of ranks, the same draws
     for local, token in stream:
         new[mine[local]].append(token)
         peak_used = max(peak_used, cache.manager.num_used)

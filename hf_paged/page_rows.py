@@ -127,7 +127,7 @@ class PageRows:
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise (changing nothing) if cropping would need tokens these rows no longer hold."""
         new_len = self.num_tokens - tokens_to_remove
-        if tokens_to_remove <= 0:
+        if tokens_to_remove <= 0 or new_len <= 0:  # (cropping everything empties the rows)
             return
         needed_from = self.window.skipped_tokens(new_len)
         if needed_from < self.first_page * self.page_size:
@@ -141,9 +141,12 @@ class PageRows:
                                   "evicted. Crop less, or raise max_pages.")
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages."""
+        """Forget the last ``tokens_to_remove`` tokens of every row, releasing emptied pages; as many as the rows
+        hold or more: the rows go (`clear`), as DynamicCache's tensors become empty."""
         self.check_crop(tokens_to_remove)
-        if tokens_to_remove > 0:
+        if self.rows and tokens_to_remove >= self.num_tokens:
+            self.clear()
+        elif tokens_to_remove > 0:
             new_len = self.num_tokens - tokens_to_remove
             keep = math.ceil(new_len / self.page_size) - self.first_page
             for r in self.rows:

@@ -84,7 +84,10 @@ class TokenLog:
     """Per row: the tokens, mask bits and positions processed so far, and the hashes of its full pages.
 
     Invariant: ``len(hashes[b]) == len(tokens[b]) // page_size`` after `extend` (hashes of pages
-    that are full), chained from ``root`` (the fingerprint of the model that computes the rows).
+    that are full), chained from ``root`` (the fingerprint of the model that computes the rows); the log
+    describes the first ``num_tokens`` tokens of its cache. Once the cache holds tokens the log never saw (a
+    forward its hook could not log: ``inputs_embeds``, another model), it stops (`stop`): later pages get no hash
+    (their K/V follow tokens it cannot name) until the log is cleared.
     """
 
     def __init__(self, page_size: int):
@@ -94,10 +97,21 @@ class TokenLog:
         self.mask: list[list[int]] = []
         self.positions: list[list[int]] = []
         self.hashes: list[list[bytes]] = []
+        self.stopped = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens[0]) if self.tokens else 0
+
+    def stop(self) -> None:
+        """The cache holds tokens after ``num_tokens`` that the log did not see: log nothing more."""
+        self.stopped = True
 
     def extend(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None) -> None:
-        past = len(self.tokens[0]) if self.tokens else 0
+        if self.stopped:
+            return
+        past = self.num_tokens
         ids, bits, positions = step_inputs(input_ids, attention_mask, position_ids, past)
         if not self.tokens:
             self.tokens, self.mask, self.positions, self.hashes = ([[] for _ in ids] for _ in range(4))
@@ -147,3 +161,4 @@ class TokenLog:
 
     def clear(self) -> None:
         self.tokens, self.mask, self.positions, self.hashes = [], [], [], []
+        self.stopped = False

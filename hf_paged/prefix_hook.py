@@ -4,11 +4,12 @@ the cache's side of prefix caching (reuse, explicit prefill, unbind).
 A cache made with ``PagedCache(model=model)`` registers one hook on ``model`` and keeps its handle:
 ``cache.unbind()`` (or the cache being garbage collected) removes it again. The hook acts only on
 forwards whose cache is its own. It logs their tokens, mask bits and positions (`TokenLog`, whose
-page hashes make full pages reusable) and, when a forward starts on an empty cache, shares the
-cached pages of the prompt's leading full pages and trims the inputs by that much. It never trims
-a token whose logits the caller asked for: ``logits_to_keep`` (0, the default of a plain
-``model(**inputs, cache=cache)``, asks for every token, so nothing is reused there; ``generate``
-asks for the last one). ``cache.prefill(model, **inputs)`` is the explicit form.
+page hashes make full pages reusable; a forward it cannot log, with ``inputs_embeds`` or by another
+model, stops the log: no page after it gets a hash until ``reset()``) and, when a forward starts on an
+empty cache, shares the cached pages of the prompt's leading full pages and trims the inputs by that
+much. It never trims a token whose logits the caller asked for: ``logits_to_keep`` (0, the default
+of a plain ``model(**inputs, cache=cache)``, asks for every token, so nothing is reused there;
+``generate`` asks for the last one). ``cache.prefill(model, **inputs)`` is the explicit form.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def _before_forward(cache_ref, module, args, kwargs):
     check_hashable(attention_mask, position_ids)  # before any change
     cache.commit()  # hash the pages filled by the previous step before this one can free them
     cache.token_log.truncate(cache.get_seq_length())  # a forward that failed before any layer ran
+    if cache.token_log.num_tokens < cache.get_seq_length():
+        cache.token_log.stop()  # a forward this hook did not see (inputs_embeds, another model) wrote the cache
     if cache.get_seq_length() == 0:
         cache.token_log.root = cache.fingerprint(module)
         logits_to_keep = kwargs.get("logits_to_keep", 0)

@@ -21,14 +21,17 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .backends import layer_backend
 from .block_manager import BlockManager
+from .cache import MAX_PAGE_SIZE, _check_backend, _check_positive_int
 from .cache_layer import PagePool
 from .errors import CacheUsageError
 from .kernels.arguments import mark_checked
 from .model_config import layer_windows
+from .thread_owner import ThreadOwner
 
 
 @dataclass
@@ -181,6 +184,12 @@ class RaggedCache(Cache):
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None):
+        if not isinstance(config, PretrainedConfig):
+            raise CacheUsageError(f"config must be a transformers model config (model.config), got "
+                                  f"{type(config).__name__}.")
+        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
+        _check_positive_int("max_pages", max_pages, allow_none=True)
+        _check_backend(backend)
         layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
         if "chunked_attention" in layer_types:
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
@@ -192,10 +201,58 @@ class RaggedCache(Cache):
         self.step: RaggedStep | None = None
         self._undo: list[tuple[int, list[int], int]] = []  # (seq_id, pages, length) before `step`
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
+        self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``
+        self._owner = ThreadOwner("RaggedCache", (
+            "Give each thread its own RaggedCache (generate_many makes one when cache= is not given), or let the "
+            "first thread's generate_many finish (or call cache.reset() in that thread) before handing it over."))
+
+    # ----------------------------------------------------------------- users
+    def claim(self, user) -> None:
+        """``user`` (a `generate_many` run: ``user.live`` while it may still step) takes the cache, in this thread.
+
+        Raises `CacheUsageError` when another thread holds the cache, or another live run still holds its
+        sequences (a loop that left a `stream_many` generator early keeps them until the generator is closed).
+        Sequences left by a run that ended without giving them back (an interrupt in its clean-up) are dropped.
+        """
+        self._owner.claim()
+        if self.user is not None and self.user is not user and self.user.live:
+            raise CacheUsageError(
+                "this RaggedCache still holds the rows of an unfinished generate_many run: a loop that left a "
+                "stream_many generator early (break) keeps its rows until that generator is closed or garbage "
+                "collected. Call .close() on the generator (or cache.reset()) first, or pass another cache.")
+        if self.sequences or self._undo or self.step is not None:
+            self._clear()
+            self._owner.claim()
+        self.user = user
+
+    def unclaim(self, user) -> None:
+        """``user`` ended: the sequences it left are released and any thread may use the cache (nothing
+        happens when ``user`` no longer holds the cache: it was reset, or another run took it)."""
+        if self.user is user:
+            self._clear()
+
+    def holds(self, user) -> bool:
+        """``user`` still holds the cache (it was not reset or taken by another run since `claim`)."""
+        return self.user is user
+
+    def reset(self) -> None:
+        """Drop every sequence and any planned step; hashed pages stay cached for prefix reuse. The cache is then
+        empty and free for any thread, and a paused `stream_many` that used it stops with an error when resumed.
+        Whatever state an interrupt left the bookkeeping in, the cache is usable afterwards."""
+        if self._owner.ident is not None:
+            self._owner.claim()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.step, self._undo, self.user = None, [], None
+        self.sequences.clear()
+        self.manager.release_all()
+        self._owner.release()
 
     # ------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: int, shared_pages: list[int] = (), length: int = 0) -> None:
         """A new sequence starting with ``shared_pages`` (cached or live pages holding ``length`` tokens)."""
+        self._owner.claim()
         if seq_id in self.sequences:
             raise CacheUsageError(f"sequence {seq_id} is already in the cache")
         self.manager.share_row(list(shared_pages))
@@ -204,6 +261,7 @@ class RaggedCache(Cache):
 
     def fork_sequence(self, source: int, seq_id: int) -> None:
         """``seq_id`` starts as a copy of ``source``, sharing all its pages (the last one copied on write)."""
+        self._owner.claim()
         if seq_id in self.sequences:
             raise CacheUsageError(f"sequence {seq_id} is already in the cache")
         src = self.sequences[source]
@@ -211,25 +269,45 @@ class RaggedCache(Cache):
         self.sequences[seq_id] = Sequence(list(src.pages), src.length)
 
     def release_sequence(self, seq_id: int) -> None:
-        """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse)."""
-        self.manager.release_row(self.sequences.pop(seq_id).pages)
+        """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse). A sequence that is
+        not (or no longer) in the cache is left alone: releasing is idempotent."""
+        self._owner.claim()
+        seq = self.sequences.pop(seq_id, None)  # first: an interrupted release leaks references (`reset` recounts
+        if seq is not None:                      # them), it never releases a page twice
+            self.manager.release_row(seq.pages)
 
-    def pages_needed(self, seq_id: int, new_tokens: int) -> int:
-        """Pages a sequence must allocate to hold ``new_tokens`` more (a shared partial page counts once)."""
-        seq, S = self.sequences[seq_id], self.page_size
-        cow = seq.length % S != 0 and self.manager.ref[seq.pages[-1]] > 1
-        return math.ceil((seq.length + new_tokens) / S) - len(seq.pages) + cow
+    def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
+        """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it and the shared
+        partial page it copies (None: no copy). Every writer of a shared partial page copies it but the last one,
+        which finds the page no longer shared and writes in place."""
+        S, refs, out = self.page_size, {}, []
+        for seq_id, n in new_tokens:
+            seq, copied = self.sequences[seq_id], None
+            if seq.length % S:
+                last = seq.pages[-1]
+                holders = refs.get(last, self.manager.ref[last])
+                if holders > 1:
+                    copied, refs[last] = last, holders - 1
+            out.append((math.ceil((seq.length + n) / S) - len(seq.pages) + (copied is not None), copied))
+        return out
 
     # ----------------------------------------------------------------- steps
     def begin_step(self, new_tokens: list[tuple[int, int]]) -> RaggedStep:
         """Plan a step that appends ``n`` tokens to each ``(seq_id, n)``, in that packed order.
 
-        Segments of one token must come first. Raises `PagePoolExhausted` (changing nothing) when
-        the pool cannot hold them.
+        Segments of one token must come first. Raises `PagePoolExhausted` when the pool cannot hold them, and
+        `CacheUsageError` for a plan it cannot take, changing nothing.
         """
+        self._owner.claim()
+        num_single = next((i for i, (_, n) in enumerate(new_tokens) if n != 1), len(new_tokens))
+        ids = [seq_id for seq_id, _ in new_tokens]
+        if any(n == 1 for _, n in new_tokens[num_single:]) or any(n < 1 for _, n in new_tokens) \
+                or len(set(ids)) != len(ids) or not all(seq_id in self.sequences for seq_id in ids):
+            raise CacheUsageError(f"begin_step({new_tokens}): each (sequence in the cache, tokens >= 1) once, the "
+                                  "one-token segments first.")
         self.finish_step()
         S, manager = self.page_size, self.manager
-        manager.require(sum(self.pages_needed(s, n) for s, n in new_tokens))
+        manager.require(sum(pages for pages, _ in self.step_pages(new_tokens)))
         segments, slots, copies, start = [], [], [], 0
         for seq_id, n in new_tokens:
             seq = self.sequences[seq_id]
@@ -247,9 +325,6 @@ class RaggedCache(Cache):
             segments.append(Segment(seq_id, start, n, seq.length, pages))
             seq.length += n
             start += n
-        num_single = next((i for i, s in enumerate(segments) if s.length != 1), len(segments))
-        if any(s.length == 1 for s in segments[num_single:]):
-            raise CacheUsageError("begin_step: one-token segments must come first")
         src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
         self.step = RaggedStep(segments, num_single, torch.cat(slots), src, dst, S)
         return self.step

@@ -22,6 +22,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from .errors import CacheUsageError
 from .prefix_cache import page_hashes
 from .ragged_cache import RaggedCache
 
@@ -52,6 +53,7 @@ class Row:
     computed: int = 0  # tokens whose keys/values are in the cache
     generated: list[int] = field(default_factory=list)
     reserve: int = 0  # pages this row may still allocate
+    copy_reserved: bool = False  # ``reserve`` includes a copy of the shared partial page it was forked with
     hashed: int = 0  # leading full pages registered with the block manager
     followers: list["Row"] = field(default_factory=list)  # rows of the same prompt, forked after its prefill
 
@@ -75,6 +77,13 @@ class Scheduler:
         self.computing: dict[bytes, Row] = {}  # hash of a prompt page -> the row computing it
         for r in requests:
             r.hashes = page_hashes(r.prompt, [1] * len(r.prompt), list(range(len(r.prompt))), self.S, 0, root)
+        limit = cache.manager.max_pages
+        for r in self.waiting:  # a prompt's rows (samples, identical prompts) are admitted together
+            if limit is not None and self.pages_for(r, 0) > limit:
+                raise CacheUsageError(
+                    f"prompt {r.index} and its {r.num_rows * (1 + len(r.duplicates)) - 1} other rows (samples and "
+                    f"identical prompts, which share its pages and start together) may need {self.pages_for(r, 0)} "
+                    f"pages but max_pages={limit}: raise max_pages, or lower num_return_sequences or max_new_tokens.")
 
     @property
     def done(self) -> bool:
@@ -149,12 +158,24 @@ class Scheduler:
 
     # --------------------------------------------------------------- advance
     def plan(self, step: list[tuple[Row, int]]):
-        """Plan ``step`` in the cache (pages come out of the rows' reservations); returns the `RaggedStep`."""
-        allocations = [self.cache.pages_needed(row.out_index, n) for row, n in step]
-        planned = self.cache.begin_step([(row.out_index, n) for row, n in step])
-        for (row, _), pages in zip(step, allocations):
+        """Plan ``step`` in the cache (pages come out of the rows' reservations); returns the `RaggedStep`.
+
+        A copy of a shared partial page is paid by a row that reserved one (`Row.copy_reserved`): the copier
+        itself, else (the leader writing first) a row still holding the page after the step, whose own copy
+        is then never needed (the last holder writes in place)."""
+        new_tokens = [(row.out_index, n) for row, n in step]
+        allocations = self.cache.step_pages(new_tokens)
+        planned = self.cache.begin_step(new_tokens)
+        for (row, _), (pages, copied) in zip(step, allocations):
+            if copied is not None:
+                payer = row if row.copy_reserved else next(
+                    (r for r in self.running if r.copy_reserved and copied in self.cache.sequences[r.out_index].pages),
+                    row)
+                payer.copy_reserved = False
+                payer.reserve -= 1
+                pages -= 1
             row.reserve -= pages
-            self.reserved -= pages
+            self.reserved -= pages + (copied is not None)
         return planned
 
     def after_step(self, step: list[tuple[Row, int]]) -> None:
@@ -184,15 +205,39 @@ class Scheduler:
             self.cache.fork_sequence(leader.out_index, row.out_index)
             row.computed, row.hashed = leader.computed, leader.hashed
             row.reserve = self.fork_pages(row.request)
+            row.copy_reserved = len(row.request.prompt) % self.S != 0
             leader.reserve -= row.reserve
             self.running.append(row)
         return followers
 
     def retire(self, row: Row) -> None:
-        """A finished row gives its pages back at once (hashed ones stay cached) and its reservation."""
-        self.cache.release_sequence(row.out_index)
+        """A finished row gives its pages back at once (hashed ones stay cached) and its reservation; retiring a
+        row that is not running does nothing (retiring is idempotent)."""
+        index = next((i for i, r in enumerate(self.running) if r is row), None)
+        if index is None:
+            return
+        del self.running[index]
         self.reserved -= row.reserve
         row.reserve = 0
-        self.running.remove(row)
+        self.cache.release_sequence(row.out_index)
         for h in [h for h, r in self.computing.items() if r is row]:
             del self.computing[h]
+
+    def check_invariants(self) -> None:
+        """Assert the reservation invariants (between steps): ``reserved`` is the sum of the running rows'
+        reserves, which a bounded pool can provide; each row's reserve covers the pages it may still allocate
+        (its followers' included), and the holders of a shared partial page reserved a copy for all but one."""
+        manager, S = self.cache.manager, self.S
+        assert self.reserved == sum(row.reserve for row in self.running), "reserved is not the rows' sum"
+        assert manager.max_pages is None or manager.available() >= self.reserved, "reserved more than the pool has"
+        last_page = lambda r: -(-(len(r.prompt) + r.max_new_tokens) // S)  # noqa: E731 (not total_pages: checked)
+        spare: dict[int, list[int]] = {}
+        for row in self.running:
+            seq = self.cache.sequences[row.out_index]
+            grow = last_page(row.request) - len(seq.pages) + sum(last_page(f.request) - len(f.request.prompt) // S
+                                                                 for f in row.followers)
+            assert row.reserve >= grow, f"row {row.out_index} reserves {row.reserve} of the {grow} pages it may need"
+            if seq.length % S and manager.ref[seq.pages[-1]] > 1:
+                spare.setdefault(seq.pages[-1], []).append(row.reserve - grow)
+        for page, copies in spare.items():
+            assert sum(copies) >= len(copies) - 1, f"the holders of shared page {page} reserved too few copies"

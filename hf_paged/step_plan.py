@@ -303,6 +303,8 @@ def relocate_rows(manager: BlockManager, rows: list[list[int]], src: list[int], 
         return False
     stride = len(rows[0]) + len(rows[0]) // 4 + 1
     base = manager.free_run(len(rows) * stride)
+    if base is None:  # no free run, and the free and cached pages suffice: no growth for a move
+        return False
     copied_from = dict(zip(dst, src))  # a page copied on write this step moves from its source
     for b, r in enumerate(rows):
         moved = [manager.allocate(base + b * stride + i) for i in range(len(r))]

@@ -1,8 +1,8 @@
 """`ThreadOwner`: the one thread whose tokens a cache holds.
 
 A cache serves one thread: rows of two threads' steps would mix. It is free when new, after
-``reset()`` (by the thread that used it) and as a fresh ``fork()``; the first thread that steps
-it claims it.
+``reset()`` (by the thread that used it), as a fresh ``fork()`` and (a `RaggedCache`) when its
+``generate_many`` run ended; the first thread that steps it claims it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ from .errors import CacheUsageError
 
 
 class ThreadOwner:
-    def __init__(self):
+    """``kind``: the cache's class name; ``handover``: how to give the cache to another thread (error messages)."""
+
+    def __init__(self, kind: str = "PagedCache", handover: str = (
+            "Give each thread its own cache (cache.fork() shares the prompt's pages), or call cache.reset() in the "
+            "thread that used it before handing it over.")):
         self.ident: int | None = None  # None: free
+        self.kind, self.handover = kind, handover
         self._lock = threading.Lock()
 
     def claim(self) -> None:
@@ -27,10 +32,8 @@ class ThreadOwner:
                 self.ident = me
                 return
         raise CacheUsageError(
-            f"this PagedCache holds the tokens of thread {self.ident} and is now used by thread {me}: a cache "
-            "serves one thread (concurrent steps would mix their rows). Give each thread its own cache "
-            "(cache.fork() shares the prompt's pages), or call cache.reset() in the thread that used it before "
-            "handing it over.")
+            f"this {self.kind} holds the tokens of thread {self.ident} and is now used by thread {me}: a cache "
+            f"serves one thread (concurrent steps would mix their rows). {self.handover}")
 
     def is_mine_or_free(self) -> bool:
         return self.ident in (None, threading.get_ident())

@@ -1,5 +1,5 @@
 """Prepared GPU check: copy bandwidth, decode-kernel bandwidth, SDPA/flash comparison, end-to-end
-generate (PagedCache vs DynamicCache + sdpa) and a GPU/CPU split model.
+generate (PagedCache vs DynamicCache + sdpa), a GPU/CPU split model and sampled `generate_many`.
 
     python scripts/gpu_check.py --out OUT_DIR          # on a machine with one CUDA GPU
     python scripts/gpu_check.py --out OUT_DIR --dry-run   # CPU, tiny shapes, Triton interpreter
@@ -395,6 +395,39 @@ def split_model(check: Check, r: dict) -> None:
         man["traceback"] = traceback.format_exc(limit=8)
 
 
+# ------------------------------------------------------------------- f. sampled generate_many on the device
+def sampled_generate_many(check: Check, r: dict) -> None:
+    """`generate_many` sampling on the device (top-p, two samples a prompt): it must run (a CPU generator drawing
+    from device probabilities raised on CUDA), each output must equal its prompt sampled alone with its documented
+    seed (batching changes nothing), and the outputs are compared with a CPU run of the same model (float32 on
+    both: equal where the two devices' logits lead to the same draws)."""
+    import hf_paged
+    from hf_paged.assets import britannica_prompts, load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("smollm2", dtype=torch.float32, device=check.dev,
+                                          attn_implementation="hf_paged")
+    samples, seed = 2, 7
+    prompts = britannica_prompts(3 if check.dry else 12, 5, 40, seed=0)
+    kwargs = dict(tokenizer=tok, max_new_tokens=4 if check.dry else 24, do_sample=True, temperature=0.8, top_p=0.95,
+                  eos_token_id=[], progress=False)
+    t0 = time.perf_counter()
+    batched = hf_paged.generate_many(model, prompts, num_return_sequences=samples, seed=seed, **kwargs)
+    check.sync()
+    r.update(prompts=len(prompts), samples=samples, seconds=time.perf_counter() - t0, dtype="float32")
+    alone = [hf_paged.generate_many(model, [p], seed=seed + i * samples + j, **kwargs)[0]
+             for i, p in enumerate(prompts) for j in range(samples)]
+    r["outputs_equal_alone"] = f"{sum(a == b for a, b in zip(batched, alone))}/{len(batched)}"
+    r["independent_of_batching"] = batched == alone
+    if check.cuda:
+        model.to("cpu")
+        on_cpu = hf_paged.generate_many(model, prompts, num_return_sequences=samples, seed=seed, **kwargs)
+        r["outputs_equal_cpu"] = f"{sum(a == b for a, b in zip(batched, on_cpu))}/{len(batched)}"
+        r["tokens_equal_cpu"] = (f"{sum(x == y for a, b in zip(batched, on_cpu) for x, y in zip(a, b))}/"
+                                 f"{sum(len(a) for a in batched)}")
+    r["first_output"] = tok.decode(batched[0])
+    del model
+
+
 # ------------------------------------------------------------------------------------ summary
 def fmt(x, spec=".3g"):
     return "-" if x is None else (format(x, spec) if isinstance(x, (int, float)) else str(x))
@@ -445,11 +478,19 @@ def summary(check: Check) -> str:
                          f"tokens match DynamicCache: {s.get('tokens_match')}")
             if key == "accelerate_device_map":
                 lines.append(f"    accelerate layers: {s.get('layers')}")
+    sg = check.results.get("sampled_generate_many", {})
+    if "error" in sg:
+        lines.append(f"sampled generate_many: ERROR {sg['error']}")
+    elif sg:
+        lines.append(f"sampled generate_many: {sg.get('prompts')} prompts x {sg.get('samples')} samples in "
+                     f"{fmt(sg.get('seconds'), '.2f')} s; equal to each prompt alone: {sg.get('outputs_equal_alone')} "
+                     f"(target: all); equal to the CPU run: {sg.get('outputs_equal_cpu', '-')} outputs, "
+                     f"{sg.get('tokens_equal_cpu', '-')} tokens")
     lines.append(f"JSON: {check.out / 'gpu_check.json'}")
     return "\n".join(lines)
 
 
-PARTS = (copy_bandwidth, decode_kernel, end_to_end, split_model)
+PARTS = (copy_bandwidth, decode_kernel, end_to_end, split_model, sampled_generate_many)
 
 
 def main(argv=None) -> None:

@@ -110,10 +110,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             kind = "prefer"
         elif free:
             kind = "free"
-        elif prefer is not None and prefer >= m.num_pages and (m.max_pages is None or prefer < m.max_pages):
-            kind = "grow to prefer"  # nothing free: a preferred id the pool can grow into is honoured
         elif m.cached:
-            kind = "lru"
+            kind = "lru"  # before any growth: an unbounded pool grows only when nothing is free or cached
+        elif prefer is not None and prefer >= m.num_pages and (m.max_pages is None or prefer < m.max_pages):
+            kind = "grow to prefer"  # nothing free or cached: a preferred id the pool can grow into is honoured
         elif m.max_pages is None or m.num_pages < m.max_pages:
             kind = "grow"
         else:
@@ -189,6 +189,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 expected = start
                 break
             start += 1
+        if m.max_pages is None and (expected is None or expected + length > m.num_pages) \
+                and len(free) + len(m.cached) >= length:
+            expected = None  # no free run, but free and cached pages enough: an unbounded pool does not grow
         before = snapshot(self.bm)
         got = self.bm.free_run(length)
         event(f"free_run: {'none' if got is None else 'inside' if got + length <= m.num_pages else 'grown'}")

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import hf_paged  # noqa: E402
 from hf_paged import assets  # noqa: E402
-from hf_paged.distributed import deal, generate_distributed, make_state  # noqa: E402
+from hf_paged.distributed import deal, generate_distributed, make_state, share  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "distributed_generate.py"
@@ -99,10 +99,20 @@ def test_deal_is_snake_order():
 
 
 def test_split_with_apply_padding_would_duplicate():
-    """Why `generate_distributed` never pads: 7 items on 2 ranks -> rank 1 gets the last item twice."""
+    """Why `generate_distributed` never pads: 7 items on 2 ranks -> rank 1 gets the last item twice; its `share`
+    gives every item to exactly one rank, for any count of items and ranks."""
+    from accelerate import PartialState
+
     items = list(range(7))
     padded = [_split(items, r, 2, apply_padding=True) for r in range(2)]
     assert padded[1] == [4, 5, 6, 6]
+    for n in (0, 1, 5, 7, 8):
+        for num_processes in (2, 3):
+            ranks = [SimpleNamespace(num_processes=num_processes, process_index=r) for r in range(num_processes)]
+            for rank in ranks:  # accelerate's own split, as each rank's state would run it
+                rank.split_between_processes = PartialState.split_between_processes.__get__(rank)
+            shares = [share(rank, list(range(n))) for rank in ranks]
+            assert sorted(x for s in shares for x in s) == list(range(n)), (n, num_processes, shares)
 
 
 # ------------------------------------------------------------------------- launched runs
@@ -150,6 +160,25 @@ def test_two_cpu_processes_match_one_process(tiny_model_dir, tmp_path):
 
     # greedy: byte-identical to the 1-process run
     assert out2.read_bytes() == out1.read_bytes()
+
+
+def test_two_cpu_processes_sample_what_one_process_samples(tiny_model_dir, tmp_path):
+    """Sampling: every prompt draws with its own generator seeded by its index in the whole prompt list (not in a
+    rank's share), so two launched processes give the completions of one process."""
+    out2 = tmp_path / "two.jsonl"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG)]
+    sampled = ["--do-sample", "--temperature", "1.5", "--seed", "3"]
+    _run([*launch, str(SCRIPT), *_generate_args(tiny_model_dir, out2), *sampled, "--no-progress"], tmp_path)
+    assert json.loads((tmp_path / "two.summary.json").read_text())["num_processes"] == 2
+    model, tokenizer = assets.load_model_and_tokenizer(str(tiny_model_dir), attn_implementation="hf_paged")
+    prompts = assets.britannica_prompts(7, 3, 30, seed=3)
+    one = generate_distributed(model, tokenizer, prompts, max_batch_tokens=16, max_new_tokens=6, page_size=4,
+                               state=make_state(), progress=False, seed=3, do_sample=True, temperature=1.5)
+    lines = [json.loads(line) for line in out2.read_text(encoding="utf-8").splitlines()]
+    assert [r["prompt"] for r in lines] == prompts
+    assert [r["completion"] for r in lines] == [r["completion"] for r in one.results]
+    with pytest.raises(ValueError, match="num_return_sequences must be 1"):
+        generate_distributed(model, tokenizer, prompts, state=make_state(), do_sample=True, num_return_sequences=2)
 
 
 # ------------------------------------------------------------------------------- in process

@@ -125,6 +125,8 @@ def test_samples_of_one_prompt_share_its_pages_and_are_reproducible(llama):
     first = hf_paged.generate_many(paged, [prompt], seed=3, **kwargs)
     assert counter.tokens == 21 + 4 * 5  # the prompt once, then one token per sample and step
     assert first == hf_paged.generate_many(paged, [prompt], seed=3, **kwargs)
+    alone = {**kwargs, "num_return_sequences": 1}  # the reference: each sample alone, with its documented seed
+    assert first == [hf_paged.generate_many(paged, [prompt], seed=3 + j, **alone)[0] for j in range(4)]
     assert len({tuple(s) for s in first}) > 1  # the samples differ from each other
     assert first != hf_paged.generate_many(paged, [prompt], seed=4, **kwargs)
 

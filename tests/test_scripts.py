@@ -31,7 +31,8 @@ def test_gpu_check_import_runs_nothing(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py"])  # no --out: a parse at import would exit here
     spec.loader.exec_module(module)
-    assert [p.__name__ for p in module.PARTS] == ["copy_bandwidth", "decode_kernel", "end_to_end", "split_model"]
+    assert [p.__name__ for p in module.PARTS] == ["copy_bandwidth", "decode_kernel", "end_to_end", "split_model",
+                                                  "sampled_generate_many"]
     assert not list(tmp_path.iterdir())
 
 

@@ -226,11 +226,14 @@ class _SharingRules(RuleBasedStateMachine):
         cid = data.draw(st.sampled_from(self._ids(lambda r: r and r[0][0])), label="cache")
         N, limit = len(self.model[cid][0][0]), self._max_crop(cid)
         n = data.draw(st.integers(0, N), label="crop")
-        if n > limit:  # the cache must refuse, and change nothing
+        if limit < n < N:  # the cache must refuse, and change nothing (cropping every token always empties it)
             with pytest.raises(hf_paged.CacheUsageError):
                 self.caches[cid].crop(-n)
             return
         self.caches[cid].crop(-n)
+        if n == N:  # every token: the cache is empty, its rows gone (as after reset), as DynamicCache.crop empties
+            self.model[cid] = None
+            return
         for row in self.model[cid]:
             for tags in row:
                 del tags[len(tags) - n:]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_dir
+from ..paths import cache_dir, private_folder
 from . import library_cache
 from .arguments import check_paged_args, mask_strides
 
@@ -98,7 +98,7 @@ def _library() -> ctypes.CDLL | str:
         return f"the C compiler {compiler} does not run: {error}"
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
     try:
-        folder, refused = library_cache.private_folder(cache_dir() / "kernels")
+        folder, refused = private_folder(cache_dir() / "kernels", "hf_paged-kernels-")
     except OSError as error:
         return f"no private folder to build into ({error}); set HF_PAGED_CACHE_DIR to a folder only you can write"
     if refused:

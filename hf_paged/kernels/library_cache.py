@@ -1,15 +1,19 @@
 """A private cache of compiled libraries: only a library this user built is ever loaded.
 
 Invariants (what torch's ``cpp_extension`` and Triton's file cache do, plus ownership checks):
-- libraries live in a folder owned by this user and writable by nobody else (created ``0700``);
-  a folder that is not (a shared ``$HF_PAGED_CACHE_DIR``, say) is refused, and the caller gets a
-  fresh private folder (``tempfile.mkdtemp``) and the reason;
+- libraries live in a private folder (`hf_paged.paths.private_folder`: owned by this user, writable by
+  nobody else, below folders nobody else can swap it in; created ``0700``); a folder that is not (a
+  shared ``$HF_PAGED_CACHE_DIR``, say) is refused, and the caller gets a fresh private folder
+  (``tempfile.mkdtemp``) and the reason;
 - a library is published atomically (written beside its target, then ``os.replace``), followed by
   a sidecar ``<name>.sha256`` recording its size and SHA-256;
 - before ``dlopen`` a file must be owned by this user, writable by nobody else, a regular file,
-  start with the ELF magic and match its sidecar. It is read and loaded through one open file
-  descriptor, so it cannot be swapped between the check and the load. A truncated, damaged or
-  planted file is therefore never mapped (mapping a truncated library is a ``SIGBUS``).
+  start with the ELF magic and match its sidecar (a regular file of this user's, read without following
+  links, at most `RECORD_LIMIT` bytes). It is read and loaded through one open file descriptor, so it
+  cannot be swapped between the check and the load; the descriptor of a loaded library stays open (its
+  ``/proc/self/fd`` name must not be reused for another library: dlopen would return this one). A
+  truncated, damaged or planted file is therefore never mapped (mapping a truncated library is a
+  ``SIGBUS``).
 """
 
 from __future__ import annotations
@@ -21,36 +25,32 @@ import stat
 import tempfile
 from pathlib import Path
 
+from ..paths import unsafe_reason
+
 ELF_MAGIC = b"\x7fELF"
-
-
-def unsafe_reason(path: Path, st: os.stat_result) -> str | None:
-    """Why a file or folder with status ``st`` must not be trusted, or None."""
-    if st.st_uid != os.getuid():
-        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by other users (mode {stat.filemode(st.st_mode)})"
-    return None
-
-
-def private_folder(folder: Path) -> tuple[Path, str | None]:
-    """``folder`` (created ``0700`` if missing) when it is safe, else a new private folder and why.
-
-    Raises OSError when neither can be created.
-    """
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(folder)
-        reason = "not a folder" if not stat.S_ISDIR(st.st_mode) else unsafe_reason(folder, st)
-    except OSError as error:
-        reason = f"{folder} cannot be created ({error.strerror or error})"
-    if reason is None:
-        return folder, None
-    return Path(tempfile.mkdtemp(prefix="hf_paged-kernels-")), reason
+RECORD_LIMIT = 256  # bytes: a record is one line, "<sha256 hex> <size>"
 
 
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
+
+
+def _read_record(path: Path) -> str:
+    """The checksum record of the library at ``path``: a regular file of this user's, read without following a
+    symbolic link or blocking, and at most `RECORD_LIMIT` bytes; raises `Rejected` otherwise."""
+    record = _sidecar(path)
+    try:
+        fd = os.open(record, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        raise Rejected(f"{path} has no readable checksum record ({record.name}, a regular file)") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > RECORD_LIMIT:
+            raise Rejected(f"{record} is not a checksum record (a regular file of at most {RECORD_LIMIT} bytes)")
+        reason = unsafe_reason(record, st)
+        if reason:
+            raise Rejected(reason)
+        return f.read(RECORD_LIMIT + 1).decode("ascii", errors="replace")
 
 
 def _digest(data: bytes) -> str:
@@ -97,19 +97,19 @@ def load(path: Path, symbols: tuple[str, ...]) -> ctypes.CDLL:
             data = f.read()
         if not data.startswith(ELF_MAGIC):
             raise Rejected(f"{path} is not an ELF shared library")
-        try:
-            recorded = _sidecar(path).read_text()
-        except OSError:
-            raise Rejected(f"{path} has no checksum record ({_sidecar(path).name})") from None
-        if recorded != _digest(data):
+        if _read_record(path) != _digest(data):
             raise Rejected(f"{path} does not match its recorded checksum and size (damaged or replaced)")
         proc_path = f"/proc/self/fd/{fd}"  # load the very file that was checked
+        by_descriptor = os.path.exists(proc_path)
         try:
-            library = ctypes.CDLL(proc_path if os.path.exists(proc_path) else str(path))
+            library = ctypes.CDLL(proc_path if by_descriptor else str(path))
         except OSError as error:
             raise Unusable(f"{path} cannot be loaded ({error})") from None
+        if by_descriptor:  # dlopen knows a library by its name: the name of a closed descriptor would, reused,
+            fd = None      # get the next library opened there this one's handle. It stays open for good.
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     missing = [name for name in symbols if not hasattr(library, name)]
     if missing:
         raise Unusable(f"{path} lacks the symbols {missing}")

@@ -84,8 +84,8 @@ class PerplexityMetric(evaluate.Metric):
     def _compute(self, predictions, model_id="smollm2", page_size=16, max_pages=None, eviction=None,
                  batch_size=8, max_length=None, add_start_token=True, sink_pages=None, recent_pages=None,
                  lru_threshold=None, chunk_size=None, device=None, dtype="float32"):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        _check_arguments(predictions, page_size=page_size, max_pages=max_pages, batch_size=batch_size,
+                         max_length=max_length, chunk_size=chunk_size)
         if dtype not in assets.DTYPES:
             raise ValueError(f"dtype must be one of {sorted(assets.DTYPES)}, got {dtype!r}")
         policy = dict(eviction=eviction, sink_pages=sink_pages, recent_pages=recent_pages, lru_threshold=lru_threshold)
@@ -126,3 +126,16 @@ class PerplexityMetric(evaluate.Metric):
                 perplexities[i] = math.exp(sums[r] / counts[r])
         return {"perplexities": perplexities, "mean_perplexity": sum(perplexities) / len(perplexities)}
 
+
+def _check_arguments(predictions, **sizes) -> None:
+    """Refuse, before a model is loaded, what would fail later with a ZeroDivisionError or an empty result."""
+    if len(predictions) == 0:
+        raise ValueError("predictions is empty: give at least one text to score.")
+    least = {"page_size": 1, "batch_size": 1, "max_pages": 1, "chunk_size": 1, "max_length": 2}
+    optional = ("max_pages", "chunk_size", "max_length")
+    for name, value in sizes.items():
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least[name]:
+            raise ValueError(f"{name} must be {'None or ' if name in optional else ''}an int of at least "
+                             f"{least[name]}, got {value!r}.")
