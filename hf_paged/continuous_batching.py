@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 from .cpu_weights import packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
-from .prefix_cache import model_fingerprint
+from .prefix_index import model_fingerprint
 from .ragged_cache import RaggedCache
 from .scheduler import Request, Row, Scheduler
 
