@@ -15,9 +15,10 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import PagedKV, read_window, warn_gathered_pages
+from .attention import CompiledRead, PagedKV, read_window, warn_gathered_pages
 from .backends import check_backend, layer_backend
 from .block_manager import MAX_PAGE_SIZE
+from .compiled import CompiledSteps
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .layer_groups import LayerGroup, LayerGroups
@@ -53,6 +54,8 @@ class PagedLayer(CacheLayerMixin):
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self._resolved_backend: str | None = None  # what `backend` means for these pages, on first use
+        self.compiled: CompiledRead | None = None  # what attention reads in a compiled forward's step
+        self.compiled_sizes = (0, (0, 0))  # (get_seq_length, get_mask_sizes) before that step
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
@@ -105,6 +108,25 @@ class PagedLayer(CacheLayerMixin):
         view = group.read_view(self.pages, self._resolved_backend)
         shape = (batch, self.num_heads, plan.kv_len)
         return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
+
+    def begin_compiled(self, batch: int, q_len: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """This layer's part of a compiled forward's step, done before the forward's layers run (`PagedCache`):
+        `update`'s bookkeeping (pages, plan, growth, copy-on-write) and the `CompiledRead` the layer's update returns.
+        ``keys``/``values`` give the pages' shapes, dtype and device when the layer has none yet; rows of a fresh
+        batch do not share pages."""
+        if not self.is_initialized:
+            self._check_shapes(keys, values)
+            self.lazy_initialization(keys, values)
+        self._check(keys, values)
+        if self._resolved_backend is None:
+            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+        group = self.group
+        self.compiled_sizes = (group.members[self], group.mask_sizes(q_len))  # as the forward asks before it runs
+        group.join_step(self, batch, q_len, lambda: list(range(batch)))
+        plan = group.step.on(self.device)
+        group.store.prepare(self.pages, group.manager.num_pages, plan.copy_src, plan.copy_dst)
+        group.wrote(self)
+        self.compiled = CompiledRead(group.read_view(self.pages, self._resolved_backend), plan.slots)
 
     def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, same_as: list[int]) -> None:
         """Rows the group shares because the first layer saw identical keys must be identical here too."""
@@ -214,7 +236,7 @@ def _crop_count(tokens_to_remove) -> int:
     return int(tokens_to_remove)
 
 
-class PagedCache(PrefixReuse, Cache):
+class PagedCache(PrefixReuse, CompiledSteps, Cache):
     """A paged KV cache for ``model.generate`` (``past_key_values=`` or ``cache=``).
 
     Args:
@@ -303,6 +325,8 @@ class PagedCache(PrefixReuse, Cache):
 
     # ----------------------------------------------------------------- steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._plans_ahead or torch.compiler.is_compiling():
+            return self._update_compiled(key_states, value_states, layer_idx)
         if self._owner.ident != threading.get_ident():  # (the owner's own steps skip the call)
             self._owner.claim()
         layer = self._layer(layer_idx)
@@ -342,7 +366,7 @@ class PagedCache(PrefixReuse, Cache):
     def _drop_failed_step(self, layer_idx: int) -> None:
         """A query about a layer that already wrote an unfinished step comes from a new forward (a
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
-        if layer_idx < len(self.layers) and self._owner.is_mine_or_free():
+        if layer_idx < len(self.layers) and not torch.compiler.is_compiling() and self._owner.is_mine_or_free():
             group = self.layers[layer_idx].group
             if group.up_to_date(self.layers[layer_idx]) and self.groups.step_failed(group):
                 self.rollback()

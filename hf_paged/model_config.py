@@ -42,3 +42,11 @@ def layer_windows(config) -> list[int | None]:
         )
     by_type = {"sliding_attention": window, "chunked_attention": chunk}
     return [by_type.get(t) for t in layer_types]
+
+
+def kv_heads_and_dim(config) -> tuple[int, int]:
+    """(key/value heads, head dim) of the decoder's attention layers, as the config states them."""
+    text_config = config.get_text_config(decoder=True)
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return heads, head_dim
