@@ -87,12 +87,7 @@ class PagedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new tokens into their slots; return `PagedKV` handles (no copy of the cache)."""
-        if not self.is_initialized:
-            self._check_shapes(key_states, value_states)
-            self.lazy_initialization(key_states, value_states)
-        self._check(key_states, value_states)
-        if self._resolved_backend is None:
-            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+        self._ready_for(key_states, value_states)
         batch, _, q_len, _ = key_states.shape
         group = self.group
         plan = group.join_step(self, batch, q_len, lambda: _identical_rows(key_states, value_states))
@@ -109,17 +104,21 @@ class PagedLayer(CacheLayerMixin):
         shape = (batch, self.num_heads, plan.kv_len)
         return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
 
+    def _ready_for(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The layer's pages exist (made for these keys on first use), the keys match them, the backend is known."""
+        if not self.is_initialized:
+            self._check_shapes(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
+        self._check(key_states, value_states)
+        if self._resolved_backend is None:
+            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+
     def begin_compiled(self, batch: int, q_len: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """This layer's part of a compiled forward's step, done before the forward's layers run (`PagedCache`):
         `update`'s bookkeeping (pages, plan, growth, copy-on-write) and the `CompiledRead` the layer's update returns.
         ``keys``/``values`` give the pages' shapes, dtype and device when the layer has none yet; rows of a fresh
         batch do not share pages."""
-        if not self.is_initialized:
-            self._check_shapes(keys, values)
-            self.lazy_initialization(keys, values)
-        self._check(keys, values)
-        if self._resolved_backend is None:
-            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+        self._ready_for(keys, values)
         group = self.group
         self.compiled_sizes = (group.members[self], group.mask_sizes(q_len))  # as the forward asks before it runs
         group.join_step(self, batch, q_len, lambda: list(range(batch)))
