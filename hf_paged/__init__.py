@@ -13,8 +13,10 @@ from .block_manager import BlockManager
 from .cache import PagedCache
 from .continuous_batching import generate_many, stream_many
 from .errors import CacheUsageError, PagePoolExhausted
+from .generation_options import ManyOutput
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .ragged_cache import RaggedCache
+from .stats import GenerationStats
 
 register()
 
@@ -23,6 +25,8 @@ __all__ = [
     "CACHE_KWARG",
     "BlockManager",
     "CacheUsageError",
+    "GenerationStats",
+    "ManyOutput",
     "PagePoolExhausted",
     "PagedCache",
     "RaggedCache",

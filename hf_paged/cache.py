@@ -32,6 +32,21 @@ def _check_positive_int(name: str, value, allow_none: bool = False, most: int | 
         raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
 
 
+def _refuse_rewind(held: int, new_tokens: int, args, kwargs) -> None:
+    """A prompt whose positions start before the ``held`` tokens a cache already processed (every row's): a second
+    `generate` on a used cache. transformers would write it after them at the wrong positions, silently (as with
+    `DynamicCache`). Checked on the first layer of a step of several tokens, where the model passes position_ids."""
+    extra = kwargs.get("kwargs") or kwargs.get("cache_kwargs") or (args[0] if args and isinstance(args[0], dict)
+                                                                    else None) or {}
+    positions = extra.get("position_ids")
+    if held and new_tokens > 1 and isinstance(positions, torch.Tensor) and positions.shape[-1] == new_tokens:
+        start = int(positions[..., 0].max())
+        if start < held:
+            raise CacheUsageError(
+                f"this PagedCache already holds {held} tokens, and the new input starts at position {start}: one "
+                "cache per call, or reset() it first (to continue a conversation, pass every token so far).")
+
+
 def _check_backend(backend) -> None:
     if backend not in (None, "auto", "torch", "triton", "cpu"):
         raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
@@ -149,6 +164,7 @@ class PagedCache(PrefixCaching, Cache):
                 self.rollback()  # the last step never reached every layer: a forward failed outside the cache
             elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
+                _refuse_rewind(self.get_seq_length(layer_idx), key_states.shape[2], args, kwargs)
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:

@@ -31,6 +31,7 @@ from .cache_layer import PagePool
 from .errors import CacheUsageError
 from .kernels.arguments import mark_checked
 from .model_config import layer_windows
+from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
 
@@ -341,6 +342,10 @@ class RaggedCache(Cache):
             self.manager.release_row([p for p in seq.pages if p not in old_pages])
             seq.pages, seq.length = old_pages, old_length
         self.finish_step()
+
+    def stats(self) -> dict:
+        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`)."""
+        return ragged_cache_stats(self)
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
