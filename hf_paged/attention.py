@@ -1,8 +1,16 @@
-"""The "hf_paged" attention function and its mask function, registered with transformers.
+"""The "hf_paged" attention function, its mask function, and what it reads: the `PagedKV` handles.
 
-``paged_attention_forward`` reads a paged layer's pages in place when it receives `PagedKV`
-handles, and computes ordinary attention on plain tensors (no cache, `DynamicCache`), so a model
-loaded with ``attn_implementation="hf_paged"`` works with any cache.
+A paged layer's ``update`` (`PagedCache`'s rows of one batch, or `RaggedCache`'s sequences packed into
+one row) returns, in place of concatenated keys / values, `PagedKV` tensors of the shape transformers
+expects that hold no data of their own, only a `PagedView` of the layer in the current step: its
+`LayerPages` (from the page store), the step's plan, the layer's backend and what eviction wants
+measured. ``paged_attention_forward`` reads the pages in place through the view (one dispatch: a paged
+kernel, `_kernel_for`, else SDPA on the pages) and sees nothing else of the cache; on plain tensors (no
+cache, `DynamicCache`) it computes ordinary attention, so a model loaded with
+``attn_implementation="hf_paged"`` works with any cache. Any other consumer of a `PagedKV` (another
+attention implementation, a model that computes attention itself) triggers ``__torch_dispatch__``, which
+materialises the window by reading the pages: the output stays correct, at the cost of one copy per
+step, and a warning says so once.
 
 The mask is transformers' own boolean SDPA mask (padding, causal, sliding window), sized by the
 cache's ``get_mask_sizes``; it is registered too, since without it a left-padded batch would
@@ -12,16 +20,144 @@ paged path aligns it with the tokens a row still holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
+from transformers.utils import logging
 
+from .errors import CacheUsageError
+from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
-from .kernels.reference import LEAVE_OUT_FLOOR
 from .model_config import ATTN_IMPLEMENTATION
-from .paged_kv import PagedKV, PagedView
-from .ragged_cache import RaggedKV, RaggedView
+
+logger = logging.get_logger(__name__)
+
+
+def warn_gathered_pages() -> None:
+    """Say once per process that a PagedCache is read by another attention implementation.
+
+    Called where that is first known: `PagedCache.bind_config` (the config names another attention)
+    or the first read of a `PagedKV` by it; ``warning_once`` keeps it to one message for both.
+    """
+    logger.warning_once(
+        "A PagedCache is being read by an attention implementation other than 'hf_paged': its pages are "
+        "gathered every step, which is correct but slower. Load the model with attn_implementation='hf_paged' "
+        "(after `import hf_paged`) to read them in place.")
+
+
+@dataclass(frozen=True)
+class PagedView:
+    """What attention may read of one paged layer in one step.
+
+    ``pages``: the layer's `LayerPages` (read through their kernel operands, `gather` or the float slab view);
+    ``plan``: the step's plan on the pages' device (page tables, positions, lengths: a `StepPlan` of a batch's
+    rows, or a `RaggedStep` of packed sequences); ``backend``: "torch", "triton" or "cpu", resolved once per
+    layer; ``probe``: what an eviction policy that tracks usage wants measured (`hf_paged.eviction.UsageProbe`),
+    or None.
+    """
+
+    pages: object  # LayerPages
+    plan: object  # StepPlan | RaggedStep
+    backend: str
+    probe: object = None  # UsageProbe | None
+
+    @property
+    def past(self) -> int:
+        """Tokens cached before this step."""
+        return self.plan.past
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens cached after this step."""
+        return self.plan.num_tokens
+
+    @property
+    def page_size(self) -> int:
+        return self.plan.page_size
+
+    @property
+    def live_only(self) -> bool:
+        """Rows are read through their live pages (they have holes, or usage is tracked)."""
+        return self.plan.read_table is not None
+
+    def has_holes(self) -> bool:
+        """Some row lost pages to eviction."""
+        return self.live_only and bool((self.plan.table < 0).any())
+
+    def kernel_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page_table, page_pos, q_pos) for the paged kernels, checked against these pages."""
+        return self.plan.kernel_index(self.pages.device, self.pages.num_pages)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tokens as ``[B, T, H, D]`` (see `read_window`)."""
+        return read_window(self.pages, self.plan)
+
+    def read_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Live pages only: keys and values ``[B, Nk * S, H, D]`` gathered from the pages, and each
+        token's position ``[B, Nk * S]`` (``num_tokens`` for padding and unwritten slots, which no
+        query may attend)."""
+        plan = self.plan
+        table, page_pos = plan.live_pages()
+        B, S = table.shape[0], plan.page_size
+        keys, values = self.pages.gather(table.clamp(min=0))
+        keys, values = keys.reshape(B, -1, *keys.shape[3:]), values.reshape(B, -1, *values.shape[3:])
+        positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
+        positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
+        return keys, values, positions.clamp(max=plan.num_tokens)
+
+
+def read_window(pages, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``plan``'s rows, tokens ``[first_pos, num_tokens)``, as ``[B, T, H, D]``: a view when the
+    rows lie on a slab of float pages, else a gather."""
+    B, T = plan.batch_size, plan.kv_len
+    slab_view = getattr(pages, "slab_view", None)  # a capability of float pages only
+    if plan.slab is not None and slab_view is not None:
+        return slab_view(*plan.slab, B, T)
+    keys, values = pages.gather(plan.table)
+    return keys.reshape(B, -1, *keys.shape[3:])[:, :T], values.reshape(B, -1, *values.shape[3:])[:, :T]
+
+
+class PagedKV(torch.Tensor):
+    """Keys (``which == "k"``) or values of one paged layer for the current step."""
+
+    paged: PagedView
+    which: str
+
+    @staticmethod
+    def __new__(cls, paged: PagedView, which: str, shape: tuple[int, ...]):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=paged.pages.dtype, device=paged.pages.device)
+        tensor.paged, tensor.which = paged, which
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def materialize(self) -> torch.Tensor:
+        """The ``[B, H, kv_len, D]`` window as a regular tensor (a view when pages allow)."""
+        if self.paged.plan.packed:
+            raise CacheUsageError(
+                "generate_many packs sequences of different lengths into one row: only the 'hf_paged' attention "
+                "can read them. Load the model with attn_implementation='hf_paged' (after `import hf_paged`).")
+        if self.paged.has_holes():
+            raise CacheUsageError(
+                "This PagedCache evicted pages (a bounded pool with a lossy eviction policy): only the "
+                "'hf_paged' attention can read rows with holes. Load the model with attn_implementation='hf_paged', "
+                "or use eviction='error'.")
+        keys, values = self.paged.read()
+        warn_gathered_pages()
+        return (keys if self.which == "k" else values).transpose(1, 2)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.materialize() if isinstance(t, PagedKV) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    def __repr__(self) -> str:
+        return f"PagedKV({self.which}, shape={tuple(self.shape)}, backend={self.paged.backend!r})"
+
 
 # The CPU kernel reads each slot once for all of a step's queries, scalar-ish per query: it wins for
 # decoding and short continuations (assisted decoding); longer queries go to SDPA's blocked kernel.
@@ -79,35 +215,47 @@ def attend(
     return (out, probs) if return_probs else out
 
 
-def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux,
-                      mass_heads: str | None = None, measures_output: bool = False):
+def _kernel_for(view: PagedView, q_len: int):
+    """The paged kernel that reads ``view``'s pages for queries of ``q_len`` tokens, or None (SDPA on the pages)."""
+    if view.backend == "triton":
+        from .kernels.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton
+    if view.backend == "cpu" and q_len <= CPU_KERNEL_MAX_QUERIES:
+        return cpu_kernel.paged_attention_cpu
+    return None
+
+
+def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux):
     """A paged kernel walks the page table (holes included); the mask is aligned on its last column. When every
-    query is observed the kernel also returns the usage per page: attention mass (reduced over the heads as
-    ``mass_heads`` says, the C kernel's ``page_mass_heads``), or the "output" signal where it ``measures_output``
-    (the C kernel, pages of one token); otherwise `_observe_tail` measures it on the live pages."""
+    query is observed the kernel also returns the usage per page: attention mass (the C kernel reduces it over the
+    heads itself, ``page_mass_heads``), or the "output" signal where it measures it (the C kernel, pages of one
+    token); otherwise `_observe_tail` measures it on the live pages."""
     page_table, page_pos, q_pos = view.kernel_index()
+    in_c = kernel is cpu_kernel.paged_attention_cpu
     mask_offset = 0
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
         mask_offset = view.num_tokens - attention_mask.shape[-1]
-    observed = view.usage is not None and query.shape[2] <= view.window  # every query is observed
-    output = view.usage_signal == "output"
-    measured = observed and (not output or (measures_output and view.page_size == 1))
+    probe = view.probe
+    observed = probe is not None and query.shape[2] <= probe.observed_queries  # every query is observed
+    output = observed and probe.signal == "output"
+    measured = observed and (not output or (in_c and view.page_size == 1))
     options = {}
-    if measured and mass_heads is not None:
-        options["page_mass_heads"] = mass_heads
+    if measured and in_c:
+        options["page_mass_heads"] = probe.heads
     if measured and output:
         options["page_mass_signal"] = "output"
     result = kernel(
-        query, view.keys, view.values, page_table, page_pos, q_pos, scale=scaling, mask=attention_mask,
-        mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
+        query, **view.pages.kernel_operands(), page_table=page_table, page_pos=page_pos, q_pos=q_pos, scale=scaling,
+        mask=attention_mask, mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
         return_page_mass=measured, **options)
     if measured:
         out, page_mass = result
-        view.usage(page_mass)
+        probe.report(page_mass)
         return out
-    if view.usage is not None:
+    if probe is not None:
         keys, values, positions = view.read_live()
         _observe_tail(query, keys, values, _live_mask(attention_mask, positions, view), view, scaling, softcap,
                       s_aux)
@@ -129,47 +277,26 @@ def _live_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, vie
     return allowed & picked & (column >= 0)[:, None, None, :]
 
 
-def _add_page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor, view: PagedView) -> None:
-    """Attention probabilities ``[B, Hkv, g, Q, T]`` of the observed queries over the live tokens, their outputs
-    ``out [B, Q, Hq, D]`` and the tokens' ``values [B, T, Hkv, D]`` -> usage per live page ``[B, H, Nk]``, averaged
-    over the queries, reported: the page's attention ``A``, or with the "output" signal how far it moves each
-    head's output ``o``, ``‖Σ a·v − A·o‖ / (1 − A)`` (kernels/reference.py), from dot products: no ``[.., Nk, D]``
-    tensor."""
-    B, Hkv, g, Q, T = probs.shape
-    S = view.page_size
-    per_page = probs.reshape(B, Hkv, g, Q, T // S, S)
-    mass = per_page.sum(-1)  # [B, Hkv, g, Q, Nk]
-    if view.usage_signal == "output":
-        v = values.float().transpose(1, 2)  # [B, Hkv, T, D]
-        o = out.float().reshape(B, Q, Hkv, g, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Q, D]
-        v_dot_o = torch.matmul(o.reshape(B, Hkv, g * Q, -1), v.transpose(-1, -2)).reshape(B, Hkv, g, Q, T // S, S)
-        v_gram = torch.matmul(v.reshape(B, Hkv, T // S, S, -1), v.reshape(B, Hkv, T // S, S, -1).transpose(-1, -2))
-        moved_sq = torch.einsum("bhgqns,bhnst,bhgqnt->bhgqn", per_page, v_gram, per_page)  # ‖Σ a·v‖²
-        moved_sq = moved_sq - 2 * mass * (per_page * v_dot_o).sum(-1) + mass ** 2 * (o * o).sum(-1)[..., None]
-        mass = moved_sq.clamp(min=0).sqrt() / (1 - mass).clamp(min=LEAVE_OUT_FLOOR)
-    view.usage(mass.mean(dim=3).reshape(B, Hkv * g, T // S))
-
-
 def _observe_tail(query, keys, values, mask, view: PagedView, scaling, softcap, s_aux) -> None:
-    """Usage from the attention of the step's last ``window`` queries over ``keys [B, T, H, D]`` (live pages)."""
-    w = view.window
+    """Usage from the attention of the step's last observed queries over ``keys [B, T, H, D]`` (live pages)."""
+    w = view.probe.observed_queries
     out, probs = attend(query[:, :, -w:], keys.transpose(1, 2), values.transpose(1, 2), mask[..., -w:, :], scaling,
                         softcap=softcap, s_aux=s_aux, return_probs=True)
-    _add_page_usage(probs, out, values, view)
+    view.probe.report(page_usage(probs, out, values, view.page_size, view.probe.signal))
 
 
 def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:
     """Rows with evicted pages (or a bounded cache tracking usage): attend over the gathered live pages."""
     keys, values, positions = view.read_live()
     mask = _live_mask(attention_mask, positions, view)
-    whole = view.usage is not None and query.shape[2] <= view.window  # every query is observed
+    whole = view.probe is not None and query.shape[2] <= view.probe.observed_queries  # every query is observed
     result = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scaling, softcap=softcap,
                     s_aux=s_aux, return_probs=whole)
     if whole:
         out, probs = result
-        _add_page_usage(probs, out, values, view)
+        view.probe.report(page_usage(probs, out, values, view.page_size, view.probe.signal))
         return out
-    if view.usage is not None:
+    if view.probe is not None:
         _observe_tail(query, keys, values, mask, view, scaling, softcap, s_aux)
     return result
 
@@ -177,14 +304,11 @@ def _live_attention(query, view: PagedView, attention_mask, scaling, softcap, s_
 def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sliding_window, softcap,
                      s_aux) -> torch.Tensor:
     """Read the layer's pages in place and attend; the mask is aligned on its last column."""
-    if view.backend == "triton":
-        from .kernels.triton_paged_attention import paged_attention_triton
-
-        return _kernel_attention(paged_attention_triton, query, view, attention_mask, scaling, sliding_window,
-                                 softcap, s_aux)
-    if view.backend == "cpu" and query.shape[2] <= CPU_KERNEL_MAX_QUERIES:
-        return _kernel_attention(cpu_kernel.paged_attention_cpu, query, view, attention_mask, scaling,
-                                 sliding_window, softcap, s_aux, mass_heads=view.usage_heads, measures_output=True)
+    if view.plan.packed:
+        return _packed_attention(query, view, scaling, sliding_window, softcap, s_aux)
+    kernel = _kernel_for(view, query.shape[2])
+    if kernel is not None:
+        return _kernel_attention(kernel, query, view, attention_mask, scaling, sliding_window, softcap, s_aux)
     if view.live_only:
         return _live_attention(query, view, attention_mask, scaling, softcap, s_aux)
     keys, values = view.read()
@@ -192,12 +316,12 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
                           softcap, s_aux)
 
 
-def _segment_attention(query, view: RaggedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def _segment_attention(query, view: PagedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions)."""
     total = segment.past + segment.length
-    pages = segment.pages.to(view.keys.device)
-    keys = view.keys[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
-    values = view.values[pages].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+    keys, values = view.pages.gather(segment.pages.to(view.pages.device))
+    keys = keys.flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
+    values = values.flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
     mask = None
     if segment.past or sliding_window:
         k_pos = torch.arange(total, device=query.device)
@@ -208,22 +332,16 @@ def _segment_attention(query, view: RaggedView, segment, scaling, sliding_window
     return attend(query, keys, values, mask, scaling, is_causal=mask is None, softcap=softcap, s_aux=s_aux)
 
 
-def _ragged_attention(query, view: RaggedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def _packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
     prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
     step = view.plan
-    kernel = None
-    if view.backend == "triton":
-        from .kernels.triton_paged_attention import paged_attention_triton as kernel
-    elif view.backend == "cpu":
-        kernel = cpu_kernel.paged_attention_cpu
+    kernel = _kernel_for(view, 1)
     outs, first = [], 0
     if kernel is not None and step.num_single:
         first = step.num_single
-        table, page_pos, q_pos = step.kernel_index(query.device, view.keys.shape[0])
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
-        out = kernel(singles, view.keys, view.values, table, page_pos, q_pos, scale=scaling,
-                     sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+        out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
         outs.append(out.transpose(0, 1))  # [1, R, Hq, D]
     for segment in step.segments[first:]:
         q = query[:, :, segment.start:segment.start + segment.length]
@@ -256,8 +374,6 @@ def paged_attention_forward(
         raise NotImplementedError("hf_paged attention is for inference: dropout is not supported.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if isinstance(key, RaggedKV):
-        return _ragged_attention(query, key.paged, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):
         out = _paged_attention(module, query, key.paged, attention_mask, scaling, sliding_window, softcap, s_aux)
         return out, None

@@ -13,9 +13,16 @@ import warnings
 
 import torch
 
+from .errors import CacheUsageError
 from .kernels import cpu_paged_attention as cpu_kernel
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
+
+
+def check_backend(backend) -> None:
+    """Raise `CacheUsageError` unless ``backend`` is a cache's backend argument (None: ``$HF_PAGED_BACKEND``)."""
+    if backend is not None and backend not in BACKENDS:
+        raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
 
 
 def resolve_backend(choice: str | None, device: torch.device) -> str:

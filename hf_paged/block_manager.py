@@ -16,6 +16,8 @@ from collections import Counter, OrderedDict
 
 from .errors import PagePoolExhausted
 
+MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
+
 EVICTED = -1  # a row's entry for a page that an eviction policy dropped
 
 
@@ -32,7 +34,9 @@ class BlockManager:
 
     def __init__(self, page_size: int, max_pages: int | None = None, initial_pages: int = 0):
         self.page_size = page_size
-        self.max_pages = max_pages
+        self.max_pages = max_pages  # pages the pool may hold now: the bound, or None (no limit) while overdrawn
+        self.bound = max_pages  # the pool's size limit (None: it grows)
+        self.overdrawn = False  # one step may take more pages than the bound (a compressed prompt, cut at commit)
         self.num_pages = 0
         self.ref: list[int] = []
         self.free: OrderedDict[int, None] = OrderedDict()
@@ -40,9 +44,21 @@ class BlockManager:
         self.page_hash: dict[int, bytes] = {}
         self.hash_to_page: dict[bytes, int] = {}
         self.cached_evictions = 0
+        self.hash_dropped = None  # called (page, hash) when a page loses its hash (set by its `PrefixIndex`)
         self.grow_to(initial_pages)
 
     # ---------------------------------------------------------------- capacity
+    def set_bound(self, max_pages: int | None) -> None:
+        """The pool holds at most ``max_pages`` pages from now on (None: it grows)."""
+        self.bound = max_pages
+        self.max_pages = None if self.overdrawn else max_pages
+
+    def overdraw(self, on: bool) -> None:
+        """While on, allocations may take the pool past its bound (``max_pages`` reads None); when off again, the
+        caller brings the pages in use back within it (a prompt prefilled whole, cut when its step commits)."""
+        self.overdrawn = on
+        self.max_pages = None if on else self.bound
+
     def grow_to(self, num_pages: int) -> None:
         """Extend the id space to ``num_pages`` (capped by ``max_pages``); new ids are free."""
         if self.max_pages is not None:
@@ -178,6 +194,8 @@ class BlockManager:
         content_hash = self.page_hash.pop(page, None)
         if content_hash is not None:
             del self.hash_to_page[content_hash]
+            if self.hash_dropped is not None:
+                self.hash_dropped(page, content_hash)
 
     def release_all(self) -> None:
         """Drop every reference: pages with a content hash become cached (their content is complete: a page gets
@@ -196,11 +214,11 @@ class BlockManager:
 
     def reset(self) -> None:
         """Every page becomes free; hashes are dropped. Capacity is kept."""
+        for page in list(self.page_hash):
+            self._drop_hash(page)
         self.ref = [0] * self.num_pages
         self.free = OrderedDict.fromkeys(range(self.num_pages))
         self.cached.clear()
-        self.page_hash.clear()
-        self.hash_to_page.clear()
 
     def check_invariants(self) -> None:
         """Assert the invariants stated in the module docstring."""

@@ -1,35 +1,181 @@
-"""`PagedCache`: a transformers `Cache` whose layers keep K/V in pages under a `BlockManager`."""
+"""`PagedCache`: a transformers `Cache` whose layers (`PagedLayer`) keep K/V in pages.
+
+The rows of one batch advance in lockstep, one step at a time, through the cache's layer groups (`LayerGroups`):
+the first layer of a group to write a step plans it, every layer writes its keys and values into the planned
+slots through its group's page store and returns `PagedKV` handles that the "hf_paged" attention reads.
+"""
 
 from __future__ import annotations
 
 import copy
 import numbers
+import threading
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache_layer import PagedLayer
-from .errors import CacheUsageError
+from .attention import PagedKV, read_window, warn_gathered_pages
+from .backends import check_backend, layer_backend
+from .block_manager import MAX_PAGE_SIZE
+from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
+from .layer_groups import LayerGroup, LayerGroups
 from .model_config import ATTN_IMPLEMENTATION, layer_windows
-from .page_group import PageGroup
-from .page_groups import PageGroups
-from .paged_kv import warn_gathered_pages
-from .prefix_cache import TokenLog
-from .prefix_hook import PrefixCaching, PrefixHook
+from .page_store import FloatPages
+from .prefix_reuse import PrefixHook, PrefixReuse, TokenLog
 from .thread_owner import ThreadOwner
 
-MAX_PAGE_SIZE = 2**16  # tokens; a page is the unit of allocation (typical sizes: 16 to 256)
+
+def _identical_rows(keys: torch.Tensor, values: torch.Tensor) -> list[int]:
+    """``same_as[b]``: the first row of the run of consecutive rows identical to row b."""
+    same_prev = ((keys[1:] == keys[:-1]).flatten(1).all(1) & (values[1:] == values[:-1]).flatten(1).all(1))
+    same_as = [0]
+    for b, same in enumerate(same_prev.tolist(), start=1):
+        same_as.append(same_as[-1] if same else b)
+    return same_as
 
 
-def _check_positive_int(name: str, value, allow_none: bool = False, most: int | None = None) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (most is not None and value > most):
-        fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
-        fix += f" of at most {most}" if most is not None else ""
-        raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer of a `PagedCache`: its pages (a `LayerPages` in its group's `PageStore`, shared with forks), a
+    member of its `LayerGroup` (which plans the steps and counts the tokens each layer wrote); writes the slots its
+    group planned and returns `PagedKV` handles."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, group: LayerGroup, layer_idx: int, backend: str | None = None, pages: FloatPages | None = None):
+        self.pages = pages  # in the group's store (CacheLayerMixin.__init__ is not called: it would reset them)
+        self.is_initialized = False
+        if pages is not None:
+            self._adopt_pages()
+        self.group = group
+        self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
+        self._resolved_backend: str | None = None  # what `backend` means for these pages, on first use
+        self.layer_idx = layer_idx
+        self.is_sliding = group.sliding_window is not None
+        self.sliding_window = group.sliding_window
+        group.members.join(self)
+
+    def fork(self, group: LayerGroup) -> "PagedLayer":
+        """A layer of a forked cache: same pages (the store is shared), the fork's own page tables."""
+        twin = PagedLayer(group, self.layer_idx, self.backend, self.pages)
+        group.members.join(twin, self.get_seq_length())
+        return twin
+
+    def __repr__(self) -> str:
+        window = f", sliding_window={self.sliding_window}" if self.is_sliding else ""
+        return f"PagedLayer({self.layer_idx}{window})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The layer's pages in its group's store, made for these keys unless they exist."""
+        self.pages = self.group.store.create(self.layer_idx, key_states, value_states)
+        self._adopt_pages()
+
+    def _adopt_pages(self) -> None:
+        """Take dtype, device and shapes from the pages: every later update must match them."""
+        self.dtype, self.device = self.pages.dtype, self.pages.device
+        self.num_heads, self.head_dim, self.value_dim, _ = self.pages.shape
+        self._signature = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device,
+                           self.device)
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------ write
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens into their slots; return `PagedKV` handles (no copy of the cache)."""
+        if not self.is_initialized:
+            self._check_shapes(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
+        self._check(key_states, value_states)
+        if self._resolved_backend is None:
+            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+        batch, _, q_len, _ = key_states.shape
+        group = self.group
+        plan = group.join_step(self, batch, q_len, lambda: _identical_rows(key_states, value_states))
+        if plan.same_as is not None:
+            self._check_identical_rows(key_states, value_states, plan.same_as)
+        plan = group.step.on(self.device)  # rebuilt if rows had to be unshared
+        if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
+            key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        group.store.write(self.pages, group.manager.num_pages, plan.slots,
+                          key_states.reshape(-1, self.num_heads, self.head_dim),
+                          value_states.reshape(-1, self.num_heads, self.value_dim), plan.copy_src, plan.copy_dst)
+        group.wrote(self)
+        view = group.read_view(self.pages, self._resolved_backend)
+        shape = (batch, self.num_heads, plan.kv_len)
+        return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
+
+    def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, same_as: list[int]) -> None:
+        """Rows the group shares because the first layer saw identical keys must be identical here too."""
+        source = torch.tensor(same_as, device=key_states.device)
+        differ = ((key_states != key_states[source]).flatten(1).any(1)
+                  | (value_states != value_states[source]).flatten(1).any(1)).nonzero().flatten().tolist()
+        if differ:  # rare (identical tokens, different masks): give those rows their own pages
+            self.group.unshare(differ)
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, copy) page pair of this layer's pages (the group unshared rows mid-step)."""
+        self.pages.grow_to(self.group.manager.num_pages)
+        self.pages.copy_pages(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
+
+    def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
+            raise CacheUsageError(
+                f"layer {self.layer_idx}: keys and values must be [batch, kv_heads, tokens, head_dim] with "
+                f"matching leading sizes, got {tuple(key_states.shape)} and {tuple(value_states.shape)}."
+            )
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_shapes(key_states, value_states)
+        got = (key_states.shape[1], key_states.shape[3], value_states.shape[3], key_states.dtype,
+               value_states.dtype, key_states.device, value_states.device)
+        want = self._signature
+        if got != want:
+            names = ("kv heads", "key head dim", "value head dim", "key dtype", "value dtype", "key device",
+                     "value device")
+            diffs = ", ".join(f"{n} {g} (pool has {w})" for n, g, w in zip(names, got, want) if g != w)
+            fix = ("This cache holds no tokens: call cache.bind_config(model.config) to serve the new model with it "
+                   "(reset() keeps the pools of the model it served), or use a new cache."
+                   if self.group.num_tokens == 0 and not self.group.rows else
+                   "A PagedCache serves one model in one dtype and device placement: call cache.reset() and then "
+                   "cache.bind_config(model.config), or use a new cache for another model, or cast the model "
+                   "instead of the cache.")
+            raise CacheUsageError(f"layer {self.layer_idx}: new keys/values do not match this layer's page pool: "
+                                  f"{diffs}. {fix}")
+
+    # ------------------------------------------------------------------- read
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tokens ``[first_pos, num_tokens)`` as ``[B, T, H, D]``: a view on a slab, else a gather."""
+        return read_window(self.pages, self.group.step.on(self.device))
+
+    # ------------------------------------------------------------ transformers
+    def get_seq_length(self) -> int:
+        """Tokens this layer has processed: mid-step, a layer that has not written yet still reports
+        the tokens before the step, as a `DynamicCache` layer does (Llama 4 asks before writing)."""
+        return self.group.members[self]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.group.mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def activate_past_recording(self, **recurrent_options) -> None:
+        """Assisted decoding: keep sliding-window pages until the next `crop` (it may roll back).
+
+        ``recurrent_options`` (transformers >= 5.25 passes ``recurrent_states_to_keep``) concern
+        linear-attention layers only; attention pages ignore them."""
+        self.group.record_past = True
+
+    def reset(self) -> None:
+        """Forget this layer's tokens (it rejoins its group with none); its pages are kept for reuse."""
+        self.group.members.join(self)
+
+    def offload(self):
+        raise NotImplementedError("PagedCache does not offload layers; bound it with max_pages instead.")
+
+    prefetch = offload
 
 
 def _refuse_rewind(held: int, new_tokens: int, args, kwargs) -> None:
@@ -47,11 +193,6 @@ def _refuse_rewind(held: int, new_tokens: int, args, kwargs) -> None:
                 "cache per call, or reset() it first (to continue a conversation, pass every token so far).")
 
 
-def _check_backend(backend) -> None:
-    if backend not in (None, "auto", "torch", "triton", "cpu"):
-        raise CacheUsageError(f"backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}.")
-
-
 def _check_arguments(config, model, lru_threshold) -> None:
     """Types that would otherwise fail later with an AttributeError or TypeError."""
     if isinstance(lru_threshold, bool) or not isinstance(lru_threshold, (int, float)):
@@ -66,7 +207,29 @@ def _check_arguments(config, model, lru_threshold) -> None:
                               f"got {type(model).__name__}.")
 
 
-class PagedCache(PrefixCaching, Cache):
+def _row_indices(name: str, indices, groups: LayerGroups) -> list[int]:
+    """``indices`` as rows of the cache, else a clear error (a negative index would silently wrap around)."""
+    order = torch.as_tensor(indices).reshape(-1)
+    if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
+        raise CacheUsageError(f"{name} takes integer row indices, got a {order.dtype} tensor.")
+    order = order.tolist()
+    batch = max((group.batch_size for group in groups.values()), default=0)
+    bad = [i for i in order if not 0 <= i < batch]
+    if batch and bad:
+        raise CacheUsageError(f"{name}: row indices {bad[:5]} are outside [0, {batch}): the cache holds {batch} "
+                              "rows, numbered from 0 (no negative indices).")
+    return order
+
+
+def _crop_count(tokens_to_remove) -> int:
+    """``crop``'s argument as an int, else a clear error."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral) or tokens_to_remove > 0:
+        raise CacheUsageError(f"crop({tokens_to_remove!r}): pass a negative int, the number of tokens to remove, as "
+                              "with DynamicCache.")
+    return int(tokens_to_remove)
+
+
+class PagedCache(PrefixReuse, Cache):
     """A paged KV cache for ``model.generate`` (``past_key_values=`` or ``cache=``).
 
     Args:
@@ -77,16 +240,15 @@ class PagedCache(PrefixCaching, Cache):
         backend: "cpu" (the C kernel, for CPU tensors), "triton" (the Triton kernel; CUDA, or CPU with
             TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
             on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
-        eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise
-            `PagePoolExhausted`); default "score"; see `hf_paged.eviction`.
-        sink_pages / recent_pages: pages never evicted at the start / end of each row (default sinks: the
-            pages of the first 4 tokens, StreamingLLM's attention sinks).
-        lru_threshold: "lru" counts a page as used in a step when its attention share is at least
-            this multiple of an even share.
+        eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise `PagePoolExhausted`);
+            default "score"; see `hf_paged.eviction`. Or a whole `EvictionPolicy` in place of the keywords below.
+        sink_pages / recent_pages: pages never evicted at the start / end of each row (default sinks: the pages of
+            the first 4 tokens, StreamingLLM's attention sinks).
+        lru_threshold: "lru" counts a page as used when its attention share is this multiple of an even share.
         score_decay: "score" keeps this weight of a page's past score per step (0: the last step only).
         observation_window: the last queries of a step whose attention scores pages.
         score_heads / score_signal: the heads' "mean" or "max"; a page's "attention", or the "output" it would move
-            if dropped (these four default by page size: `hf_paged.eviction.usage_signal_defaults`).
+            if dropped (these four default by page size: `eviction.usage_signal_defaults`).
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
@@ -99,22 +261,23 @@ class PagedCache(PrefixCaching, Cache):
     """
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
-                 model=None, eviction: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
-                 lru_threshold: float = 1.0, score_decay: float | None = None, observation_window: int | None = None,
-                 score_heads: str | None = None, compress_prompt: bool = False, per_layer_eviction: bool | None = None, score_signal: str | None = None):
-        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
-        _check_positive_int("max_pages", max_pages, allow_none=True)
+                 model=None, eviction: str | EvictionPolicy | None = None, sink_pages: int | None = None,
+                 recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
+                 observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
+                 per_layer_eviction: bool | None = None, score_signal: str | None = None):
+        check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
+        check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold)
-        _check_backend(backend)
+        check_backend(backend)
         self.backend = backend
-        self.policy = EvictionPolicy.for_pages(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
-                                               observation_window, score_heads, compress_prompt, score_signal)
+        self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
+                                        observation_window, score_heads, compress_prompt, score_signal)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages
         self.per_layer_eviction = (max_pages is not None and self.policy.tracks_usage if per_layer_eviction is None
                                    else bool(per_layer_eviction))
-        self.groups = PageGroups()
+        self.groups = LayerGroups()
         self._owner = ThreadOwner()
         self.config = None
         self.token_log: TokenLog | None = None
@@ -128,8 +291,7 @@ class PagedCache(PrefixCaching, Cache):
 
     # ------------------------------------------------------------- structure
     def bind_config(self, config) -> None:
-        """Create one layer per decoder layer, grouped by sliding window (on an empty cache: also to
-        serve another model after ``reset()``)."""
+        """One layer per decoder layer, grouped by sliding window (an empty cache may serve another model)."""
         _check_arguments(config, None, self.policy.threshold)
         if getattr(config, "is_encoder_decoder", False):
             raise CacheUsageError(
@@ -140,12 +302,12 @@ class PagedCache(PrefixCaching, Cache):
         self.config = config
         windows = layer_windows(config)
         self.layers = [PagedLayer(self._group(w, i), i, self.backend) for i, w in enumerate(windows)]
-        self.groups.keep({id(layer.group) for layer in self.layers})  # another model's groups go
+        self.groups.keep({id(layer.group) for layer in self.layers})  # another model's groups go, pages start anew
         attn = getattr(config, "_attn_implementation", None)
         if attn not in (None, ATTN_IMPLEMENTATION):
             warn_gathered_pages()
 
-    def _group(self, sliding_window: int | None, layer_idx: int) -> PageGroup:
+    def _group(self, sliding_window: int | None, layer_idx: int) -> LayerGroup:
         return self.groups.for_layer(sliding_window, layer_idx, self.page_size, self.max_pages, self.policy,
                                      self.per_layer_eviction)
 
@@ -156,7 +318,8 @@ class PagedCache(PrefixCaching, Cache):
 
     # ----------------------------------------------------------------- steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._owner.claim()
+        if self._owner.ident != threading.get_ident():  # (the owner's own steps skip the call)
+            self._owner.claim()
         layer = self._layer(layer_idx)
         group = layer.group
         if group.up_to_date(layer):  # the layer starts new tokens for its group
@@ -178,7 +341,7 @@ class PagedCache(PrefixCaching, Cache):
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.
         """
-        if self.groups.step_open:
+        if self._owner.ident != threading.get_ident() and self.groups.step_open:
             self._owner.claim()  # another thread must not finish (or undo) this thread's step
         if self.groups.step_failed():
             self.rollback()  # the step never reached every layer of every group
@@ -246,49 +409,30 @@ class PagedCache(PrefixCaching, Cache):
             self.token_log.remap(rows_for(range(len(self.token_log.tokens))))
         self.groups.remap(rows_for)
 
-    def _row_indices(self, name: str, indices) -> list[int]:
-        """``indices`` as rows of this cache, else a clear error (a negative index would silently wrap around)."""
-        order = torch.as_tensor(indices).reshape(-1)
-        if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
-            raise CacheUsageError(f"{name} takes integer row indices, got a {order.dtype} tensor.")
-        order = order.tolist()
-        batch = max((group.batch_size for group in self.groups.values()), default=0)
-        bad = [i for i in order if not 0 <= i < batch]
-        if batch and bad:
-            raise CacheUsageError(f"{name}: row indices {bad[:5]} are outside [0, {batch}): the cache holds {batch} "
-                                  "rows, numbered from 0 (no negative indices).")
-        return order
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b becomes old row ``beam_idx[b]``; pages are shared, copied on write."""
-        order = self._row_indices("reorder_cache", beam_idx)
+        order = _row_indices("reorder_cache", beam_idx, self.groups)
         self._remap_rows(lambda rows: [rows[i] for i in order])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        _check_positive_int("batch_repeat_interleave: repeats", repeats)
+        check_positive_int("batch_repeat_interleave: repeats", repeats)
         self._remap_rows(lambda rows: [r for r in rows for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        order = self._row_indices("batch_select_indices", indices)
+        order = _row_indices("batch_select_indices", indices, self.groups)
         self._remap_rows(lambda rows: [rows[i] for i in order])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative int); more than the
         cache holds empties it, as `DynamicCache.crop` does."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral) \
-                or tokens_to_remove > 0:
-            raise CacheUsageError(
-                f"crop({tokens_to_remove!r}): pass a negative int, the number of tokens to remove, as with "
-                "DynamicCache.")
-        tokens_to_remove = int(tokens_to_remove)
+        tokens_to_remove = _crop_count(tokens_to_remove)
         self.commit()
         self.groups.crop(-tokens_to_remove)
         if self.token_log is not None:
             self.token_log.truncate(self.get_seq_length())
 
     def reset(self) -> None:
-        """Release every row's pages (hashed pages stay cached for prefix reuse); any thread may then use
-        the cache."""
+        """Release every row's pages (hashed pages stay cached for prefix reuse); any thread may then use it."""
         if self._owner.ident is not None:
             self._owner.claim()
         self.commit()
@@ -303,7 +447,7 @@ class PagedCache(PrefixCaching, Cache):
         """Change the bound of every layer group: None unbounds it (rows grow again, as after a prompt
         compressed with ``compress_prompt``, when the answer may take all the room it needs); a bound
         below the pages a group holds raises, changing nothing."""
-        _check_positive_int("max_pages", max_pages, allow_none=True)
+        check_positive_int("max_pages", max_pages, allow_none=True)
         self.commit()
         self.groups.set_max_pages(max_pages)
         self.max_pages = max_pages

@@ -10,6 +10,7 @@ prompt, the samples of one prompt) are computed once. Greedy output equals per-p
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -18,11 +19,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessorList
 
+from .cpu_weights import packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .generation_options import GenerationOptions, ManyOutput, as_int, int_or_ints, per_prompt, token_lists
 from .stats import GenerationStats
-from .prefix_cache import model_fingerprint
+from .prefix_index import model_fingerprint
 from .ragged_cache import RaggedCache
 from .scheduler import Request, Scheduler
 
@@ -71,7 +73,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
                 bad_words_ids: Sequence[Sequence[int]] | None = None, attention_mask: torch.Tensor | None = None,
                 page_size: int | None = None, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True, stats: GenerationStats | None = None,
-                **generate_kwargs) -> Iterator[tuple[int, int]]:
+                pack_weights: bool = False, **generate_kwargs) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
@@ -112,7 +114,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     lengths = [len(p) for p in prompts for _ in range(n)]
     run = _Run()
     stream = _stream(run, model, cache, scheduler, options, options.needs_scores(requests), generators,
-                     GenerationStats() if stats is None else stats, lengths, progress)
+                     GenerationStats() if stats is None else stats, lengths, progress, pack_weights)
     run.generator = weakref.ref(stream)
     return stream
 
@@ -134,14 +136,19 @@ def _queued(scheduler: Scheduler) -> int:
 
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options: GenerationOptions, scores: bool,
-            generators, stats: GenerationStats, prompt_lengths: list[int], progress: bool) -> Iterator[tuple[int, int]]:
+            generators, stats: GenerationStats, prompt_lengths: list[int], progress: bool,
+            pack_weights: bool) -> Iterator[tuple[int, int]]:
     """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
-    released) when the generator ends, raises or is closed. ``stats`` starts then too."""
+    released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too.
+    ``stats`` starts when iteration starts."""
     cache.claim(run)
     stats.start(prompt_lengths)
     device = model.device
+    packing = contextlib.ExitStack()  # weights packed for this call are unpacked when it ends
     bar = tqdm(total=len(stats.outputs), unit="seq", disable=not progress, desc="generate_many")
     try:
+        if pack_weights:
+            packing.enter_context(packed_linear_weights(model))
         while not scheduler.done:
             hits = cache.prefix_hits
             step = scheduler.schedule()
@@ -203,6 +210,7 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
     finally:
         stats.end()
         bar.close()
+        packing.close()
         cache.unclaim(run)
 
 
@@ -232,6 +240,8 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None 
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
         progress: a tqdm bar of finished sequences, with tokens/s, queue, pages and time to first token.
         stats: a `GenerationStats` to fill (also on ``ManyOutput.stats``).
+        pack_weights: pack the model's float32 CPU linear weights for this call (`hf_paged.cpu_weights`; the
+            packing is undone at the end). To pack once for many calls, use `pack_linear_weights` instead.
     """
     if decode and tokenizer is None:
         raise CacheUsageError("decode=True needs tokenizer=.")

@@ -21,3 +21,13 @@ class PagePoolExhausted(RuntimeError):
 
 class CacheUsageError(ValueError):
     """The cache was used in a way it cannot serve (wrong shapes, batch, device...)."""
+
+
+def check_positive_int(name: str, value, allow_none: bool = False, most: int | None = None) -> None:
+    """Raise `CacheUsageError` unless ``value`` is a positive int (at most ``most``; or None when allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (most is not None and value > most):
+        fix = "None (unbounded) or a positive int" if allow_none else "a positive int"
+        fix += f" of at most {most}" if most is not None else ""
+        raise CacheUsageError(f"{name} must be {fix}, got {value!r}.")

@@ -1,23 +1,23 @@
 """Eviction policies: which of a row's live pages gives way when a bounded pool is full.
 
-Order of what gives way (see `PageGroup.begin_step`): a free page, then the least recently
+Order of what gives way (see `LayerGroup.begin_step`): a free page, then the least recently
 used cached (unreferenced) page, then, per policy, one of the row's own live pages:
 - ``"score"``: the page with the lowest decayed attention score (H2O's heavy hitters with a
   decay, TOVA when ``decay=0``): each step adds the page's share of the attention of the step's
-  last ``window`` queries, relative to an even share (1 = as much as an average live page), to an
+  last ``observation_window`` queries, relative to an even share (1 = as much as an average live page), to an
   exponential moving average, bias-corrected for the steps the page has been observed;
 - ``"lru"``: the page least recently *used*, where a page is used in a step when its share of the
   step's attention is at least ``threshold`` times an even share;
 - ``"fifo"``: the oldest unprotected page (StreamingLLM: attention sinks + a recent window);
 - ``"error"``: nothing is evicted; `PagePoolExhausted` is raised.
 With ``compress_prompt``, a prompt larger than the bound is prefilled whole, then cut to the bound
-by these scores, i.e. by the attention of the prompt's last ``window`` tokens (SnapKV): a question
+by these scores, i.e. by the attention of the prompt's last ``observation_window`` tokens (SnapKV): a question
 at the end of a prompt steers what is kept. The attention share of a page is its mass averaged
 over the observed queries and over the heads, or taken from the head that attends it most; with
 the ``"output"`` signal a page's usage is instead how far each head's output would move if the page
 were dropped (``‖Σ_page a·v − A·o‖ / (1 − A)`` for the page's attention ``A`` and the head's output
 ``o``): a page that draws attention but holds values like the output's counts little
-(`usage_signal_defaults` picks signal, window, decay and heads by page size, policy and regime). By
+(`usage_signal_defaults` picks signal, observation window, decay and heads by page size, policy and regime). By
 default each layer of a bounded "score" or "lru" cache keeps its own pages and is its own group
 (``per_layer_eviction``), otherwise the shares of a group's layers are summed. The first ``sink_pages``
 logical pages and the last ``recent_pages`` live pages (always including the page being written) are never
@@ -27,7 +27,9 @@ never change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,7 @@ from transformers.utils import logging
 
 from .block_manager import EVICTED
 from .errors import CacheUsageError
+from .kernels.reference import LEAVE_OUT_FLOOR
 
 logger = logging.get_logger(__name__)
 POLICIES = ("score", "lru", "fifo", "error")
@@ -61,14 +64,17 @@ def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: 
     ("lru" is defined on attention.)"""
     output = name == "score" and page_size == 1 and not compress_prompt
     if page_size == 1:
-        return dict(decay=0.0, window=1, heads="mean", signal="output" if output else "attention")
-    return dict(decay=0.9, window=32, heads="max", signal="attention")
+        return dict(decay=0.0, observation_window=1, heads="mean", signal="output" if output else "attention")
+    return dict(decay=0.9, observation_window=32, heads="max", signal="attention")
 
 
+# PagedCache's flat eviction keywords (in `for_pages` order) and their defaults (None: chosen by page size)
+FLAT_DEFAULTS = dict(sink_pages=None, recent_pages=1, lru_threshold=1.0, score_decay=None, observation_window=None,
+                     score_heads=None, compress_prompt=False, score_signal=None)
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
 
 
-class PageUsage:
+class PageHistory:
     """What a group has observed of its pages' attention, indexed by page id (shared by forks).
 
     ``last_used[p]``: ``2 * step`` when written, ``2 * step + 1`` when used (so use outranks a write);
@@ -120,7 +126,7 @@ class EvictionPolicy:
     recent_pages: int = 1
     threshold: float = 1.0
     decay: float = 0.9
-    window: int = 32
+    observation_window: int = 32
     compress_prompt: bool = False
     heads: str = "max"
     signal: str = "attention"
@@ -128,10 +134,11 @@ class EvictionPolicy:
     def __post_init__(self):
         if self.name not in POLICIES:
             raise CacheUsageError(f"eviction must be one of {POLICIES}, got {self.name!r}.")
-        for name in ("sink_pages", "recent_pages", "window"):
+        for name in ("sink_pages", "recent_pages", "observation_window"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "window" else 0):
-                raise CacheUsageError(f"{name} must be a {'positive' if name == 'window' else 'non-negative'} "
+            least = 1 if name == "observation_window" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CacheUsageError(f"{name} must be a {'positive' if least else 'non-negative'} "
                                       f"int, got {value!r}.")
         if not self.threshold > 0:
             raise CacheUsageError(f"lru_threshold must be a positive multiple of an even attention share, got "
@@ -149,7 +156,7 @@ class EvictionPolicy:
 
     @classmethod
     def for_pages(cls, page_size: int, name: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
-                  threshold: float = 1.0, decay: float | None = None, window: int | None = None,
+                  threshold: float = 1.0, decay: float | None = None, observation_window: int | None = None,
                   heads: str | None = None, compress_prompt: bool = False,
                   signal: str | None = None) -> "EvictionPolicy":
         """A policy for pages of ``page_size`` tokens; what is None takes its default for that size (the
@@ -158,8 +165,22 @@ class EvictionPolicy:
         defaults = usage_signal_defaults(page_size, name, compress_prompt)
         return cls(name, default_sink_pages(page_size) if sink_pages is None else sink_pages,
                    recent_pages, threshold, defaults["decay"] if decay is None else decay,
-                   defaults["window"] if window is None else window, compress_prompt,
+                   defaults["observation_window"] if observation_window is None else observation_window,
+                   compress_prompt,
                    defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal)
+
+    @classmethod
+    def of(cls, page_size: int, eviction: "str | EvictionPolicy | None", *flat) -> "EvictionPolicy":
+        """The policy of ``PagedCache(eviction=..., <the flat keywords, in `FLAT_DEFAULTS` order>)``: a policy given
+        whole is taken as it is (the flat keywords must then keep their defaults); a name (None: the default) is made
+        by `for_pages` from them."""
+        if not isinstance(eviction, cls):
+            return cls.for_pages(page_size, eviction, *flat)
+        given = [name for (name, default), value in zip(FLAT_DEFAULTS.items(), flat) if value != default]
+        if given:
+            raise CacheUsageError(f"eviction={eviction!r} is a whole policy: set {', '.join(given)} in it, not "
+                                  "beside it.")
+        return eviction
 
     @property
     def lossy(self) -> bool:
@@ -171,24 +192,24 @@ class EvictionPolicy:
 
     def page_signal(self, page_mass: torch.Tensor) -> torch.Tensor:
         """One layer's usage per live page ``[B, H, Nk]`` (its attention mass, or the output it moves, averaged
-        over the observed queries; `PagedView.usage_signal`) -> ``[B, Nk]``: the
+        over the observed queries; `UsageProbe.signal`) -> ``[B, Nk]``: the
         heads' mean (``heads="mean"``, TOVA) or the largest over the heads (``"max"``: a page one head relies
         on counts as used; the pages are shared by every head). A ``[B, Nk]`` mass was reduced so by the
-        kernel (`PagedView.usage_heads`)."""
+        kernel (`UsageProbe.heads`)."""
         page_mass = page_mass.float()
         if page_mass.dim() == 2:
             return page_mass
         return page_mass.mean(dim=1) if self.heads == "mean" else page_mass.amax(dim=1)
 
-    def record(self, usage: PageUsage, pages: torch.Tensor, mass: torch.Tensor, step: int) -> np.ndarray:
-        """Fold a step's attention mass ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``usage``;
+    def record(self, history: PageHistory, pages: torch.Tensor, mass: torch.Tensor, step: int) -> np.ndarray:
+        """Fold a step's usage ``[B, Nk]`` (summed over layers) on ``pages [B, Nk]`` into ``history``;
         -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
         pages = _ids(pages)
         shares = self.whole_shares(pages, mass)
         if shares is not None:
-            self.fold_last_shares(usage, pages, shares)
+            self.fold_last_shares(history, pages, shares)
             return shares
-        usage.cover(pages)
+        history.cover(pages)
         shares = mass.detach().cpu().numpy().astype(np.float64)
         for row_pages, row_shares in zip(pages, shares):  # (each row's mass becomes its shares in place)
             live = row_pages != EVICTED
@@ -203,10 +224,11 @@ class EvictionPolicy:
                 row_shares[~live] = np.inf
             relative = row_shares if whole else row_shares[live]
             if self.name == "lru":
-                usage.last_used[ids[relative >= self.threshold]] = 2 * step + 1
+                history.last_used[ids[relative >= self.threshold]] = 2 * step + 1
             else:  # (with no decay the average is the last share)
-                usage.ema[ids] = self.decay * usage.ema[ids] + (1 - self.decay) * relative if self.decay else relative
-                usage.observed[ids] += 1
+                decayed = self.decay * history.ema[ids] + (1 - self.decay) * relative if self.decay else relative
+                history.ema[ids] = decayed
+                history.observed[ids] += 1
         return shares
 
     @property
@@ -226,23 +248,23 @@ class EvictionPolicy:
         return shares
 
     @staticmethod
-    def fold_last_shares(usage: PageUsage, pages: np.ndarray, shares: np.ndarray) -> None:
+    def fold_last_shares(history: PageHistory, pages: np.ndarray, shares: np.ndarray) -> None:
         """The pages' last shares become their scores (`whole_shares`; a page in several rows: the last row's)."""
-        usage.cover(pages)
-        usage.ema[pages] = shares
-        usage.observed[pages] += 1
+        history.cover(pages)
+        history.ema[pages] = shares
+        history.observed[pages] += 1
 
-    def scores(self, usage: PageUsage, pages) -> np.ndarray:
+    def scores(self, history: PageHistory, pages) -> np.ndarray:
         """The pages' bias-corrected moving averages (1.0, an even share, before any observation)."""
         pages = _ids(pages)
-        usage.cover(pages)
-        steps = usage.observed[pages]
-        unbiased = usage.ema[pages]
+        history.cover(pages)
+        steps = history.observed[pages]
+        unbiased = history.ema[pages]
         if self.decay > 0:  # (with no decay the average is the last share: nothing to correct)
             unbiased = unbiased / np.maximum(1 - self.decay ** steps.astype(np.float64), 1e-300)
         return np.where(steps > 0, unbiased, 1.0)
 
-    def victims(self, row, first_page: int, usage: PageUsage, count: int) -> list[int]:
+    def victims(self, row, first_page: int, history: PageHistory, count: int) -> list[int]:
         """Indices in ``row`` (page ids, a list or an array) of up to ``count`` pages to evict, in the order the
         policy gives them up (ties: the oldest first); fewer when the rest is protected. Equal to ``count``
         single picks: a pick changes no other page's rank, nor which pages are protected."""
@@ -252,30 +274,30 @@ class EvictionPolicy:
         candidates = live[:max(len(live) - max(self.recent_pages, 1), 0)]
         if self.name == "fifo" or not len(candidates):
             return candidates[:count].tolist()
-        rank = self._rank(usage, table[candidates])
+        rank = self._rank(history, table[candidates])
         order = [int(np.argmin(rank))] if count == 1 else np.argsort(rank, kind="stable")[:count]  # first of ties
         return candidates[order].tolist()
 
-    def _rank(self, usage: PageUsage, pages: np.ndarray) -> np.ndarray:
+    def _rank(self, history: PageHistory, pages: np.ndarray) -> np.ndarray:
         """The order in which a usage policy gives ``pages`` up (lowest first): when last used ("lru"), or
         the score."""
         if self.name == "lru":
-            usage.cover(pages)
-            return usage.last_used[pages].astype(np.float64)
-        return self.scores(usage, pages)
+            history.cover(pages)
+            return history.last_used[pages].astype(np.float64)
+        return self.scores(history, pages)
 
-    def victim_columns(self, table: np.ndarray, positions: np.ndarray, usage: PageUsage, page_size: int,
+    def victim_columns(self, table: np.ndarray, positions: np.ndarray, history: PageHistory, page_size: int,
                        num_tokens: int, shares: np.ndarray | None = None) -> np.ndarray | None:
         """Per row of a live table (``table [B, Nk]``: page ids in any order, -1 for holes; ``positions``: each
         page's first token, ``num_tokens`` for holes) of rows holding ``num_tokens`` tokens, the column of the page
         `victims` would give up first: the lowest rank among the unprotected pages, ties to the oldest. None when
         a row has every page protected. ``shares``: the last step's shares of these columns (`record`), the ranks
-        when the policy `ranks_by_last_share` (they are overwritten; ``table`` and ``usage`` may then be None). The
+        when the policy `ranks_by_last_share` (they are overwritten; ``table`` and ``history`` may then be None). The
         recent pages are the rows' last logical pages: never evicted, they are live."""
         if self.name == "fifo":
             rank = positions.astype(np.float64)
         else:  # (holes index some page's usage: they are protected below; the shares are used up)
-            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(usage, table)
+            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(history, table)
         recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
         rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
         columns, best = rank.argmin(axis=1), rank.min(axis=1, keepdims=True)
@@ -286,9 +308,9 @@ class EvictionPolicy:
             columns = np.where(ties, positions, np.iinfo(np.int64).max).argmin(axis=1)
         return columns
 
-    def victim(self, row: list[int], first_page: int, usage: PageUsage) -> int | None:
+    def victim(self, row: list[int], first_page: int, history: PageHistory) -> int | None:
         """Index in ``row`` of the page to evict, or None when every live page is protected."""
-        picked = self.victims(row, first_page, usage, 1)
+        picked = self.victims(row, first_page, history, 1)
         return picked[0] if picked else None
 
 
@@ -299,29 +321,57 @@ def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
         "tokens are no longer attended). Raise max_pages, or use eviction='error' to fail instead.")
 
 
+@dataclass(frozen=True)
+class UsageProbe:
+    """What attention measures of one layer in one step for a policy that tracks usage: ``report`` takes the usage
+    per live page ``[B, H, Nk]`` (averaged over the observed queries), or ``[B, Nk]`` when a kernel reduced it over
+    the heads as ``heads`` says ("mean" or "max"); the step's last ``observed_queries`` queries are observed;
+    ``signal``: a page's attention mass ("attention") or how far it moves each head's output ("output")."""
+
+    report: Callable[[torch.Tensor], None]
+    observed_queries: int
+    heads: str
+    signal: str
+
+
+def page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor, page_size: int,
+               signal: str) -> torch.Tensor:
+    """Attention probabilities ``[B, Hkv, g, Q, T]`` of the observed queries over the live tokens, their outputs
+    ``out [B, Q, Hq, D]`` and the tokens' ``values [B, T, Hkv, D]`` -> usage per live page ``[B, H, Nk]``, averaged
+    over the queries: the page's attention ``A``, or with the "output" signal how far it moves each head's output
+    ``o``, ``‖Σ a·v − A·o‖ / (1 − A)`` (kernels/reference.py), from dot products (no ``[.., Nk, D]``)."""
+    B, Hkv, g, Q, T = probs.shape
+    S = page_size
+    per_page = probs.reshape(B, Hkv, g, Q, T // S, S)
+    mass = per_page.sum(-1)  # [B, Hkv, g, Q, Nk]
+    if signal == "output":
+        v = values.float().transpose(1, 2)  # [B, Hkv, T, D]
+        o = out.float().reshape(B, Q, Hkv, g, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Q, D]
+        v_dot_o = torch.matmul(o.reshape(B, Hkv, g * Q, -1), v.transpose(-1, -2)).reshape(B, Hkv, g, Q, T // S, S)
+        v_gram = torch.matmul(v.reshape(B, Hkv, T // S, S, -1), v.reshape(B, Hkv, T // S, S, -1).transpose(-1, -2))
+        moved_sq = torch.einsum("bhgqns,bhnst,bhgqnt->bhgqn", per_page, v_gram, per_page)  # ‖Σ a·v‖²
+        moved_sq = moved_sq - 2 * mass * (per_page * v_dot_o).sum(-1) + mass ** 2 * (o * o).sum(-1)[..., None]
+        mass = moved_sq.clamp(min=0).sqrt() / (1 - mass).clamp(min=LEAVE_OUT_FLOOR)
+    return mass.mean(dim=3).reshape(B, Hkv * g, T // S)
+
+
 class GroupEviction:
     """A page group's side of eviction: its policy, the step clock, what was observed of its pages
-    (`PageUsage`, shared with the group's forks) and the loop that picks victims row by row."""
+    (`PageHistory`, shared with the group's forks) and the loop that picks victims row by row."""
 
-    def __init__(self, policy: EvictionPolicy, bounded: bool, usage: PageUsage | None = None, clock: int = 0):
+    def __init__(self, policy: EvictionPolicy, bounded: bool, history: PageHistory | None = None, clock: int = 0):
         self.policy = policy
         self.tracks_usage = policy.tracks_usage and bounded  # attention is observed only where pages can go
-        self.usage = PageUsage() if usage is None else usage
+        self.history = PageHistory() if history is None else history
         self.clock = clock  # steps planned so far
         self.evictions = 0  # live pages dropped
         self.evicted: list[tuple[int, int]] = []  # (row, index in row) of the pages dropped since the last plan
-        self._compress_to: int | None = None  # the bound to cut to once a compressed prompt's step commits
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
         self._warned_for = None  # the bound the first eviction under it was logged for
 
-    @property
-    def compressing(self) -> bool:
-        """A prompt over the bound was let in whole: it is cut when its step commits."""
-        return self._compress_to is not None
-
     def fork(self, bounded: bool) -> "GroupEviction":
-        """The eviction state of a forked group: same usage (by page id), clock and exactness, its own count."""
-        twin = GroupEviction(self.policy, bounded, self.usage, self.clock)
+        """The eviction state of a forked group: same history (by page id), clock and exactness, its own count."""
+        twin = GroupEviction(self.policy, bounded, self.history, self.clock)
         twin.exact_tokens = self.exact_tokens
         return twin
 
@@ -333,22 +383,22 @@ class GroupEviction:
             return
         slots = _ids(plan.slots)
         S = plan.page_size
-        self.usage.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
+        self.history.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
 
-    def sink(self, plan):
-        """Where attention adds a layer's mass per live page (``[B, H, Nk]``, or ``[B, Nk]`` reduced over the heads)
-        in ``plan``'s step, or None when the policy does not track usage (see `PagedView.usage`)."""
+    def probe(self, plan) -> "UsageProbe | None":
+        """What attention measures of a layer in ``plan``'s step for this policy, or None when it tracks no usage."""
         if not self.tracks_usage:
             return None
-        signal = self.policy.page_signal
-        return lambda page_mass: plan.add_usage(signal(page_mass))
+        signal, p = self.policy.page_signal, self.policy
+        return UsageProbe(lambda page_mass: plan.add_usage(signal(page_mass)), p.observation_window, p.heads,
+                          p.signal)
 
     def record(self, plan) -> None:
         """Hand the step's attention per page to the policy (once); a policy that ranks pages by their last share
         keeps the shares on the plan, by live column (`recycle` ranks the columns by them)."""
         if plan is None or plan.usage is None:
             return
-        shares = self.policy.record(self.usage, plan.read_table, plan.usage, self.clock)
+        shares = self.policy.record(self.history, plan.read_table, plan.usage, self.clock)
         plan.usage, plan.shares = None, shares if self.policy.ranks_by_last_share else None
 
     def reserve(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
@@ -357,7 +407,7 @@ class GroupEviction:
         (``last``: the group's last plan, see `evict`). With ``compress_prompt``, a fresh prompt over the bound
         goes in whole (cut at commit, see `committed`)."""
         if self.policy.compress_prompt and fresh and manager.max_pages is not None and needed > manager.available():
-            self._compress_to, manager.max_pages = manager.max_pages, None
+            manager.overdraw(True)
         elif self.policy.lossy and needed > manager.available():
             self.evict(manager, rows, first_page, num_tokens, needed, last)
         manager.require(needed, self.policy.lossy)
@@ -365,14 +415,9 @@ class GroupEviction:
     def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, last) -> None:
         """After a prompt prefilled whole (``compress_prompt``): evict down to the bound, by the
         attention of the prompt's last queries; the pool keeps the prompt's size (its peak)."""
-        if self._compress_to is not None:
-            manager.max_pages, self._compress_to = self._compress_to, None
+        if manager.overdrawn:
+            manager.overdraw(False)
             self.evict(manager, rows, first_page, num_tokens, 0, last)
-
-    def rolled_back(self, manager) -> None:
-        """A compressed prompt's step was undone: nothing is held any more, only the bound comes back."""
-        if self._compress_to is not None:
-            manager.max_pages, self._compress_to = self._compress_to, None
 
     def _evicting(self, max_pages: int, num_tokens: int) -> None:
         """Pages are about to be evicted after ``num_tokens`` tokens (logged once per bound)."""
@@ -386,7 +431,7 @@ class GroupEviction:
         must evict one for it. When the rows are as the group's last plan ``last`` planned them, each row's victim
         is picked in ``last``'s live table and evicted, but its page stays with the row to hold the new tokens:
         nothing is released or allocated. Its victims are ``last.victims`` when they were picked with other groups'
-        (`PageGroups.commit`). -> (live columns, row entries, pages), one entry per row; None, changing nothing,
+        (`record_together`). -> (live columns, row entries, pages), one entry per row; None, changing nothing,
         when the step is not such a step or a victim is shared (the general path then evicts)."""
         S = manager.page_size
         if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
@@ -396,7 +441,7 @@ class GroupEviction:
         table, positions = last.read_table.numpy(), last.read_pos.numpy()
         columns = last.victims
         if columns is None:
-            columns = self.policy.victim_columns(table, positions, self.usage, S, num_tokens, last.shares)
+            columns = self.policy.victim_columns(table, positions, self.history, S, num_tokens, last.shares)
         if columns is None:
             return None
         columns = columns.tolist()  # (a few rows: scalar reads beat fancy indexing)
@@ -411,6 +456,16 @@ class GroupEviction:
         self.evictions += len(rows)
         return columns, entries, pages
 
+    def recycled_step(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last):
+        """The plan of a full pool's steady step (`recycle`; None when it is not one): its victims hold the tokens."""
+        picks = self.recycle(manager, rows, num_tokens, q_len, last)
+        return None if picks is None else recycle_plan(last, rows, *picks, q_len)
+
+    def extended_step(self, rows: list[list[int]], first_page: int, past: int, num_tokens: int,
+                      last):
+        """The plan of a step whose rows only lost the pages this step evicted and gained fresh ones (`extend_plan`)."""
+        return extend_plan(last, rows, first_page, past, num_tokens, self.evicted)
+
     def evict(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int, last) -> None:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free. The rows are
         ranked through ``last``'s page table (a numpy view) when the group's last plan ``last`` planned them as
@@ -420,7 +475,7 @@ class GroupEviction:
         while manager.available() < needed:
             evicted = False
             rounds = -(-(needed - manager.available()) // max(len(rows), 1))
-            picks = [self.policy.victims(row, first_page, self.usage, rounds) for row in tables]
+            picks = [self.policy.victims(row, first_page, self.history, rounds) for row in tables]
             tables = rows  # (a next round sees the rows as this one left them)
             for k in range(rounds):  # round-robin: one page per row at a time, in each row's order
                 for b, (row, picked) in enumerate(zip(rows, picks)):
@@ -434,3 +489,155 @@ class GroupEviction:
                             return
             if not evicted:
                 return  # everything left is protected: `require` raises with the numbers
+
+
+class PlanColumns:
+    """Host buffers ``[B, capacity]`` behind a plan's ``table``, ``read_table`` and ``read_pos``, which
+    `extend_plan` edits in place: evicted pages become holes, new pages' columns are appended (capacity
+    doubles, like a vector). Plans extended from one another share them: each views its own first columns;
+    only the newest plan is extended (an older one is finished). ``holes``: the live table's -1 entries."""
+
+    def __init__(self, plan):
+        self.widths = (plan.table.shape[1], plan.read_table.shape[1])
+        self.buffers = [self._buffer(t.numpy()) for t in (plan.table, plan.read_table, plan.read_pos)]
+        self.holes = int((plan.read_table == EVICTED).sum())
+        self._live = None  # ((width, buffers), read_table, read_pos): the live tensors of the newest plan
+
+    @staticmethod
+    def _buffer(columns: np.ndarray, capacity: int = 0) -> np.ndarray:
+        """``columns [B, n]`` at the start of a buffer with room for ``capacity`` (at least ``2 n``) columns."""
+        B, n = columns.shape
+        buffer = np.empty((B, max(capacity, 2 * n, 64)), dtype=np.int64)
+        buffer[:, :n] = columns
+        return buffer
+
+    def extends(self, plan) -> bool:
+        """``plan`` is the newest plan of these buffers."""
+        return self.widths == (plan.table.shape[1], plan.read_table.shape[1])
+
+    def drop(self, row: int, index: int, page: int) -> None:
+        """Entry ``index`` of ``row`` (page ``page``) was evicted: a hole in both tables."""
+        self.buffers[0][row, index] = EVICTED
+        live = self.buffers[1][row, :self.widths[1]]
+        live[live == page] = EVICTED
+        self.holes += 1
+
+    def append(self, pages: list[list[int]], positions: list[int], num_tokens: int):
+        """Add ``pages[b]`` (first tokens at ``positions``) to every row; -> (table, read_table, read_pos)."""
+        n, live = self.widths
+        k = len(positions)
+        for i, width in enumerate((n, live, live)):
+            self._room(i, width + k)[:, width:width + k] = positions if i == 2 else pages
+        self.widths = (n + k, live + k)
+        return self._views(num_tokens)
+
+    def recycle(self, entries: list[int], columns: list[int], pages: list[int], position: int, num_tokens: int):
+        """Row b's logical entry ``entries[b]`` was evicted, but its page, at live column ``columns[b]``, now
+        holds the tokens from ``position``: the logical table gets a hole there and the page at its end, the
+        live table keeps its pages and the column's position changes; -> (table, read_table, read_pos)."""
+        n, live = self.widths
+        table, positions = self._room(0, n + 1), self.buffers[2]
+        for b, (entry, column) in enumerate(zip(entries, columns)):  # (a few rows: scalar writes beat fancy indexing)
+            table[b, entry] = EVICTED
+            positions[b, column] = position
+        table[:, n] = pages
+        self.widths = (n + 1, live)
+        return self._views(num_tokens)
+
+    def _room(self, i: int, width: int) -> np.ndarray:
+        """Buffer ``i``, grown (doubling) to hold ``width`` columns."""
+        buffer = self.buffers[i]
+        if width > buffer.shape[1]:
+            self.buffers[i] = buffer = self._buffer(buffer[:, :self.widths[min(i, 1)]], 2 * width)
+        return buffer
+
+    def _views(self, num_tokens: int):
+        """(table, read_table, read_pos) of the newest plan; holes and padding at ``num_tokens``, a position no
+        query attends. The live tensors are the last plan's while the live table keeps its width and buffers (a
+        page table keeps the mark of its ids' check, `mark_checked`: edits only turn ids into holes)."""
+        n, live = self.widths
+        key = (live, id(self.buffers[1]), id(self.buffers[2]))
+        if self._live is None or self._live[0] != key:
+            self._live = key, torch.from_numpy(self.buffers[1][:, :live]), torch.from_numpy(self.buffers[2][:, :live])
+        if self.holes:
+            positions = self.buffers[2][:, :live]
+            positions[self.buffers[1][:, :live] == EVICTED] = num_tokens
+        return torch.from_numpy(self.buffers[0][:, :n]), self._live[1], self._live[2]
+
+
+def extend_plan(last, rows: list[list[int]], first_page: int, past: int, num_tokens: int,
+                evicted: list[tuple[int, int]]):
+    """The plan of a step whose rows, since ``last`` (read through live pages), only lost the pages at
+    ``evicted`` (row, index) and gained fresh pages: ``last``'s tables edited in place (`PlanColumns`), where
+    a full plan re-indexes every row. None when anything else changed (a trim, copy-on-write, shared rows, an
+    edit it was not told of) or when holes fill 1/8 of the live table: plan in full (which packs them)."""
+    if last is None or last.read_table is None or last.same_as is not None or last.num_tokens != past \
+            or last.first_pos != first_page * last.page_size:
+        return None
+    S, n = last.page_size, last.table.shape[1]
+    expected = [list(r) for r in last.rows]
+    for b, i in evicted:
+        if i >= n:
+            return None
+        expected[b][i] = EVICTED
+    if [r[:n] for r in rows] != expected:
+        return None
+    columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    if columns.holes + len(evicted) > last.read_table.numel() // 8:
+        return None
+    for b, i in evicted:
+        columns.drop(b, i, last.rows[b][i])
+    new = [r[n:] for r in rows]
+    table, read_table, read_pos = columns.append(new, [(first_page + i) * S for i in range(n, n + len(new[0]))],
+                                                 num_tokens)
+    slots = torch.tensor([r[p // S - first_page] * S + p % S for r in rows for p in range(past, num_tokens)])
+    return dataclasses.replace(last, q_len=num_tokens - past, past=past, num_tokens=num_tokens, table=table,
+                               slots=slots, copy_src=None, copy_dst=None, read_table=read_table, read_pos=read_pos,
+                               usage=None, shares=None, victims=None, rows=[list(r) for r in rows], _on_device={},
+                               _columns=columns)
+
+
+def recycle_plan(last, rows: list[list[int]], columns: list[int], entries: list[int], pages: list[int],
+                 q_len: int):
+    """The plan of a full pool's steady step (`GroupEviction.recycle`): row b's victim page ``pages[b]``, at live
+    column ``columns[b]`` of ``last``'s plan and row entry ``entries[b]`` (already a hole), holds the row's ``q_len``
+    new tokens: it is appended to the row. The live table keeps its width and pages, only that column's position
+    changes: it stays free of holes, in no particular order (the kernels take any). ``last`` is finished: its copy
+    of the rows becomes the new plan's."""
+    for row, planned, entry, page in zip(rows, last.rows, entries, pages):
+        row.append(page)
+        planned[entry] = EVICTED
+        planned.append(page)
+    S, past = last.page_size, last.num_tokens
+    plan_columns = last._columns if last._columns is not None and last._columns.extends(last) else PlanColumns(last)
+    table, read_table, read_pos = plan_columns.recycle(entries, columns, pages, past, past + q_len)
+    slots = np.array(pages) * S if q_len == 1 else (np.array(pages)[:, None] * S + np.arange(q_len)).reshape(-1)
+    return dataclasses.replace(last, q_len=q_len, past=past, num_tokens=past + q_len, table=table,
+                               slots=torch.from_numpy(slots), copy_src=None, copy_dst=None, slab=None, same_as=None,
+                               read_table=read_table, read_pos=read_pos, usage=None, shares=None, victims=None,
+                               _on_device={}, _columns=plan_columns)
+
+
+def record_together(groups) -> None:
+    """Record the step of every group that ranks its pages by their last share (per-layer "score" groups with
+    no decay, `EvictionPolicy.ranks_by_last_share`) and pick their next victims, in one pass over all their
+    live tables: a row's shares and victim depend on its row only. The victims are the live columns
+    `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one cache.)"""
+    picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.ranks_by_last_share
+               and g.step is not None and g.step.usage is not None]
+    plans = [g.step for g in picking]
+    if len(plans) < 2 or len({(p.read_table.shape, p.num_tokens, p.page_size, p.usage.device, g.policy)
+                              for g, p in zip(picking, plans)}) > 1:
+        return  # (each group records its own step when it commits)
+    policy, tables = picking[0].policy, np.concatenate([p.read_table.numpy() for p in plans])
+    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
+    if shares is None:
+        return
+    for group, plan, pages, plan_shares in zip(picking, plans, np.split(tables, len(plans)),
+                                               np.split(shares, len(plans))):
+        policy.fold_last_shares(group.eviction.history, pages, plan_shares)
+        plan.usage, plan.shares = None, plan_shares
+    columns = policy.victim_columns(None, np.concatenate([p.read_pos.numpy() for p in plans]), None,
+                                    plans[0].page_size, plans[0].num_tokens, shares)
+    for plan, victims in zip(plans, np.split(columns, len(plans)) if columns is not None else ()):
+        plan.victims = victims

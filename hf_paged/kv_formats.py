@@ -5,7 +5,7 @@ KV head is encoded on its own, when it is written, with its scales beside it in 
 needs no fill event and no full-precision residual, a write never changes another token's bytes, and a
 NaN or inf in one token cannot reach another token's scales.
 
-* ``"float"``: the model's dtype, unchanged (`FloatPages`).
+* ``"float"``: the model's dtype, unchanged (`hf_paged.page_store.FloatPages`).
 * ``"int8"``: symmetric, one float16 scale per token and KV head: ``x = scale * code``, codes in [-127, 127].
 * ``"int4"``: two codes a byte; asymmetric groups with a float16 scale and an int8 zero point each,
   ``x = scale * (code - zero)``, codes in [0, 15]; keys in groups of 16 (`KEY_GROUP`), values one group a
@@ -45,8 +45,8 @@ import torch
 
 from .errors import CacheUsageError
 
-__all__ = ["KV_FORMATS", "KEY_GROUP", "PageFormat", "FloatPages", "QuantizedPages", "make_layer_pages",
-           "check_kv_format", "page_format", "rotation", "quantize", "dequantize"]
+__all__ = ["KV_FORMATS", "KEY_GROUP", "PageFormat", "QuantizedPages", "check_kv_format", "page_format", "rotation",
+           "quantize", "dequantize"]
 
 KEY_GROUP = 16  # elements of an int4 key group (fewer when the head dim is not a multiple of it)
 _FP16_MAX = 65504.0
@@ -224,44 +224,6 @@ def quantize(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> tuple[torch.
 
 
 # ----------------------------------------------------------------------------------- layer pages
-class FloatPages:
-    """A layer's pages in the model's dtype: ``keys [P, S, H, D]``, ``values [P, S, H, Dv]``.
-
-    Minimal stand-in, for this module's tests: the page store of issue 31 brings the ``FloatPages`` that
-    `make_layer_pages` returns for ``"float"`` once it lands, with this interface."""
-
-    kv_format = "float"
-
-    def __init__(self, page_size: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device):
-        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
-        self.keys = torch.zeros(0, page_size, heads, head_dim, dtype=dtype, device=self.device)
-        self.values = torch.zeros(0, page_size, heads, value_dim, dtype=dtype, device=self.device)
-
-    @property
-    def num_pages(self) -> int:
-        return self.keys.shape[0]
-
-    def grow_to(self, num_pages: int) -> None:
-        if num_pages > self.num_pages:
-            self.keys, self.values = (_grown(t, num_pages) for t in (self.keys, self.values))
-
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys.flatten(0, 1)[slots] = keys.to(self.dtype)
-        self.values.flatten(0, 1)[slots] = values.to(self.dtype)
-
-    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.keys[dst], self.values[dst] = self.keys[src], self.values[src]
-
-    def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[pages], self.values[pages]
-
-    def kernel_operands(self) -> dict:
-        return dict(k_pool=self.keys, v_pool=self.values, k_scale=None, v_scale=None, kv_format="float")
-
-    def page_bytes(self) -> int:
-        return (self.keys[0].numel() + self.values[0].numel()) * self.keys.element_size()
-
-
 class QuantizedPages:
     """A layer's pages in a quantized `PageFormat`: codes and float16 scales of keys and values (layout in
     the module docstring); reads dequantize to ``dtype``.
@@ -325,13 +287,3 @@ def _grown(tensor: torch.Tensor, num_pages: int) -> torch.Tensor:
     grown = tensor.new_zeros((num_pages, *tensor.shape[1:]))
     grown[: tensor.shape[0]] = tensor
     return grown
-
-
-def make_layer_pages(kv_format: str, page_size: int, heads: int, head_dim: int, value_dim: int,
-                     dtype: torch.dtype, device) -> FloatPages | QuantizedPages:
-    """The pages of one layer in ``kv_format`` (checked first with `check_kv_format`), with no page yet."""
-    check_kv_format(kv_format, device, head_dim, value_dim)
-    fmt = page_format(kv_format)
-    if not fmt.quantized:
-        return FloatPages(page_size, heads, head_dim, value_dim, dtype, device)
-    return QuantizedPages(fmt, page_size, heads, head_dim, value_dim, dtype, device)

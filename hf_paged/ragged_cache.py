@@ -2,11 +2,13 @@
 
 Continuous batching packs the new tokens of every running sequence into one row,
 ``input_ids [1, T]`` with each token's own position: decode tokens (one per sequence) first,
-then prefill chunks. `RaggedCache.begin_step` plans such a step once (pages for the new tokens,
-copy-on-write of shared partial pages, each token's slot, each sequence's page table); every
-layer then writes its keys/values into those slots and hands attention a `RaggedKV` view of the
-step. Sequences are independent: each has its own length, positions and pages; pages are shared
-(reference counted) between sequences that share a prefix, and a released sequence's hashed
+then prefill chunks. `RaggedCache.begin_step` plans such a step once with the sequence core
+(`hf_paged.page_tables`: copy-on-write of shared partial pages, `StepUndo`, the kernel index): pages
+for the new tokens, each token's slot, each sequence's page table; every layer then writes its
+keys/values into those slots through the cache's `PageStore` and hands attention `PagedKV` handles
+of the packed step (the same view as `PagedCache`'s). Sequences are independent: each has its own
+length, positions and pages; pages are shared (reference counted) between sequences that share a
+prefix, found and registered through the cache's `PrefixIndex`, and a released sequence's hashed
 pages stay cached for reuse, as in `PagedCache`.
 
 Invariants between steps:
@@ -24,13 +26,14 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .backends import layer_backend
-from .block_manager import BlockManager
-from .cache import MAX_PAGE_SIZE, _check_backend, _check_positive_int
-from .cache_layer import PagePool
-from .errors import CacheUsageError
-from .kernels.arguments import mark_checked
+from .attention import PagedKV, PagedView
+from .backends import check_backend, layer_backend
+from .block_manager import MAX_PAGE_SIZE, BlockManager
+from .errors import CacheUsageError, check_positive_int
 from .model_config import layer_windows
+from .page_store import PageStore
+from .page_tables import StepUndo, copy_on_write, kernel_index
+from .prefix_index import PrefixIndex
 from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
@@ -66,78 +69,39 @@ class RaggedStep:
     copy_src: torch.Tensor | None  # long [C]: shared partial pages copied before writing
     copy_dst: torch.Tensor | None
     page_size: int
-    _kernel: dict = field(default_factory=dict)
+    _on_device: dict = field(default_factory=dict)
+    packed = True  # (a class constant) the tokens of several sequences in one row: see `PagedKV`
 
     def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page_table [R, N], page_pos [R, N], q_pos [R, 1]) of the single-token segments (-1 padded),
-        on ``device``, built and checked against pools of ``num_pages`` pages once per step and device."""
-        if device not in self._kernel:
-            singles = self.segments[:self.num_single]
-            width = max(len(s.pages) for s in singles)
-            table = torch.full((len(singles), width), -1, dtype=torch.long)
-            for r, s in enumerate(singles):
-                table[r, :len(s.pages)] = s.pages
-            page_pos = (torch.arange(width) * self.page_size).expand(len(singles), -1)
-            q_pos = torch.tensor([[s.past] for s in singles])
-            table = table.int() if device.type == "cuda" else table
-            index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
-            mark_checked(*index, num_pages)
-            self._kernel[device] = index
-        return self._kernel[device]
+        """(page_table [R, N], page_pos [R, N], q_pos [R, 1]) of the single-token segments (-1 padded)."""
+        return kernel_index(self._on_device, device, num_pages, self._kernel_rows)
 
-
-@dataclass(frozen=True)
-class RaggedView:
-    """What attention may read of one `RaggedLayer` in one packed step: its pools ``[P, S, H, D]``, the
-    step's plan and the layer's backend ("torch", "triton" or "cpu", resolved once per layer)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    plan: RaggedStep
-    backend: str
-
-
-class RaggedKV(torch.Tensor):
-    """What a `RaggedLayer.update` returns for keys (``which == "k"``) or values: a data-less tensor of
-    the packed shape ``[1, kv_heads, T, head_dim]`` whose `RaggedView` (``.paged``) the "hf_paged"
-    attention reads. Any other consumer gets a clear error: packed steps need the "hf_paged" attention."""
-
-    @staticmethod
-    def __new__(cls, paged: RaggedView, which: str, shape: tuple[int, ...]):
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=paged.keys.dtype, device=paged.keys.device)
-        tensor.paged, tensor.which = paged, which
-        return tensor
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise CacheUsageError(
-            "generate_many packs sequences of different lengths into one row: only the 'hf_paged' attention "
-            "can read them. Load the model with attn_implementation='hf_paged' (after `import hf_paged`).")
+    def _kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        singles = self.segments[:self.num_single]
+        width = max(len(s.pages) for s in singles)
+        table = torch.full((len(singles), width), -1, dtype=torch.long)
+        for r, s in enumerate(singles):
+            table[r, :len(s.pages)] = s.pages
+        page_pos = (torch.arange(width) * self.page_size).expand(len(singles), -1)
+        return table, page_pos, torch.tensor([[s.past] for s in singles])
 
 
 class RaggedLayer(CacheLayerMixin):
-    """One decoder layer's page pools; writes the slots its cache planned."""
+    """One decoder layer of a `RaggedCache`: writes the slots its cache planned into its pages (in the cache's
+    store) and returns `PagedKV` handles of the packed step."""
 
     is_compileable = False
     is_croppable = False
 
     def __init__(self, cache: "RaggedCache", layer_idx: int, sliding_window: int | None):
-        self.pool = PagePool()  # CacheLayerMixin.__init__ is not called: the pool holds the tensors
-        self.cache, self.layer_idx, self.backend = cache, layer_idx, cache.backend
+        self.cache, self.layer_idx, self.backend = cache, layer_idx, cache.backend  # (CacheLayerMixin.__init__ unused)
         self.sliding_window, self.is_sliding = sliding_window, sliding_window is not None
+        self.pages = None
         self.is_initialized = False
 
-    keys = property(lambda self: self.pool.keys)
-    values = property(lambda self: self.pool.values)
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_heads, self.head_dim, self.value_dim = key_states.shape[1], key_states.shape[3], value_states.shape[3]
-        S = self.cache.page_size
-        self.pool.keys = key_states.new_zeros((0, S, self.num_heads, self.head_dim))
-        self.pool.values = value_states.new_zeros((0, S, self.num_heads, self.value_dim))
+        self.pages = self.cache.store.create(self.layer_idx, key_states, value_states)
+        self.dtype, self.device = self.pages.dtype, self.pages.device
         self.resolved_backend = layer_backend(self.backend, self.device, self.dtype)
         self.is_initialized = True
 
@@ -150,16 +114,12 @@ class RaggedLayer(CacheLayerMixin):
                 "it is driven by hf_paged.generate_many.")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.pool.grow_to(self.cache.manager.num_pages)
-        slots = step.slots.to(self.device)
-        if step.copy_src is not None:
-            src, dst = step.copy_src.to(self.device), step.copy_dst.to(self.device)
-            self.pool.keys[dst], self.pool.values[dst] = self.pool.keys[src], self.pool.values[src]
-        key_rows, value_rows = self.pool.slot_rows()
-        key_rows.index_copy_(0, slots, key_states[0].transpose(0, 1))
-        value_rows.index_copy_(0, slots, value_states[0].transpose(0, 1))
-        view = RaggedView(self.pool.keys, self.pool.values, step, self.resolved_backend)
-        return RaggedKV(view, "k", tuple(key_states.shape)), RaggedKV(view, "v", tuple(value_states.shape))
+        move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        self.cache.store.write(self.pages, self.cache.manager.num_pages, move(step.slots),
+                               key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), move(step.copy_src),
+                               move(step.copy_dst))
+        view = PagedView(self.pages, step, self.resolved_backend)
+        return PagedKV(view, "k", tuple(key_states.shape)), PagedKV(view, "v", tuple(value_states.shape))
 
     def get_seq_length(self) -> int:
         return 0  # a packed step has no common past: positions come with the tokens
@@ -188,19 +148,21 @@ class RaggedCache(Cache):
         if not isinstance(config, PretrainedConfig):
             raise CacheUsageError(f"config must be a transformers model config (model.config), got "
                                   f"{type(config).__name__}.")
-        _check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
-        _check_positive_int("max_pages", max_pages, allow_none=True)
-        _check_backend(backend)
+        check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
+        check_positive_int("max_pages", max_pages, allow_none=True)
+        check_backend(backend)
         layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
         if "chunked_attention" in layer_types:
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
                                   "model.generate with a PagedCache for this model.")
         self.page_size, self.backend = page_size, backend
         self.manager = BlockManager(page_size, max_pages)
+        self.store = PageStore(page_size)
+        self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         super().__init__(layers=[RaggedLayer(self, i, w) for i, w in enumerate(layer_windows(config))])
         self.sequences: dict[int, Sequence] = {}
         self.step: RaggedStep | None = None
-        self._undo: list[tuple[int, list[int], int]] = []  # (seq_id, pages, length) before `step`
+        self._undo: StepUndo | None = None  # the sequences' tables and lengths before `step`
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
         self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``
         self._owner = ThreadOwner("RaggedCache", (
@@ -245,7 +207,7 @@ class RaggedCache(Cache):
         self._clear()
 
     def _clear(self) -> None:
-        self.step, self._undo, self.user = None, [], None
+        self.step, self._undo, self.user = None, None, None
         self.sequences.clear()
         self.manager.release_all()
         self._owner.release()
@@ -310,16 +272,14 @@ class RaggedCache(Cache):
         S, manager = self.page_size, self.manager
         manager.require(sum(pages for pages, _ in self.step_pages(new_tokens)))
         segments, slots, copies, start = [], [], [], 0
-        for seq_id, n in new_tokens:
-            seq = self.sequences[seq_id]
-            undo = (seq_id, list(seq.pages), seq.length)
-            if seq.length % S and manager.ref[seq.pages[-1]] > 1:  # shared partial page: copy on write
-                copies.append((seq.pages[-1], manager.allocate()))
-                manager.release(seq.pages[-1])
-                seq.pages[-1] = copies[-1][1]
+        touched = [self.sequences[seq_id] for seq_id, _ in new_tokens]
+        self._undo = StepUndo([seq.pages for seq in touched], state=tuple((seq, seq.length) for seq in touched))
+        for seq, (seq_id, n) in zip(touched, new_tokens):
+            copied = copy_on_write(manager, seq.pages, seq.length, self._undo, release_now=True)
+            if copied is not None:
+                copies.append(copied)
             while len(seq.pages) * S < seq.length + n:
                 seq.pages.append(manager.allocate())
-            self._undo.append(undo)
             positions = torch.arange(seq.length, seq.length + n)
             pages = torch.tensor(seq.pages, dtype=torch.long)
             slots.append(pages[positions // S] * S + positions % S)
@@ -331,17 +291,18 @@ class RaggedCache(Cache):
         return self.step
 
     def finish_step(self) -> None:
-        """Make the planned step final (every layer wrote it)."""
-        self.step, self._undo = None, []
+        """Make the planned step final (every layer wrote it): pages it replaced are released."""
+        if self._undo is not None:
+            self._undo.commit(self.manager)
+        self.step, self._undo = None, None
 
     def abort_step(self) -> None:
         """Undo the planned step: sequences get their pages and lengths back, new pages are released."""
-        for seq_id, old_pages, old_length in reversed(self._undo):
-            seq = self.sequences[seq_id]
-            self.manager.share_row([p for p in old_pages if p not in seq.pages])  # pages a copy-on-write replaced
-            self.manager.release_row([p for p in seq.pages if p not in old_pages])
-            seq.pages, seq.length = old_pages, old_length
-        self.finish_step()
+        if self._undo is not None:
+            self._undo.rollback(self.manager, self._undo.tables)
+            for seq, length in self._undo.state:
+                seq.length = length
+        self.step, self._undo = None, None
 
     def stats(self) -> dict:
         """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`)."""
@@ -349,8 +310,7 @@ class RaggedCache(Cache):
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
-        return sum(t[0].numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
+        return self.store.page_bytes()
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .errors import CacheUsageError
-from .prefix_cache import page_hashes
+from .prefix_index import page_hashes
 from .ragged_cache import RaggedCache
 
 
@@ -124,22 +124,19 @@ class Scheduler:
         return step
 
     def _waits_for_prefix(self, request: Request) -> bool:
-        shared = self._cached_pages(request)
+        shared = len(self._cached_pages(request))
         return shared < len(request.hashes) and request.hashes[shared] in self.computing
 
-    def _cached_pages(self, request: Request) -> int:
-        """Leading prompt pages in the cache (at least one prompt token is always computed)."""
-        limit, n = (len(request.prompt) - 1) // self.S, 0
-        while n < limit and self.cache.manager.lookup(request.hashes[n]) is not None:
-            n += 1
-        return n
+    def _cached_pages(self, request: Request) -> list[int]:
+        """The cached pages of the prompt's leading full pages (at least one prompt token is always computed)."""
+        return self.cache.prefix.cached_run(request.hashes, (len(request.prompt) - 1) // self.S)
 
     def _admit(self, request: Request) -> Row | None:
         """A running row for ``request`` (its samples follow it), or None if it must wait."""
         if self._waits_for_prefix(request):
             return None
         manager = self.cache.manager
-        shared = [manager.lookup(h) for h in request.hashes[:self._cached_pages(request)]]
+        shared = self._cached_pages(request)
         need = self.pages_for(request, len(shared)) + sum(manager.ref[p] == 0 for p in shared)
         if manager.available() - self.reserved < need:
             return None
@@ -192,10 +189,10 @@ class Scheduler:
             return
         hashes = row.request.hashes if full <= len(row.request.hashes) else page_hashes(
             row.tokens[:full * self.S], [1] * (full * self.S), list(range(full * self.S)), self.S, 0, self.root)
-        for i in range(row.hashed, full):
-            self.cache.manager.set_hash(pages[i], hashes[i])
-            if self.computing.get(hashes[i]) is row:
-                del self.computing[hashes[i]]
+        self.cache.prefix.register_pages(pages, hashes, 0, row.hashed, full)
+        for content_hash in hashes[row.hashed:full]:
+            if self.computing.get(content_hash) is row:
+                del self.computing[content_hash]
         row.hashed = full
 
     def fork_followers(self, leader: Row) -> list[Row]:

@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 
 def ragged_cache_stats(cache) -> dict:
     """`PagedCache.stats`'s fields for a `RaggedCache` (one layer group; it never evicts a live page, so
-    ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``)."""
-    manager, page_bytes = cache.manager, cache.page_bytes()
+    ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters."""
+    manager = cache.manager
     tokens = sum(seq.length for seq in cache.sequences.values())
-    return dict(page_size=cache.page_size, pages_total=manager.num_pages, pages_used=manager.num_used,
-                pages_free=len(manager.free), pages_cached=len(manager.cached), tokens_stored=tokens,
-                kv_bytes=(manager.num_used + len(manager.cached)) * page_bytes,
-                pool_bytes=manager.num_pages * page_bytes, evictions=0, prefix_hits=cache.prefix_hits,
-                tokens_held=tokens)
+    out = dict(page_size=cache.page_size, pages_total=manager.num_pages, pages_used=manager.num_used,
+               pages_free=len(manager.free), pages_cached=len(manager.cached), tokens_stored=tokens,
+               kv_bytes=(manager.num_used + len(manager.cached)) * cache.page_bytes(),
+               pool_bytes=cache.store.pool_bytes(), evictions=0, prefix_hits=cache.prefix_hits, tokens_held=tokens)
+    for key, value in cache.prefix.stats().items():
+        out[key] = out.get(key, 0) + value
+    return out
 
 
 @dataclass

@@ -326,8 +326,7 @@ def split_model(check: Check, r: dict) -> None:
         return out[0, ids.shape[1]:].tolist()
 
     def cache_devices(cache):
-        return [str(layer.keys.device) if getattr(layer, "keys", None) is not None else None
-                for layer in cache.layers]
+        return [str(layer.device) if getattr(layer, "is_initialized", False) else None for layer in cache.layers]
 
     def summarize(devs):
         return {d: [i for i, x in enumerate(devs) if x == d] for d in sorted(set(map(str, devs)))}

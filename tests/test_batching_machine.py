@@ -68,7 +68,7 @@ class ChainModel(torch.nn.Module):
             h = int(self.salt)
             if segment.past:
                 page = int(segment.pages[(segment.past - 1) // S])
-                h = int(cache.layers[0].keys[copied_from.get(page, page), (segment.past - 1) % S, 0, 0])
+                h = int(cache.layers[0].pages.keys[copied_from.get(page, page), (segment.past - 1) % S, 0, 0])
             for token in tokens[segment.start:segment.start + segment.length]:
                 h = chain(h, token)
                 hashes.append(h)
@@ -261,7 +261,7 @@ class BatchingMachine(RuleBasedStateMachine):
                 h = chain(h, token)
                 want.append(h)
             for layer in self.cache.layers:
-                got = [int(layer.keys[seq.pages[i // S], i % S, 0, 0]) for i in range(row.computed)]
+                got = [int(layer.pages.keys[seq.pages[i // S], i % S, 0, 0]) for i in range(row.computed)]
                 assert got == want, (row.out_index, got, want)
 
     def teardown(self):

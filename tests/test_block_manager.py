@@ -4,7 +4,7 @@ The model mirrors, with plain dicts/lists, what the manager must hold after ever
 reference counts, which pages are cached and in which LRU order (first = least recently
 released, the next one an exhausted free list hands out: vLLM v1 order), content hashes,
 capacity and the number of cached pages evicted. References are held by "rows" (lists of page
-ids, with `EVICTED` where a lossy eviction policy dropped a page), the way `PageGroup` holds them,
+ids, with `EVICTED` where a lossy eviction policy dropped a page), the way `PageRows` holds them,
 so that `release_row` / `share_row` are driven the way the cache drives them.
 """
 

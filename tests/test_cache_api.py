@@ -67,8 +67,8 @@ def test_pool_allocated_lazily_on_first_key_dtype_and_device():
     cache = hf_paged.PagedCache(page_size=8)
     assert cache.stats()["kv_bytes"] == 0 and len(cache.layers) == 0
     paged.to(torch.bfloat16).generate(**left_padded_batch((3, 4)), **GEN, cache=cache)
-    assert all(layer.keys.dtype == torch.bfloat16 and layer.keys.device.type == "cpu" for layer in cache.layers)
-    assert cache.layers[0].keys.shape[1:] == (8, 2, 16)
+    assert all(layer.pages.dtype == torch.bfloat16 and layer.pages.device.type == "cpu" for layer in cache.layers)
+    assert cache.layers[0].pages.keys.shape[1:] == (8, 2, 16)
 
 
 def test_hf_paged_model_without_cache_and_with_dynamic_cache(llama):

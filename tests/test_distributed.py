@@ -214,7 +214,7 @@ def _check_pools_follow_layers(model, cache, dtype):
     for layer, block in zip(cache.layers, decoder_layers):
         weight = block.self_attn.k_proj.weight
         assert layer.device == weight.device and layer.dtype == weight.dtype == dtype
-        for pool in (layer.keys, layer.values):
+        for pool in (layer.pages.keys, layer.pages.values):
             assert pool.device == weight.device and pool.dtype == dtype
             assert pool.shape == (layer.group.manager.num_pages, cache.page_size, cfg.num_key_value_heads, head_dim)
 
@@ -232,7 +232,7 @@ def test_pools_follow_each_layers_keys_device_and_dtype():
     assert cache.get_seq_length() == 6  # asked between steps, as a model does
     for layer, (device, dtype) in zip(cache.layers, placements):
         assert layer.device == torch.device(device) and layer.dtype == dtype
-        for pool in (layer.keys, layer.values):
+        for pool in (layer.pages.keys, layer.pages.values):
             assert pool.device == torch.device(device) and pool.dtype == dtype
             assert pool.shape[1:] == (4, 2, 16) and pool.shape[0] >= 4  # 2 rows x 2 pages of 4 tokens
         read_k, read_v = layer.read()
@@ -273,5 +273,5 @@ def test_device_map_across_two_gpus(tiny_model_dir):
     cache = hf_paged.PagedCache(page_size=4, config=model.config)
     out = model.generate(**enc, cache=cache, **gen)
     _check_pools_follow_layers(model, cache, torch.float32)
-    assert [layer.keys.device for layer in cache.layers] == [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert [layer.pages.device for layer in cache.layers] == [torch.device("cuda:0"), torch.device("cuda:1")]
     assert torch.equal(out, model.generate(**enc, **gen))  # same placement, transformers' DynamicCache

@@ -3,7 +3,6 @@
 import gc
 import math
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import hf_paged
 from hf_paged.block_manager import EVICTED
 from hf_paged import attention
 from hf_paged.errors import CacheUsageError
-from hf_paged.eviction import EvictionPolicy, PageUsage
+from hf_paged.eviction import EvictionPolicy, PageHistory, page_usage
 from hf_paged.kernels import cpu_paged_attention as cpu_kernel
 from hf_paged.kernels.reference import paged_attention_reference
 from page_checks import check_pages
@@ -33,9 +32,9 @@ def most_pages_held(cache) -> int:
     return max(g.manager.num_used for g in cache.groups.values())
 
 
-def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -> PageUsage:
+def _usage(policy: EvictionPolicy, pages: list[int], steps: list[list[float]]) -> PageHistory:
     """``policy``'s record of ``steps`` of attention mass over ``pages`` (one row)."""
-    usage = PageUsage()
+    usage = PageHistory()
     usage.allocated(pages, 0)
     for step, mass in enumerate(steps, start=1):
         policy.record(usage, torch.tensor([pages]), torch.tensor([mass]), step)
@@ -54,7 +53,7 @@ def test_a_no_decay_score_records_each_page_s_share_of_its_row(holes):
         pages[0, 1] = pages[2, 3] = EVICTED
     mass = torch.tensor([[0.1, 0.7, 0.15, 0.05], [0.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2],
                          [0.5, math.nan, 0.2, 0.3]]) * (pages >= 0)
-    usage = PageUsage()
+    usage = PageHistory()
     usage.allocated(pages[pages >= 0], 0)
     shares = tova.record(usage, pages, mass, 1)
     for row_pages, row_mass, row_shares in zip(pages.tolist(), mass.double().tolist(), shares.tolist()):
@@ -69,10 +68,7 @@ def test_a_no_decay_score_records_each_page_s_share_of_its_row(holes):
 def _usage_of(signal: str, page_size: int, probs, values, out) -> torch.Tensor:
     """What the torch path reports per page for ``probs [B, Hkv, g, Q, T]``, ``values [B, T, Hkv, D]`` and
     ``out [B, Q, Hq, D]``."""
-    got = []
-    view = SimpleNamespace(page_size=page_size, usage_signal=signal, usage=got.append)
-    attention._add_page_usage(probs, out, values, view)
-    return got[0]
+    return page_usage(probs, out, values, page_size, signal)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -163,15 +159,15 @@ def test_usage_signal_defaults_follow_the_page_size():
     in a streaming "score" cache; "lru" and a compressed prompt's cut count attention); larger pages a decayed
     window's most attentive head's attention; explicit arguments win; "lru" cannot take the output signal."""
     tova = hf_paged.PagedCache(page_size=1, max_pages=8).policy
-    assert (tova.decay, tova.window, tova.heads, tova.signal) == (0.0, 1, "mean", "output")
+    assert (tova.decay, tova.observation_window, tova.heads, tova.signal) == (0.0, 1, "mean", "output")
     assert hf_paged.PagedCache(page_size=1, max_pages=8, eviction="lru").policy.signal == "attention"
     assert hf_paged.PagedCache(page_size=1, max_pages=8, compress_prompt=True).policy.signal == "attention"
     pages = hf_paged.PagedCache(page_size=4, max_pages=8).policy
-    assert (pages.decay, pages.window, pages.heads, pages.signal) == (0.9, 32, "max", "attention")
+    assert (pages.decay, pages.observation_window, pages.heads, pages.signal) == (0.9, 32, "max", "attention")
     mine = hf_paged.PagedCache(page_size=1, max_pages=8, score_decay=0.5, observation_window=4, score_heads="max",
                                score_signal="attention")
-    assert (mine.policy.decay, mine.policy.window, mine.policy.heads, mine.policy.signal) == (0.5, 4, "max",
-                                                                                              "attention")
+    mine = mine.policy
+    assert (mine.decay, mine.observation_window, mine.heads, mine.signal) == (0.5, 4, "max", "attention")
     assert hf_paged.PagedCache(page_size=4, max_pages=8, score_signal="output").policy.signal == "output"
     with pytest.raises(CacheUsageError, match="score_signal"):
         hf_paged.PagedCache(page_size=1, max_pages=8, score_signal="value")
@@ -216,7 +212,7 @@ def test_lru_threshold_is_relative_to_an_even_share():
 
 
 def test_fifo_and_protected_pages_on_synthetic_rows():
-    usage = PageUsage()
+    usage = PageHistory()
     row = [10, 11, 12, 13, 14, 15]
     assert EvictionPolicy("fifo", sink_pages=1, recent_pages=1).victim(row, 0, usage) == 1  # oldest after sink
     assert EvictionPolicy("fifo", sink_pages=0, recent_pages=1).victim(row, 0, usage) == 0
@@ -554,12 +550,13 @@ def test_decode_steps_edit_the_last_plan_as_a_full_plan_would_build_it(rows, tok
     decode step at page size 1) recycles each row's victim page in its live column; more extend the last plan
     (holes, appended columns, a full re-index once holes fill 1/8 of the live table). A row edited behind the
     plan's back is planned in full."""
-    from hf_paged import page_group
-    from hf_paged.step_plan import build_plan, recycle_plan
+    from hf_paged import eviction, layer_groups
+    from hf_paged.eviction import recycle_plan
+    from hf_paged.step_plan import build_plan
 
     full_plans, recycled = [], []
-    monkeypatch.setattr(page_group, "build_plan", lambda *a, **k: full_plans.append(a) or build_plan(*a, **k))
-    monkeypatch.setattr(page_group, "recycle_plan", lambda *a: recycled.append(a) or recycle_plan(*a))
+    monkeypatch.setattr(layer_groups, "build_plan", lambda *a, **k: full_plans.append(a) or build_plan(*a, **k))
+    monkeypatch.setattr(eviction, "recycle_plan", lambda *a: recycled.append(a) or recycle_plan(*a))
     cache = hf_paged.PagedCache(page_size=1, max_pages=256 * rows, eviction="score", sink_pages=1, recent_pages=1)
 
     def step(count, seed):
@@ -596,7 +593,7 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
     path, which ranks each row in logical order, under the same attention (a function of each page's position
     and layer, least on the newest pages, which only their protection keeps, fewer of them in later layers; ties
     among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage policy: a no-decay
-    "score" records their steps and picks their victims in one pass over all of them (`PageGroups`)."""
+    "score" records their steps and picks their victims in one pass over all of them (`record_together`)."""
     from hf_paged.eviction import GroupEviction
 
     recycled, general = [], GroupEviction.recycle
@@ -634,3 +631,19 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
     assert sum(picks is not None for picks, _ in recycled) >= 100 * groups  # every step after the pool filled
     together = sum(together for _, together in recycled)
     assert together >= 100 * groups if eviction == "score" else together == 0
+
+
+def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
+    """``PagedCache(eviction=EvictionPolicy(...))`` evicts as the same settings given as keywords; mixing both is
+    refused, naming the keyword to move into the policy."""
+    _, paged = make_pair("llama")
+    prompt = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(5))
+    flat = hf_paged.PagedCache(page_size=4, max_pages=16, eviction="lru", sink_pages=1, recent_pages=2)
+    policy = EvictionPolicy("lru", sink_pages=1, recent_pages=2)
+    whole = hf_paged.PagedCache(page_size=4, max_pages=16, eviction=policy)
+    assert whole.policy == flat.policy
+    outs = [paged.generate(prompt, max_new_tokens=6, do_sample=False, **{hf_paged.CACHE_KWARG: cache})
+            for cache in (flat, whole)]
+    assert torch.equal(*outs) and flat.stats()["evictions"] == whole.stats()["evictions"] > 0
+    with pytest.raises(hf_paged.CacheUsageError, match="set recent_pages, score_decay in it"):
+        hf_paged.PagedCache(eviction=EvictionPolicy("fifo"), recent_pages=3, score_decay=0.5)

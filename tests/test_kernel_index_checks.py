@@ -79,4 +79,4 @@ def test_page_ids_are_checked_once_per_step_not_per_layer(monkeypatch):
     model.generate(**left_padded_batch(), max_new_tokens=new_tokens, do_sample=False,
                    **{hf_paged.CACHE_KWARG: cache})
     assert model.config.num_hidden_layers == 3 and 1 <= len(calls) <= new_tokens - 1  # decode steps, one group
-    assert torch.is_tensor(cache.layers[0].keys)
+    assert torch.is_tensor(cache.layers[0].pages.keys)

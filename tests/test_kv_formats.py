@@ -10,15 +10,8 @@ import torch
 
 from hf_paged.errors import CacheUsageError
 from hf_paged.kernels.arguments import check_paged_args
-from hf_paged.kv_formats import (
-    KV_FORMATS,
-    FloatPages,
-    QuantizedPages,
-    check_kv_format,
-    make_layer_pages,
-    page_format,
-    rotation,
-)
+from hf_paged.kv_formats import KV_FORMATS, QuantizedPages, check_kv_format, page_format, rotation
+from hf_paged.page_store import FloatPages, make_layer_pages
 
 QUANTIZED = ("int8", "int4", "fp8_e4m3")
 S, H, D = 4, 3, 64  # page size, KV heads, head dim of most tests

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
-import hf_paged.prefix_cache
-from hf_paged.prefix_cache import page_hashes
+import hf_paged.prefix_index
+from hf_paged.prefix_index import page_hashes
 from page_checks import check_all_given_back, check_pages
 from tiny_models import make_pair
 
@@ -72,7 +72,7 @@ def test_page_hashes_are_stable_across_processes():
     assert len(here) == 5 and len(set(here)) == 5
     # load the module by path: importing the package (transformers) would take most of the time
     code = ("import importlib.util, sys; "
-            f"spec = importlib.util.spec_from_file_location('pc', {hf_paged.prefix_cache.__file__!r}); "
+            f"spec = importlib.util.spec_from_file_location('pc', {hf_paged.prefix_index.__file__!r}); "
             "pc = importlib.util.module_from_spec(spec); spec.loader.exec_module(pc); "
             f"print(','.join(h.hex() for h in pc.page_hashes({tokens}, {mask}, list(range(40)), 8, 0, b'')))")
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"

@@ -86,13 +86,14 @@ def _kv(tags: list[list[int]], layer: int):
 
 
 def _peek(cache, layer_idx: int):
-    """A layer's rows, read from its pool through the page tables, without a new step."""
+    """A layer's rows, read from its pages through the page tables, without a new step."""
     layer = cache.layers[layer_idx]
     group = layer.group
     B, S = len(group.rows), group.page_size
     table = torch.tensor(group.rows, dtype=torch.long).reshape(B, -1)
     T = group.num_tokens - group.first_page * S
-    return (layer.keys[table].reshape(B, -1, H, D)[:, :T], layer.values[table].reshape(B, -1, H, D)[:, :T])
+    keys, values = layer.pages.gather(table)
+    return keys.reshape(B, -1, H, D)[:, :T], values.reshape(B, -1, H, D)[:, :T]
 
 
 class _SharingRules(RuleBasedStateMachine):

@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from .. import assets
-from ..kv_formats import FloatPages, Int4Codec, QuantizedPages, dequantize, page_format, quantize
+from ..kv_formats import Int4Codec, QuantizedPages, dequantize, page_format, quantize
+from ..page_store import FloatPages
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
 from .run_info import load_average, versions

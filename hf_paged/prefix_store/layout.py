@@ -34,7 +34,7 @@ def store_namespace(model_fingerprint: bytes, dtype: torch.dtype | str, page_siz
     share pages, CPU and CUDA do not (their numerics differ).
     """
     if not isinstance(model_fingerprint, bytes) or not model_fingerprint:
-        raise ValueError(f"model_fingerprint must be non-empty bytes (hf_paged.prefix_cache.model_fingerprint), "
+        raise ValueError(f"model_fingerprint must be non-empty bytes (hf_paged.prefix_index.model_fingerprint), "
                          f"got {type(model_fingerprint).__name__}")
     if not isinstance(device_type, str) or not device_type or not device_type.isalpha():
         raise ValueError(f"device_type must be a device type such as 'cpu' or 'cuda', without an index; got "

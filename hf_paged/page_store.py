@@ -1,0 +1,179 @@
+"""The page store: the one owner of K/V bytes for one block manager.
+
+A `BlockManager` hands out page ids; the store holds what those pages contain, for every layer that
+shares the manager's ids: one `LayerPages` per layer, in one page format. Nothing else indexes a pool
+tensor: the caches write a step's slots and copy pages (copy-on-write) through it, attention reads
+through it (`LayerPages.gather`, the float slab view `FloatPages.slab_view`, or the kernel operands).
+
+`LayerPages` is the interface of one layer's pages in one format (``"float"``: `FloatPages`; the quantized
+formats of `hf_paged.kv_formats`: `QuantizedPages`):
+
+    num_pages, page_size, dtype (of the keys/values it returns), device
+    grow_to(num_pages)                     keep contents; new pages are zero (never NaN: masked slots are
+                                           multiplied by 0)
+    write(slots [T], keys [T, H, D], values [T, H, Dv])
+    copy_pages(src [C], dst [C])           bytes (and scales, in quantized formats)
+    gather(pages [...]) -> keys [..., S, H, D], values [..., S, H, Dv]   (dequantized)
+    kernel_operands() -> dict              keyword arguments of the paged kernels: k_pool, v_pool, k_scale,
+                                           v_scale (None for float pages), kv_format
+    page_bytes() -> int                    one page, keys + values (+ scales)
+
+`make_layer_pages` builds one from a format name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_formats import QuantizedPages, check_kv_format, page_format
+
+
+class FloatPages:
+    """A layer's pages as ``[num_pages, page_size, heads, dim]`` key and value tensors in the compute dtype.
+
+    Shared by every fork of a cache (forks share page ids, hence bytes). The slot-major views used for
+    writes are made once per tensor and grad mode (autograd forbids writing, with grad on, into a view
+    made under no_grad).
+    """
+
+    kv_format = "float"
+
+    def __init__(self, page_size: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
+        self.keys = torch.zeros((0, page_size, heads, head_dim), dtype=dtype, device=device)
+        self.values = torch.zeros((0, page_size, heads, value_dim), dtype=dtype, device=device)
+        self._slot_rows: tuple = (None, None, None, None, None)  # (keys, values, grad mode, key rows, value rows)
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(heads, head_dim, value_dim, page_size): what every write must match."""
+        return self.keys.shape[2], self.keys.shape[3], self.values.shape[3], self.page_size
+
+    def grow_to(self, num_pages: int) -> None:
+        """At least ``num_pages`` pages, contents kept (callers' managers grow geometrically: amortised)."""
+        have = self.keys.shape[0]
+        if have >= num_pages:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((num_pages, *old.shape[1:]))
+            new[:have] = old
+            setattr(self, name, new)
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys``/``values`` as ``[pages * page_size, heads, dim]``, one row per slot."""
+        keys, values, grad, key_rows, value_rows = self._slot_rows
+        if keys is not self.keys or values is not self.values or grad != torch.is_grad_enabled():
+            key_rows, value_rows = self.keys.flatten(0, 1), self.values.flatten(0, 1)
+            self._slot_rows = (self.keys, self.values, torch.is_grad_enabled(), key_rows, value_rows)
+        return key_rows, value_rows
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Token t's key and value go to slot ``slots[t]`` (``page * page_size + offset``), in the pages' dtype."""
+        key_rows, value_rows = self._rows()
+        key_rows.index_copy_(0, slots, keys.to(self.dtype))
+        value_rows.index_copy_(0, slots, values.to(self.dtype))
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.keys[dst] = self.keys[src]
+        self.values[dst] = self.values[src]
+
+    def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages' keys and values, ``[..., S, H, D]`` (-1 entries must be clamped by the caller)."""
+        return self.keys[pages], self.values[pages]
+
+    def slab_view(self, base: int, stride: int, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[rows, tokens, H, D]`` of rows laid out on a slab (row b's pages are ``base + b * stride
+        + i``): strided views, no copy. Float pages only (a quantized format has no such view)."""
+        out = []
+        for pool in (self.keys, self.values):
+            P, S, H, D = pool.shape
+            out.append(pool.as_strided((rows, tokens, H, D), (stride * S * H * D, H * D, D, 1),
+                                       pool.storage_offset() + base * S * H * D))
+        return out[0], out[1]
+
+    def kernel_operands(self) -> dict:
+        return {"k_pool": self.keys, "v_pool": self.values, "k_scale": None, "v_scale": None, "kv_format": "float"}
+
+    def page_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (self.keys, self.values))
+
+
+def make_layer_pages(kv_format: str, page_size: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> FloatPages | QuantizedPages:
+    """Empty pages of one layer in ``kv_format`` (checked first with `check_kv_format`; keys and values read
+    back in ``dtype``)."""
+    check_kv_format(kv_format, device, head_dim, value_dim)
+    fmt = page_format(kv_format)
+    if not fmt.quantized:
+        return FloatPages(page_size, heads, head_dim, value_dim, dtype, device)
+    return QuantizedPages(fmt, page_size, heads, head_dim, value_dim, dtype, device)
+
+
+class PageStore:
+    """The pages of every layer that shares one block manager's page ids (a layer group, or a whole
+    `RaggedCache`), in one format. A layer's pages are made on its first write, on the device and dtype
+    of its first keys (so ``device_map`` puts each layer's pages on its device); forks share the store.
+
+    Invariant: every layer's pages are grown to the manager's ``num_pages`` before a step writes them.
+    """
+
+    def __init__(self, page_size: int, kv_format: str = "float"):
+        self.page_size, self.kv_format = page_size, kv_format
+        self.layers: dict[int, FloatPages] = {}
+
+    def layer(self, layer_idx: int) -> FloatPages | None:
+        return self.layers.get(layer_idx)
+
+    def create(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> FloatPages:
+        """The pages of ``layer_idx`` for keys/values shaped ``[.., heads, tokens, dim]``, made if new."""
+        pages = self.layers.get(layer_idx)
+        if pages is None:
+            pages = make_layer_pages(self.kv_format, self.page_size, keys.shape[1], keys.shape[3], values.shape[3],
+                                     keys.dtype, keys.device)
+            self.layers[layer_idx] = pages
+        return pages
+
+    def write(self, pages: FloatPages, num_pages: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              copy_src: torch.Tensor | None = None, copy_dst: torch.Tensor | None = None) -> None:
+        """A step of one layer: grow to the manager's ``num_pages``, copy ``copy_src`` onto ``copy_dst``
+        (copy-on-write, before any write), then write the tokens ``[T, H, D]`` into ``slots``."""
+        pages.grow_to(num_pages)
+        if copy_src is not None:
+            pages.copy_pages(copy_src, copy_dst)
+        pages.write(slots, keys, values)
+
+    def layout(self) -> dict[int, dict]:
+        """Per layer (by index): what one page holds there, for a store outside the pool: the format, and each
+        tensor's shape and dtype (``keys [S, H, D]``, ``values [S, H, Dv]``; a quantized format adds its scales)."""
+        return {i: dict(kv_format=p.kv_format, device=str(p.device),
+                        tensors={name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in p.kernel_operands().items()
+                                 if torch.is_tensor(t)}) for i, p in sorted(self.layers.items())}
+
+    def gather_pages(self, pages: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of ``pages`` ``[P]`` of every layer, in `layout` order: per layer keys ``[P, S, H, D]``, values."""
+        keys, values = zip(*(p.gather(pages.to(p.device)) for _, p in sorted(self.layers.items())))
+        return [k.clone() for k in keys], [v.clone() for v in values]
+
+    def scatter_pages(self, pages: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write ``keys``/``values`` (as `gather_pages` returns them) into ``pages`` of every layer."""
+        S = self.page_size
+        for (_, layer), k, v in zip(sorted(self.layers.items()), keys, values):
+            at = pages.to(layer.device)
+            layer.grow_to(int(at.max()) + 1 if at.numel() else 0)
+            slots = (at[:, None] * S + torch.arange(S, device=layer.device)).reshape(-1)
+            layer.write(slots, k.reshape(-1, *k.shape[2:]).to(layer.device, layer.dtype),
+                        v.reshape(-1, *v.shape[2:]).to(layer.device, layer.dtype))
+
+    def page_bytes(self) -> int:
+        """Bytes of one page summed over the layers (0 before the first write)."""
+        return sum(pages.page_bytes() for pages in self.layers.values())
+
+    def pool_bytes(self) -> int:
+        """Bytes allocated for every layer's pages."""
+        return sum(pages.page_bytes() * pages.num_pages for pages in self.layers.values())
