@@ -327,7 +327,7 @@ class PagedCache(PrefixReuse, Cache):
                 self.rollback()  # the last step never reached every layer: a forward failed outside the cache
             elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
-                _refuse_rewind(self.get_seq_length(layer_idx), key_states.shape[2], args, kwargs)
+                _refuse_rewind(layer.get_seq_length(), key_states.shape[2], args, kwargs)
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:
