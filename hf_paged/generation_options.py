@@ -28,6 +28,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .errors import CacheUsageError
+from .stats import GenerationStats
 
 STOP_TOKEN, STOP_STRING, LENGTH = "stop_token", "stop_string", "length"  # finish reasons
 MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -249,5 +250,5 @@ class ManyOutput:
 
     sequences: list[list[int]]  # the new tokens of every output
     finish_reasons: list[str]  # "stop_token", "stop_string" or "length"
-    stats: object  # the run's `hf_paged.stats.GenerationStats`
+    stats: GenerationStats  # the run's figures
     texts: list[str] | None = None  # decoded new tokens (with decode=True)
