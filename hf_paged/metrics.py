@@ -9,8 +9,11 @@ first token and finished output as they happen.
 
 from __future__ import annotations
 
-import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+try:
+    import prometheus_client
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+except ImportError as missing:
+    raise ImportError("hf_paged.metrics needs prometheus-client: pip install 'hf_paged[metrics]'") from missing
 
 from . import stats as run_stats
 
