@@ -14,8 +14,10 @@ from .cache import PagedCache
 from .continuous_batching import generate_many, stream_many
 from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_linear_weights
 from .errors import CacheUsageError, PagePoolExhausted
+from .generation_options import ManyOutput
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .ragged_cache import RaggedCache
+from .stats import GenerationStats
 
 register()
 
@@ -24,6 +26,8 @@ __all__ = [
     "CACHE_KWARG",
     "BlockManager",
     "CacheUsageError",
+    "GenerationStats",
+    "ManyOutput",
     "PagePoolExhausted",
     "PagedCache",
     "RaggedCache",
