@@ -1,9 +1,10 @@
-"""hf_paged: a paged KV cache with an LRU block manager for Hugging Face transformers.
+"""hf_paged: a paged KV cache for Hugging Face transformers, its pages under a block manager that evicts
+what attention relies on least when bounded (docs/eviction.md).
 
 ``import hf_paged`` registers the "hf_paged" attention and mask functions, so that
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_paged")
-    model.generate(**inputs, past_key_values=hf_paged.PagedCache(page_size=16))
+    model.generate(**inputs, cache=hf_paged.PagedCache(page_size=16))  # past_key_values= before 5.24
 
 reads keys and values from pages in place.
 """
