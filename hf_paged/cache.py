@@ -391,10 +391,6 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         self._drop_failed_step(layer_idx)
         return super().get_seq_length(layer_idx)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        self._drop_failed_step(layer_idx)
-        return super().get_mask_sizes(query_length, layer_idx)
-
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":
         """A cache holding the same tokens that shares every page with this one, copy-on-write.

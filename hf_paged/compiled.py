@@ -56,6 +56,7 @@ class CompiledSteps:
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if self._compiled_step_planned:
             return self.layers[layer_idx].compiled_sizes[1]
+        self._drop_failed_step(layer_idx)  # (`PagedCache`'s: a query from a new forward after a failed step)
         return super().get_mask_sizes(query_length, layer_idx)
 
     @torch.compiler.disable
