@@ -129,7 +129,7 @@ class Scheduler:
 
     def _cached_pages(self, request: Request) -> list[int]:
         """The cached pages of the prompt's leading full pages (at least one prompt token is always computed)."""
-        return self.cache.prefix.cached_run(request.hashes, (len(request.prompt) - 1) // self.S)
+        return self.cache.cached_prefix(request.hashes, (len(request.prompt) - 1) // self.S)
 
     def _admit(self, request: Request) -> Row | None:
         """A running row for ``request`` (its samples follow it), or None if it must wait."""
@@ -183,13 +183,12 @@ class Scheduler:
             self._hash_full_pages(row)
 
     def _hash_full_pages(self, row: Row) -> None:
-        pages = self.cache.sequences[row.out_index].pages
         full = row.computed // self.S
         if full <= row.hashed:
             return
         hashes = row.request.hashes if full <= len(row.request.hashes) else page_hashes(
             row.tokens[:full * self.S], [1] * (full * self.S), list(range(full * self.S)), self.S, 0, self.root)
-        self.cache.prefix.register_pages(pages, hashes, 0, row.hashed, full)
+        self.cache.hash_pages(row.out_index, hashes, row.hashed, full)
         for content_hash in hashes[row.hashed:full]:
             if self.computing.get(content_hash) is row:
                 del self.computing[content_hash]
