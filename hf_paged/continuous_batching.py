@@ -1,8 +1,8 @@
 """`generate_many` / `stream_many`: continuous batching over many prompts on a paged cache.
 
-Rows of different lengths share one page pool and advance independently: every step packs one
-token per decoding row and prefill chunks of new rows into a single forward (at most
-``max_batch_tokens`` tokens), a row that finishes (a stop token or its own ``max_new_tokens``)
+Sequences of different lengths share one page pool and advance independently: every step packs one
+token per decoding sequence and prefill chunks of new sequences into a single forward (at most
+``max_batch_tokens`` tokens), a sequence that finishes (a stop token or its own ``max_new_tokens``)
 gives its pages back at once, and waiting prompts start in them. Shared prefixes (a system
 prompt, the samples of one prompt) are computed once. Greedy output equals per-prompt
 ``model.generate`` token for token.
@@ -34,7 +34,8 @@ from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .prefix_index import model_fingerprint
 from .ragged_cache import RaggedCache
-from .scheduler import Request, Row, Scheduler
+from . import scheduler as scheduling
+from .scheduler import Request, Scheduler
 
 
 def _as_int(name: str, value) -> int:
@@ -128,7 +129,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 pack_weights: bool = False) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
-    is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
+    is returned. The cache is taken (for this thread) when iteration starts and given back, every sequence released,
     when the generator ends or is closed: a loop that stops early should ``close()`` it (or drop it) before the
     cache serves another run."""
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
@@ -189,7 +190,7 @@ class _Run:
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, generators, stop: set[int],
             outputs: int, progress: bool, pack_weights: bool) -> Iterator[tuple[int, int]]:
-    """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
+    """The steps of a run; the cache is taken when iteration starts and given back (every sequence it still holds
     released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too."""
     cache.claim(run)
     device = model.device
@@ -202,13 +203,13 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
             step = scheduler.schedule()
             if not step:
                 raise CacheUsageError("generate_many cannot admit the next prompt: the page pool is too small.")
-            tokens = [t for row, n in step for t in row.tokens[row.computed:row.computed + n]]
-            positions = [p for row, n in step for p in range(row.computed, row.computed + n)]
+            tokens = [t for seq, n in step for t in seq.tokens[seq.computed:seq.computed + n]]
+            positions = [p for seq, n in step for p in range(seq.computed, seq.computed + n)]
             emitting, last, start = [], [], 0
-            for row, n in step:
+            for seq, n in step:
                 start += n
-                if row.computed + n == len(row.tokens):
-                    emitting.append(row)
+                if seq.computed + n == len(seq.tokens):
+                    emitting.append(seq)
                     last.append(start - 1)
             scheduler.plan(step)
             try:
@@ -224,16 +225,16 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
             # greedy: the argmax on the logits' device; sampling: the logits come to the CPU, where every draw uses
             # its output's own CPU generator (the same draws on any device, whatever else the step computed)
             logits = logits.float().cpu() if generators else logits.argmax(-1).tolist()
-            for row, row_logits in zip(emitting, logits):
-                for sample in [row, *scheduler.fork_followers(row)]:
-                    token = _next_token(row_logits, warp, generators.get(sample.out_index), sample)
+            for seq, seq_logits in zip(emitting, logits):
+                for sample in [seq, *scheduler.fork_followers(seq)]:
+                    token = _next_token(seq_logits, warp, generators.get(sample.out_index), sample)
                     sample.generated.append(token)
                     sample.tokens.append(token)
                     yield sample.out_index, token
                     if not cache.holds(run):
                         raise CacheUsageError(
                             "the RaggedCache of this stream_many generator was reset (or taken by another "
-                            "generate_many run) while the generator was paused: its rows are gone. Start a new "
+                            "generate_many run) while the generator was paused: its sequences are gone. Start a new "
                             "stream_many.")
                     if token in stop or len(sample.generated) >= sample.request.max_new_tokens:
                         scheduler.retire(sample)
@@ -244,12 +245,12 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
         cache.unclaim(run)
 
 
-def _next_token(logits: torch.Tensor | int, warp: LogitsProcessorList, generator, row: Row) -> int:
-    """``row``'s next token: ``logits`` is the greedy token already (no ``generator``), else the row's float32 CPU
+def _next_token(logits: torch.Tensor | int, warp: LogitsProcessorList, generator, seq: scheduling.Sequence) -> int:
+    """``seq``'s next token: ``logits`` is the greedy token already (no ``generator``), else the sequence's float32 CPU
     logits, warped, from which ``generator`` (a CPU generator) draws."""
     if generator is None:
         return int(logits)
-    scores = warp(torch.tensor([row.tokens]), logits[None])[0]
+    scores = warp(torch.tensor([seq.tokens]), logits[None])[0]
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
 

@@ -73,7 +73,7 @@ class Segment:
 class RaggedStep:
     """What every layer of one group needs for one packed step; planned once, on the CPU.
 
-    ``segments[:num_single]`` have one token each (decode rows): attention reads them with one
+    ``segments[:num_single]`` have one token each (decoding sequences): attention reads them with one
     paged-kernel call; the others (prefill chunks) attend over their gathered pages.
     """
 
@@ -279,8 +279,8 @@ class RaggedCache(Cache):
         self._owner.claim()
         if self.user is not None and self.user is not user and self.user.live:
             raise CacheUsageError(
-                "this RaggedCache still holds the rows of an unfinished generate_many run: a loop that left a "
-                "stream_many generator early (break) keeps its rows until that generator is closed or garbage "
+                "this RaggedCache still holds the sequences of an unfinished generate_many run: a loop that left a "
+                "stream_many generator early (break) keeps its sequences until that generator is closed or garbage "
                 "collected. Call .close() on the generator (or cache.reset()) first, or pass another cache.")
         if self.sequences or any(g.undo is not None or g.step is not None for g in self.groups):
             self._clear()
