@@ -94,11 +94,10 @@ class RaggedStep:
         singles = self.segments[:self.num_single]
         width = max(len(s.pages) - s.first_page for s in singles)
         table = torch.full((len(singles), width), -1, dtype=torch.long)
-        page_pos = torch.zeros((len(singles), width), dtype=torch.long)
         for r, s in enumerate(singles):
-            live = len(s.pages) - s.first_page
-            table[r, :live] = s.pages[s.first_page:]
-            page_pos[r, :live] = torch.arange(s.first_page, len(s.pages)) * self.page_size
+            table[r, :len(s.pages) - s.first_page] = s.pages[s.first_page:]
+        first = torch.tensor([[s.first_page] for s in singles])
+        page_pos = (torch.arange(width) + first) * self.page_size
         return table, page_pos, torch.tensor([[s.past] for s in singles])
 
 
@@ -156,13 +155,11 @@ class RaggedGroup:
                 copies.append(copied)
             while len(table) * S < length + n:
                 table.append(manager.allocate())
-            positions = torch.arange(length, length + n)
-            pages = torch.tensor(table, dtype=torch.long)
-            slots.append(pages[positions // S] * S + positions % S)
-            segments.append(Segment(seq_id, start, n, length, pages, first))
+            slots += [table[p // S] * S + p % S for p in range(length, length + n)]
+            segments.append(Segment(seq_id, start, n, length, torch.tensor(table, dtype=torch.long), first))
             start += n
         src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
-        self.step = RaggedStep(segments, num_single, torch.cat(slots), src, dst, S)
+        self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S)
         return self.step
 
     def finish(self) -> None:
