@@ -41,6 +41,7 @@ from .model_config import layer_windows
 from .page_store import PageStore
 from .page_tables import StepUndo, attention_span, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
+from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
 
@@ -413,6 +414,10 @@ class RaggedCache(Cache):
             seq.length = length
         for group in self.groups:
             group.abort()
+
+    def stats(self) -> dict:
+        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`)."""
+        return ragged_cache_stats(self)
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
