@@ -30,6 +30,7 @@ from transformers.generation.logits_process import (
 
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
+from .kv_formats import check_kv_format
 from .prefix_index import model_fingerprint
 from .ragged_cache import RaggedCache
 from .scheduler import Request, Row, Scheduler
@@ -122,7 +123,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                 page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
-                cache: RaggedCache | None = None, progress: bool = True) -> Iterator[tuple[int, int]]:
+                cache: RaggedCache | None = None, progress: bool = True,
+                kv_format: str = "float") -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
@@ -144,7 +146,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
     if cache is not None and not isinstance(cache, RaggedCache):
         raise CacheUsageError(f"cache must be a RaggedCache (or None: generate_many makes one), got "
                               f"{type(cache).__name__}.")
-    cache = cache or RaggedCache(model.config, page_size, max_pages)
+    cache = cache or RaggedCache(model.config, page_size, max_pages, kv_format=kv_format)
+    check_kv_format(cache.kv_format, model.device)
     _check(token_lists, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
@@ -159,7 +162,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
         if top_p is not None and top_p < 1.0:
             warp.append(TopPLogitsWarper(top_p))
     requests = [Request(i, p, n, num_return_sequences) for i, (p, n) in enumerate(zip(token_lists, max_new))]
-    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers])
+    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers], cache.kv_format)
     scheduler = Scheduler(cache, requests, int(max_batch_tokens), root)
     generators = {}
     if do_sample:
@@ -250,7 +253,7 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                   page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
-                  cache: RaggedCache | None = None, progress: bool = True) -> list[list[int]]:
+                  cache: RaggedCache | None = None, progress: bool = True, kv_format: str = "float") -> list[list[int]]:
     """Generate for many prompts with continuous batching; the new tokens of every output, in input order.
 
     Args:
@@ -264,6 +267,8 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
         page_size, max_pages: the page pool (``max_pages=None`` grows); prompts wait for pages when full.
         max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
+        kv_format: how the pages store keys and values ("float", "int8", "int4"; "fp8_e4m3" on CUDA), as for
+            `PagedCache`; a given ``cache`` keeps its own.
         progress: show a tqdm bar of finished sequences.
     """
     outputs = collections.defaultdict(list)
@@ -271,6 +276,6 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
             model, prompts, max_new_tokens=max_new_tokens, tokenizer=tokenizer, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_return_sequences=num_return_sequences,
             eos_token_id=eos_token_id, page_size=page_size, max_pages=max_pages, max_batch_tokens=max_batch_tokens,
-            cache=cache, progress=progress):
+            cache=cache, progress=progress, kv_format=kv_format):
         outputs[index].append(token)
     return [outputs[i] for i in range(len(prompts) * num_return_sequences)]  # (validated by stream_many)

@@ -189,12 +189,23 @@ def page_format(kv_format: str) -> PageFormat:
     return _FORMATS[kv_format]
 
 
-def check_kv_format(kv_format: str, device: torch.device | str, head_dim: int, value_dim: int | None = None) -> None:
+def check_kv_format(kv_format: str, device: torch.device | str | None = None, head_dim: int | None = None,
+                    value_dim: int | None = None) -> None:
     """Raise `CacheUsageError` (naming the argument and the alternatives) unless pages of ``kv_format`` can be
     stored for these head dims and read on ``device``: an unknown format, fp8 off CUDA (the CPU kernel reads
-    float, int8 and int4; Triton reads fp8 from compute capability 8.9), an odd head dim for int4."""
+    float, int8 and int4; Triton reads fp8 from compute capability 8.9), an odd head dim for int4. What is not
+    known yet (None) is not checked."""
     fmt = page_format(kv_format)
-    device = torch.device(device)
+    if device is not None:
+        _check_device(kv_format, torch.device(device))
+    dims = {"head_dim": head_dim, "value_dim": head_dim if value_dim is None else value_dim}
+    for name, dim in dims.items():
+        if dim is not None and fmt.even_dims and dim % 2:
+            raise CacheUsageError(f"kv_format={kv_format!r} packs two values a byte and needs an even {name}, the "
+                                  f"model's is {dim}; choose 'int8' or 'float'")
+
+
+def _check_device(kv_format: str, device: torch.device) -> None:
     readable = [name for name, f in _FORMATS.items() if f.devices is None or device.type in f.devices]
     if kv_format not in readable:
         raise CacheUsageError(f"kv_format={kv_format!r} cannot be read on {device.type} (only the Triton kernel "
@@ -202,11 +213,6 @@ def check_kv_format(kv_format: str, device: torch.device | str, head_dim: int, v
     if kv_format == "fp8_e4m3" and torch.cuda.get_device_capability(device) < (8, 9):
         raise CacheUsageError(f"kv_format='fp8_e4m3' needs a GPU of compute capability 8.9 or newer, {device} has "
                               f"{torch.cuda.get_device_capability(device)}; choose 'int8' or 'int4'")
-    dims = {"head_dim": head_dim, "value_dim": head_dim if value_dim is None else value_dim}
-    for name, dim in dims.items():
-        if fmt.even_dims and dim % 2:
-            raise CacheUsageError(f"kv_format={kv_format!r} packs two values a byte and needs an even {name}, the "
-                                  f"model's is {dim}; choose 'int8' or 'float'")
 
 
 def dequantize(codec: SymmetricCodec | Int4Codec, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
@@ -249,6 +255,11 @@ class QuantizedPages:
     @property
     def num_pages(self) -> int:
         return self.k_codes.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(heads, head_dim, value_dim, page_size): what every write must match."""
+        return self.k_codes.shape[2], self.head_dim, self.value_dim, self.page_size
 
     def grow_to(self, num_pages: int) -> None:
         if num_pages > self.num_pages:

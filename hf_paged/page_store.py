@@ -115,6 +115,11 @@ def make_layer_pages(kv_format: str, page_size: int, heads: int, head_dim: int, 
     return QuantizedPages(fmt, page_size, heads, head_dim, value_dim, dtype, device)
 
 
+def _stored(pages) -> dict[str, torch.Tensor]:
+    """The tensors a layer's pages store (each ``[num_pages, ...]``), by their kernel operand names."""
+    return {name: t for name, t in pages.kernel_operands().items() if torch.is_tensor(t)}
+
+
 class PageStore:
     """The pages of every layer that shares one block manager's page ids (a layer group, or a whole
     `RaggedCache`), in one format. A layer's pages are made on its first write, on the device and dtype
@@ -150,25 +155,25 @@ class PageStore:
 
     def layout(self) -> dict[int, dict]:
         """Per layer (by index): what one page holds there, for a store outside the pool: the format, and each
-        tensor's shape and dtype (``keys [S, H, D]``, ``values [S, H, Dv]``; a quantized format adds its scales)."""
+        stored tensor's shape and dtype (float: ``k_pool [S, H, D]``, ``v_pool [S, H, Dv]``; a quantized format:
+        its codes as ``k_pool``/``v_pool`` and its scales ``k_scale``/``v_scale``)."""
         return {i: dict(kv_format=p.kv_format, device=str(p.device),
-                        tensors={name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in p.kernel_operands().items()
-                                 if torch.is_tensor(t)}) for i, p in sorted(self.layers.items())}
+                        tensors={name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in _stored(p).items()})
+                for i, p in sorted(self.layers.items())}
 
-    def gather_pages(self, pages: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of ``pages`` ``[P]`` of every layer, in `layout` order: per layer keys ``[P, S, H, D]``, values."""
-        keys, values = zip(*(p.gather(pages.to(p.device)) for _, p in sorted(self.layers.items())))
-        return [k.clone() for k in keys], [v.clone() for v in values]
+    def gather_pages(self, pages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Copies of ``pages`` ``[P]`` of every layer, in `layout` order: per layer its stored tensors (`layout`'s
+        names) of those pages, ``[P, ...]``, bytes as they are (a quantized page's codes and scales, not decoded)."""
+        return [{name: t[pages.to(t.device)].clone() for name, t in _stored(p).items()}
+                for _, p in sorted(self.layers.items())]
 
-    def scatter_pages(self, pages: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write ``keys``/``values`` (as `gather_pages` returns them) into ``pages`` of every layer."""
-        S = self.page_size
-        for (_, layer), k, v in zip(sorted(self.layers.items()), keys, values):
-            at = pages.to(layer.device)
-            layer.grow_to(int(at.max()) + 1 if at.numel() else 0)
-            slots = (at[:, None] * S + torch.arange(S, device=layer.device)).reshape(-1)
-            layer.write(slots, k.reshape(-1, *k.shape[2:]).to(layer.device, layer.dtype),
-                        v.reshape(-1, *v.shape[2:]).to(layer.device, layer.dtype))
+    def scatter_pages(self, pages: torch.Tensor, tensors: list[dict[str, torch.Tensor]]) -> None:
+        """Write ``tensors`` (as `gather_pages` returns them, from a store of the same layout) into ``pages`` of every
+        layer."""
+        for (_, layer), page_tensors in zip(sorted(self.layers.items()), tensors):
+            layer.grow_to(int(pages.max()) + 1 if pages.numel() else 0)
+            for name, t in _stored(layer).items():
+                t[pages.to(t.device)] = page_tensors[name].to(t.device, t.dtype)
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over the layers (0 before the first write)."""

@@ -111,15 +111,16 @@ def test_a_run_of_pages_goes_out_of_the_store_and_back_into_fresh_pages():
         pages.write(torch.arange(6), torch.randn(6, heads, 4), torch.randn(6, heads, 3))
     assert store.layout()[1]["tensors"] == {"k_pool": ((2, 2, 4), "torch.float32"),
                                             "v_pool": ((2, 2, 3), "torch.float32")}
-    keys, values = store.gather_pages(torch.tensor([2, 0]))
+    tensors = store.gather_pages(torch.tensor([2, 0]))
     manager, other = BlockManager(page_size=2, initial_pages=4), PageStore(page_size=2)
     for layer, heads in ((0, 1), (1, 2)):
         other.create(layer, torch.zeros(1, heads, 1, 4), torch.zeros(1, heads, 1, 3))
     index = PrefixIndex(manager, other)
-    loaded = index.load_pages([b"a", b"b"], keys, values)
+    loaded = index.load_pages([b"a", b"b"], tensors)
     assert index.cached_run([b"a", b"b"]) == loaded and len(manager.cached) == 2 and manager.num_used == 0
-    back_keys, back_values = other.gather_pages(torch.tensor(loaded))
-    assert all(torch.equal(a, b) for a, b in zip(keys + values, back_keys + back_values))
+    back = other.gather_pages(torch.tensor(loaded))
+    assert [sorted(layer) for layer in back] == [["k_pool", "v_pool"]] * 2
+    assert all(torch.equal(a[name], b[name]) for a, b in zip(tensors, back) for name in a)
 
 
 def test_listener_counters_join_the_cache_stats():
