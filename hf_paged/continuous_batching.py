@@ -11,6 +11,7 @@ prompt, the samples of one prompt) are computed once. Greedy output equals per-p
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import numbers
 import operator
@@ -28,6 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .cpu_weights import packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .kv_formats import check_kv_format
@@ -124,7 +126,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                 page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True,
-                kv_format: str = "float") -> Iterator[tuple[int, int]]:
+                pack_weights: bool = False, kv_format: str = "float") -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
@@ -171,7 +173,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 generators[i * num_return_sequences + j] = torch.Generator().manual_seed(first + j)
     run = _Run()
     stream = _stream(run, model, cache, scheduler, warp, generators, stop, len(requests) * num_return_sequences,
-                     progress)
+                     progress, pack_weights)
     run.generator = weakref.ref(stream)
     return stream
 
@@ -188,13 +190,16 @@ class _Run:
 
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, generators, stop: set[int],
-            outputs: int, progress: bool) -> Iterator[tuple[int, int]]:
+            outputs: int, progress: bool, pack_weights: bool) -> Iterator[tuple[int, int]]:
     """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
-    released) when the generator ends, raises or is closed."""
+    released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too."""
     cache.claim(run)
     device = model.device
+    packing = contextlib.ExitStack()  # weights packed for this call are unpacked when it ends
     bar = tqdm(total=outputs, unit="seq", disable=not progress, desc="generate_many")
     try:
+        if pack_weights:
+            packing.enter_context(packed_linear_weights(model))
         while not scheduler.done:
             step = scheduler.schedule()
             if not step:
@@ -237,6 +242,7 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
                         bar.update()
     finally:
         bar.close()
+        packing.close()
         cache.unclaim(run)
 
 
@@ -253,7 +259,8 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                   page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
-                  cache: RaggedCache | None = None, progress: bool = True, kv_format: str = "float") -> list[list[int]]:
+                  cache: RaggedCache | None = None, progress: bool = True,
+                  pack_weights: bool = False, kv_format: str = "float") -> list[list[int]]:
     """Generate for many prompts with continuous batching; the new tokens of every output, in input order.
 
     Args:
@@ -267,15 +274,17 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
         page_size, max_pages: the page pool (``max_pages=None`` grows); prompts wait for pages when full.
         max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
+        progress: show a tqdm bar of finished sequences.
+        pack_weights: pack the model's float32 CPU linear weights for this call (`hf_paged.cpu_weights`; the
+            packing is undone at the end). To pack once for many calls, use `pack_linear_weights` instead.
         kv_format: how the pages store keys and values ("float", "int8", "int4"; "fp8_e4m3" on CUDA), as for
             `PagedCache`; a given ``cache`` keeps its own.
-        progress: show a tqdm bar of finished sequences.
     """
     outputs = collections.defaultdict(list)
     for index, token in stream_many(
             model, prompts, max_new_tokens=max_new_tokens, tokenizer=tokenizer, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_return_sequences=num_return_sequences,
             eos_token_id=eos_token_id, page_size=page_size, max_pages=max_pages, max_batch_tokens=max_batch_tokens,
-            cache=cache, progress=progress, kv_format=kv_format):
+            cache=cache, progress=progress, pack_weights=pack_weights, kv_format=kv_format):
         outputs[index].append(token)
     return [outputs[i] for i in range(len(prompts) * num_return_sequences)]  # (validated by stream_many)
