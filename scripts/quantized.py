@@ -63,6 +63,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help=f"speed: rounds (default {DEFAULTS['repeats']})")
     p.add_argument("--calls", type=int, default=None, help=f"speed: kernel calls per format and round "
                                                            f"(default {DEFAULTS['calls']})")
+    p.add_argument("--decode-contexts", type=int_list, default=None,
+                   help=f"cache: prompt lengths of generate's decode speed (default {DEFAULTS['decode_contexts']})")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help=f"cache: new tokens per timed generate (default {DEFAULTS['decode_tokens']})")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"cache: prompts of the many-prompts workload (default {DEFAULTS['num_prompts']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
     p.add_argument("--quick", action="store_true", help="smoke test (seconds to a minute, not a result)")
     p.add_argument("--out", default="runs/quantized", help="output folder (git-ignored runs/)")
@@ -70,11 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
-            setattr(args, key, int_list(value) if key in ("contexts", "batches") else value)
+            setattr(args, key, int_list(value) if key in ("contexts", "batches", "decode_contexts") else value)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if not args.parts or set(args.parts) - set(PARTS):
         p.error(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {','.join(args.parts)!r}")
-    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads"):
+    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads", "decode_tokens", "num_prompts"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     return args
