@@ -11,6 +11,7 @@ differ only where float pages' own top-2 margin is below that tolerance.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -74,6 +75,24 @@ def test_the_torch_path_reads_the_same_pages(kv_format):
     batch = left_padded_batch((11, 6, 9))
     want = ref.generate(**batch, **GEN, cache=reference(ref, kv_format))
     assert_same_run(paged.generate(**batch, **GEN, cache=paged_cache(paged, kv_format, backend="torch")), want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_the_triton_kernel_reads_the_same_pages(kv_format, monkeypatch):
+    """Under TRITON_INTERPRET=1 on the CPU (conftest), on CUDA when there is one."""
+    from hf_paged.kernels import triton_paged_attention as kernel
+
+    ref, paged = shared_pair("llama")
+    batch = left_padded_batch((5, 3, 7))
+    gen = dict(GEN, max_new_tokens=4)
+    want = ref.generate(**batch, **gen, cache=reference(ref, kv_format))
+    calls, original = [], kernel.paged_attention_triton
+    monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(k["kv_format"]) or
+                        original(*a, **k))
+    assert_same_run(paged.generate(**batch, **gen, cache=paged_cache(paged, kv_format, page_size=3,
+                                                                     backend="triton")), want)
+    assert set(calls) == {kv_format}
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
