@@ -349,6 +349,14 @@ def cache_part(args, progress) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- output
+def _interval(row: dict) -> str:
+    return f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]"
+
+
+def _quartiles(row: dict) -> str:
+    return f"{row['cpu_ratio']:.2f}x [{row['cpu_ratio_q1']:.2f}, {row['cpu_ratio_q3']:.2f}]"
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = ["# Quantized pages: perplexity, bytes and decode speed", ""]
@@ -364,8 +372,7 @@ def markdown(report: dict) -> str:
                   "| pages | perplexity | vs float32 [95% interval] | KL mean | KL p99 | top-1 agreement | "
                   "bytes/token | vs float32 | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in r["rows"]:
-            vs = ("—" if row["name"] == "float32" else
-                  f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]")
+            vs = "—" if row["name"] == "float32" else _interval(row)
             lines.append(f"| {row['name']} | {row['perplexity']:.4f} | {vs} | {row['kl_mean']:.5f} | "
                          f"{row['kl_p99']:.4f} | {row['top1_agreement']:.4f} | {row['bytes_per_token']:.0f} | "
                          f"{row['bytes_ratio']:.3f}x | {row['note']} |")
@@ -381,8 +388,7 @@ def markdown(report: dict) -> str:
                   "", "| context | batch | pages | CPU ms/call | wall ms/call | vs float32 (CPU) | KV MiB |",
                   "|---:|---:|---|---:|---:|---:|---:|"]
         for row in r["results"]:
-            ratio = (f"{row['cpu_ratio']:.2f}x [{row['cpu_ratio_q1']:.2f}, {row['cpu_ratio_q3']:.2f}]"
-                     if row["format"] != "float32" else "—")
+            ratio = _quartiles(row) if row["format"] != "float32" else "—"
             lines.append(f"| {row['context']} | {row['batch']} | {row['format']} | {row['cpu_ms']:.3f} | "
                          f"{row['wall_ms']:.3f} | {ratio} | {row['kv_bytes'] / 2**20:.1f} |")
         lines.append("")
@@ -391,44 +397,56 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _table(header: str, cells: list[list]) -> list[str]:
+    """A markdown table: ``header`` ("| a | b |" with "<" after a left-aligned column's name), then one row each."""
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rule = "|".join("---" if n.endswith("<") else "---:" for n in names)
+    return ["| " + " | ".join(n.rstrip("<") for n in names) + " |", f"|{rule}|"] + \
+        ["| " + " | ".join(map(str, row)) + " |" for row in cells]
+
+
 def cache_markdown(r: dict, environment: dict) -> list[str]:
     """The `cache_part` tables."""
-    floats = r["bytes_per_token"]["float32"]
+    sizes = r["bytes_per_token"]
     lines = [f"## Through the real caches: PagedCache / generate_many with kv_format, pages of {r['page_size']}", "",
              f"KV bytes per token (`stats()[\"kv_bytes\"]` after a prefill of {r['bytes_tokens']} tokens, every "
-             "layer, scales included):", "", "| pages | bytes/token | vs float32 |", "|---|---:|---:|"]
-    lines += [f"| {name} | {value:.0f} | {value / floats:.3f}x |" for name, value in r["bytes_per_token"].items()]
+             "layer, scales included):", ""]
+    lines += _table("| pages< | bytes/token | vs float32 |",
+                    [[name, f"{value:.0f}", f"{value / sizes['float32']:.3f}x"] for name, value in sizes.items()])
     lines += ["", f"Perplexity, {r['text']['tokens']} tokens in one forward through each format's pages ('hf_paged' "
-              "attention), against float pages with a 95% paired bootstrap interval:", "",
-              "| pages | perplexity | vs float [95% interval] | KL mean | top-1 agreement |",
-              "|---|---:|---:|---:|---:|"]
-    for row in r["perplexity"]:
-        vs = ("—" if row["kv_format"] == "float" else
-              f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]")
-        lines.append(f"| {row['kv_format']} | {row['perplexity']:.4f} | {vs} | {row['kl_mean']:.5f} | "
-                     f"{row['top1_agreement']:.4f} |")
-    first = r["agreement"][0] if r["agreement"] else None
-    if first:
+              "attention), against float pages with a 95% paired bootstrap interval:", ""]
+    lines += _table("| pages< | perplexity | vs float [95% interval] | KL mean | top-1 agreement |",
+                    [[row["kv_format"], f"{row['perplexity']:.4f}", "—" if row["kv_format"] == "float" else
+                      _interval(row), f"{row['kl_mean']:.5f}", f"{row['top1_agreement']:.4f}"]
+                     for row in r["perplexity"]])
+    if r["agreement"]:
         lines += ["", "Greedy agreement with float pages: `generate_many` over the many-prompts workload "
-                  f"({first['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each):", "",
-                  "| pages | prompts equal | new tokens before the first difference (per prompt) | share of wanted |",
-                  "|---|---:|---|---:|"]
-        for row in r["agreement"]:
-            per_prompt = ", ".join(f"{s}/{w}" for s, w in zip(row["tokens_before_divergence"], row["wanted"]))
-            lines.append(f"| {row['kv_format']} | {row['equal']}/{row['prompts']} | {per_prompt} | "
-                         f"{row['agreeing_share']:.1%} |")
+                  f"({r['agreement'][0]['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each):",
+                  ""]
+        lines += _table("| pages< | prompts equal | new tokens before the first difference (per prompt)< | "
+                        "share of wanted |",
+                        [[row["kv_format"], f"{row['equal']}/{row['prompts']}",
+                          ", ".join(f"{s}/{w}" for s, w in zip(row["tokens_before_divergence"], row["wanted"])),
+                          f"{row['agreeing_share']:.1%}"] for row in r["agreement"]])
     lines += ["", f"`generate` decode speed, batch 1, {r['decode_tokens']} new tokens from a prefilled cache's fork "
               f"per round, formats alternating, {r['threads']} thread(s); ratio: CPU time per token against float32 "
               f"pages per round, median [quartiles]. Load average {environment['load_avg_start']} before, "
-              f"{environment.get('load_avg_end')} after.", "",
-              "| context | pages | CPU ms/token | wall ms/token | vs float32 (CPU) | KV MiB |",
-              "|---:|---|---:|---:|---:|---:|"]
-    for row in r["decode"]:
-        ratio = ("—" if row["kv_format"] == "float" else
-                 f"{row['cpu_ratio']:.2f}x [{row['cpu_ratio_q1']:.2f}, {row['cpu_ratio_q3']:.2f}]")
-        lines.append(f"| {row['context']} | {row['kv_format']} | {row['cpu_ms']:.1f} | {row['wall_ms']:.1f} | "
-                     f"{ratio} | {row['kv_bytes'] / 2**20:.1f} |")
+              f"{environment.get('load_avg_end')} after.", ""]
+    lines += _table("| context | pages< | CPU ms/token | wall ms/token | vs float32 (CPU) | KV MiB |",
+                    [[row["context"], row["kv_format"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
+                      "—" if row["kv_format"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
+                     for row in r["decode"]])
     return lines + [""]
+
+
+def _ratio_axes(ax, ylabel: str, title: str) -> None:
+    """Decode-time ratios against float32 pages over the context, on a log2 axis."""
+    ax.axhline(1, color="black", lw=1, label="float32 pages")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -460,12 +478,8 @@ def plot(report: dict, path: Path) -> None:
                 sizes = report["cache"]["bytes_per_token"]
                 ax.plot(*zip(*pts), "-o", color=f"C{i}",
                         label=f"{name} ({sizes[name] / sizes['float32']:.3f}x float32's bytes)")
-            ax.axhline(1, color="black", lw=1, label="float32 pages")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context (tokens)")
-            ax.set_ylabel("CPU time per new token / float32 pages'")
-            ax.set_title(f"{title}generate decode through PagedCache(kv_format=...)")
-            ax.legend(fontsize=7)
+            _ratio_axes(ax, "CPU time per new token / float32 pages'",
+                        f"{title}generate decode through PagedCache(kv_format=...)")
         else:
             results = report["speed"]["results"]
             batches = sorted({r["batch"] for r in results})
@@ -474,12 +488,7 @@ def plot(report: dict, path: Path) -> None:
                     pts = [(r["context"], r["cpu_ratio"]) for r in results
                            if r["format"] == name and r["batch"] == batch]
                     ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}, batch {batch}")
-            ax.axhline(1, color="black", lw=1, label="float32 pages")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context (tokens)")
-            ax.set_ylabel("CPU time per decode call / float32 pages'")
-            ax.set_title(f"{title}C kernel decode, one SmolLM2 layer")
-            ax.legend(fontsize=7)
+            _ratio_axes(ax, "CPU time per decode call / float32 pages'", f"{title}C kernel decode, one SmolLM2 layer")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
