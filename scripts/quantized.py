@@ -21,11 +21,22 @@ rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.p
 the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
 quartiles), with the load average before and after.
 
+Part ``cache``: the real caches with each format the CPU reads (float, int8, int4) on the embedded SmolLM2
+(float32, "hf_paged"): KV bytes per token from ``PagedCache.stats()["kv_bytes"]`` after a prefill (float pages
+of a float32 and of a bfloat16 model, int8, int4; scales included); perplexity of ``--max-tokens`` tokens in one
+forward through each format's pages, with paired intervals against float pages; greedy agreement of
+``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts`` prompts of
+32-256 tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt); and ``generate``'s
+decode speed at each ``--decode-contexts`` length: every format's cache is prefilled once, then each round
+decodes ``--decode-tokens`` tokens from a fork of it, formats alternating (CPU time per token, medians and
+quartiles of per-round ratios over ``--repeats`` rounds).
+
 Writes ``--out`` (default runs/quantized, git-ignored)/quantized.md, quantized.json and quantized.png. The
 study is `hf_paged.evaluation.quantized`.
 
 Examples:
-    python scripts/quantized.py                          # both parts (about 10 minutes on 1 idle core)
+    python scripts/quantized.py                          # every part (about 30 minutes on 1 idle core)
+    python scripts/quantized.py --parts cache --repeats 5 --out results/quantized/cache
     python scripts/quantized.py --parts speed --contexts 4096 --batches 1
     python scripts/quantized.py --quick                  # smoke test, not a result
 """
