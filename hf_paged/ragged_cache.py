@@ -35,6 +35,7 @@ from .model_config import head_dim, layer_windows
 from .page_store import PageStore
 from .page_tables import StepUndo, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
+from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
 
@@ -306,6 +307,10 @@ class RaggedCache(Cache):
             for seq, length in self._undo.state:
                 seq.length = length
         self.step, self._undo = None, None
+
+    def stats(self) -> dict:
+        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`)."""
+        return ragged_cache_stats(self)
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
