@@ -358,3 +358,13 @@ def test_a_run_of_quantized_pages_leaves_the_store_and_comes_back_byte_for_byte(
     keys, values = pages.gather(torch.tensor([1, 0]))
     want_keys, want_values = stores[0].layers[0].gather(torch.tensor([2, 0]))
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_generate_many_takes_the_format_of_a_given_cache_and_refuses_another():
+    _, paged = shared_pair("llama")
+    cache = hf_paged.RaggedCache(paged.config, page_size=4, kv_format="int8")
+    with pytest.raises(CacheUsageError, match=r"kv_format='int4' with cache= \(whose kv_format is 'int8'\)"):
+        hf_paged.generate_many(paged, [[5, 6, 7]], max_new_tokens=2, cache=cache, kv_format="int4", progress=False)
+    assert hf_paged.generate_many(paged, [[5, 6, 7]], max_new_tokens=2, cache=cache, kv_format="int8",
+                                  progress=False) == hf_paged.generate_many(paged, [[5, 6, 7]], max_new_tokens=2,
+                                                                            kv_format="int8", progress=False)
