@@ -14,6 +14,7 @@ from .cache import PagedCache
 from .continuous_batching import generate_many, stream_many
 from .errors import CacheUsageError, PagePoolExhausted
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
+from .prefix_store import open_store
 from .ragged_cache import RaggedCache
 
 register()
@@ -27,6 +28,7 @@ __all__ = [
     "PagedCache",
     "RaggedCache",
     "generate_many",
+    "open_store",
     "stream_many",
     "paged_attention_forward",
 ]

@@ -14,6 +14,7 @@ import collections
 import math
 import numbers
 import operator
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -122,7 +123,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                 page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
-                cache: RaggedCache | None = None, progress: bool = True) -> Iterator[tuple[int, int]]:
+                cache: RaggedCache | None = None, progress: bool = True,
+                prefix_store=None) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
@@ -144,7 +146,11 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
     if cache is not None and not isinstance(cache, RaggedCache):
         raise CacheUsageError(f"cache must be a RaggedCache (or None: generate_many makes one), got "
                               f"{type(cache).__name__}.")
-    cache = cache or RaggedCache(model.config, page_size, max_pages)
+    if cache is not None and prefix_store is not None:
+        raise CacheUsageError("pass prefix_store= to the RaggedCache given as cache= (RaggedCache(config, ..., "
+                              "prefix_store=...)), or leave cache= out.")
+    own_store = cache is None and prefix_store is not None  # (closed when the run ends)
+    cache = cache or RaggedCache(model.config, page_size, max_pages, prefix_store=prefix_store)
     _check(token_lists, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
@@ -161,6 +167,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
     requests = [Request(i, p, n, num_return_sequences) for i, (p, n) in enumerate(zip(token_lists, max_new))]
     root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers])
     scheduler = Scheduler(cache, requests, int(max_batch_tokens), root)
+    if cache.store_tier is not None:
+        cache.store_tier.bind(root, model)
     generators = {}
     if do_sample:
         for i, first in enumerate(seeds):
@@ -168,7 +176,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 generators[i * num_return_sequences + j] = torch.Generator().manual_seed(first + j)
     run = _Run()
     stream = _stream(run, model, cache, scheduler, warp, generators, stop, len(requests) * num_return_sequences,
-                     progress)
+                     progress, own_store)
     run.generator = weakref.ref(stream)
     return stream
 
@@ -185,9 +193,10 @@ class _Run:
 
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, generators, stop: set[int],
-            outputs: int, progress: bool) -> Iterator[tuple[int, int]]:
+            outputs: int, progress: bool, own_store: bool = False) -> Iterator[tuple[int, int]]:
     """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
-    released) when the generator ends, raises or is closed."""
+    released) when the generator ends, raises or is closed. With a prefix store, prefill steps are timed (the rate
+    loads are weighed against), its counters end on the bar, and a store opened for this run is closed."""
     cache.claim(run)
     device = model.device
     bar = tqdm(total=outputs, unit="seq", disable=not progress, desc="generate_many")
@@ -205,6 +214,8 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
                     emitting.append(row)
                     last.append(start - 1)
             scheduler.plan(step)
+            prefill = sum(n for _, n in step if n > 1)
+            started = time.perf_counter()
             try:
                 with torch.no_grad():
                     logits = model(input_ids=torch.tensor([tokens], device=device),
@@ -214,6 +225,8 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
             except BaseException:
                 cache.abort_step()
                 raise
+            if cache.store_tier is not None and prefill >= cache.page_size:
+                cache.store_tier.record_prefill(prefill, time.perf_counter() - started)
             scheduler.after_step(step)
             # greedy: the argmax on the logits' device; sampling: the logits come to the CPU, where every draw uses
             # its output's own CPU generator (the same draws on any device, whatever else the step computed)
@@ -233,6 +246,11 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
                         scheduler.retire(sample)
                         bar.update()
     finally:
+        if cache.store_tier is not None:
+            counts = cache.store_tier.counters_snapshot()
+            bar.set_postfix({k.removeprefix("store_"): counts[k] for k in ("store_hits", "store_pages_written")})
+            if own_store:
+                cache.store_tier.close()
         bar.close()
         cache.unclaim(run)
 
@@ -250,7 +268,7 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                   page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
-                  cache: RaggedCache | None = None, progress: bool = True) -> list[list[int]]:
+                  cache: RaggedCache | None = None, progress: bool = True, prefix_store=None) -> list[list[int]]:
     """Generate for many prompts with continuous batching; the new tokens of every output, in input order.
 
     Args:
@@ -264,13 +282,17 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
         page_size, max_pages: the page pool (``max_pages=None`` grows); prompts wait for pages when full.
         max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
-        progress: show a tqdm bar of finished sequences.
+        progress: show a tqdm bar of finished sequences (with a prefix store: its page hits and writes).
+        prefix_store: a prefix store for a cache made here (a URI, a folder path or a store from
+            `hf_paged.open_store`): prompts' pages are written to it and loaded from it instead of computed when
+            that is estimated faster; a store opened from a URI is flushed and closed when the run ends. With
+            ``cache=``, give the store to the `RaggedCache` instead.
     """
     outputs = collections.defaultdict(list)
     for index, token in stream_many(
             model, prompts, max_new_tokens=max_new_tokens, tokenizer=tokenizer, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_return_sequences=num_return_sequences,
             eos_token_id=eos_token_id, page_size=page_size, max_pages=max_pages, max_batch_tokens=max_batch_tokens,
-            cache=cache, progress=progress):
+            cache=cache, progress=progress, prefix_store=prefix_store):
         outputs[index].append(token)
     return [outputs[i] for i in range(len(prompts) * num_return_sequences)]  # (validated by stream_many)

@@ -219,7 +219,7 @@ class PageRows:
 
     def can_restore(self, row_hashes: list[list[bytes]], pages: int) -> bool:
         needed = self._needed_pages(pages)
-        return all(len(self.prefix.cached_run(h[needed.start:needed.stop])) == len(needed) for h in row_hashes)
+        return all(len(self.prefix.cached_run(h, needed.stop, needed.start)) == len(needed) for h in row_hashes)
 
     def restore(self, row_hashes: list[list[bytes]], pages: int) -> None:
         """Rows become the cached pages of their first ``pages`` pages (shared, counted as hits)."""

@@ -34,6 +34,7 @@ from .model_config import layer_windows
 from .page_store import PageStore
 from .page_tables import StepUndo, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
+from .prefix_store.tier import make_tier
 from .thread_owner import ThreadOwner
 
 
@@ -141,9 +142,12 @@ class RaggedCache(Cache):
         page_size: tokens per page.
         max_pages: pages in the pool (None: it grows); admission control keeps within it.
         backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
+        prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
+            through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
     """
 
-    def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None):
+    def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None,
+                 prefix_store=None, store_spill: bool = True):
         if not isinstance(config, PretrainedConfig):
             raise CacheUsageError(f"config must be a transformers model config (model.config), got "
                                   f"{type(config).__name__}.")
@@ -159,6 +163,10 @@ class RaggedCache(Cache):
         self.store = PageStore(page_size)
         self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         super().__init__(layers=[RaggedLayer(self, i, w) for i, w in enumerate(layer_windows(config))])
+        self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
+        if self.store_tier is not None:
+            self.store_tier.attach(self.prefix, [layer.layer_idx for layer in self.layers],
+                                   [layer.sliding_window for layer in self.layers])
         self.sequences: dict[int, Sequence] = {}
         self.step: RaggedStep | None = None
         self._undo: StepUndo | None = None  # the sequences' tables and lengths before `step`
@@ -306,6 +314,20 @@ class RaggedCache(Cache):
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
         return self.store.page_bytes()
+
+    def stats(self) -> dict:
+        """Page accounting, pages reused from the pool (``prefix_hits``) and, with a prefix store, its counters."""
+        m = self.manager
+        out = dict(page_size=self.page_size, pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free),
+                   pages_cached=len(m.cached), prefix_hits=self.prefix_hits)
+        if self.store_tier is not None:
+            out.update(self.store_tier.counters_snapshot())
+        return out
+
+    @property
+    def prefix_store(self):
+        """The prefix store this cache reads and writes (None without one): ``flush()`` waits for its writes."""
+        return None if self.store_tier is None else self.store_tier.store
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self, layer_idx: int = 0) -> int:
