@@ -69,10 +69,12 @@ class PrefixListener:
     def page_evicted(self, index: "PrefixIndex", page: int, content_hash: bytes) -> None:
         """``page`` no longer holds ``content_hash``: it is taken for reuse, or its content is about to change."""
 
-    def run_hashed(self, index: "PrefixIndex", pages: list[int], hashes: list[bytes], start: int) -> None:
+    def run_hashed(self, index: "PrefixIndex", pages: list[int], hashes: list[bytes], start: int,
+                   generated: bool) -> None:
         """Logical pages ``start ..`` of one sequence got their hashes (after their `page_hashed` events), batched
         per sequence: ``pages[i]`` holds ``hashes[i]`` for every logical page ``i`` from 0 (-1 where the sequence
-        holds no page: left a sliding window, or evicted)."""
+        holds no page: left a sliding window, or evicted). ``generated``: decode steps filled them (a prompt's
+        prefill did not)."""
 
     def lookup_missed(self, index: "PrefixIndex", hashes: list[bytes], start: int) -> None:
         """No page holds ``hashes[start]`` (``hashes``: the sequence's chain from page 0 to the end of the run looked
@@ -112,9 +114,11 @@ class PrefixIndex:
             for listener in self.listeners:
                 listener.page_hashed(self, page, content_hash)
 
-    def register_pages(self, table: list[int], hashes: list[bytes], first_page: int, start: int, end: int) -> None:
+    def register_pages(self, table: list[int], hashes: list[bytes], first_page: int, start: int, end: int,
+                       generated: bool = False) -> None:
         """The full logical pages ``[start, end)`` of a page table whose entry 0 is logical page ``first_page``
-        (evicted entries, -1, are skipped) get their hashes ``hashes[i]``; listeners then hear the run."""
+        (evicted entries, -1, are skipped) get their hashes ``hashes[i]``; listeners then hear the run (``generated``:
+        decode steps filled it, not a prompt's prefill)."""
         begin = max(start, first_page)
         for i in range(begin, end):
             page = table[i - first_page]
@@ -123,7 +127,7 @@ class PrefixIndex:
         if self.listeners and end > begin:
             pages = [-1] * first_page + list(table[:end - first_page])
             for listener in self.listeners:
-                listener.run_hashed(self, pages, hashes[:end], begin)
+                listener.run_hashed(self, pages, hashes[:end], begin, generated)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, content_hash: bytes) -> int | None:

@@ -189,7 +189,7 @@ class Scheduler:
             return
         hashes = row.request.hashes if full <= len(row.request.hashes) else page_hashes(
             row.tokens[:full * self.S], [1] * (full * self.S), list(range(full * self.S)), self.S, 0, self.root)
-        self.cache.prefix.register_pages(pages, hashes, 0, row.hashed, full)
+        self.cache.prefix.register_pages(pages, hashes, 0, row.hashed, full, generated=full > len(row.request.hashes))
         for content_hash in hashes[row.hashed:full]:
             if self.computing.get(content_hash) is row:
                 del self.computing[content_hash]

