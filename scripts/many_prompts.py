@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=256, help="generate_many's tokens per step")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="transformers CB's tokens per step")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix-store", default=None, help="generate_many's prefix store (a folder, file:///dir or "
+                   "redis://host:port/db); from the second repeat on it holds every prompt")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: 4 short prompts, 1 repeat")
     p.add_argument("--out", default="runs/many_prompts")
