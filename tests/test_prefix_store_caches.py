@@ -45,7 +45,10 @@ def stored(cache) -> dict:
     return cache.stats()
 
 
-def test_paged_cache_writes_through_and_a_fresh_cache_loads_every_page(model, tmp_path):
+@pytest.mark.parametrize("entry_bytes", [512 * 1024, 1], ids=["64 pages an entry", "one page an entry"])
+def test_paged_cache_writes_through_and_a_fresh_cache_loads_every_page(model, tmp_path, monkeypatch, entry_bytes):
+    """(A real model's 16-token pages are one entry each: every page is its own run, loaded in one go.)"""
+    monkeypatch.setattr("hf_paged.prefix_store.layout.ENTRY_TARGET_BYTES", entry_bytes)
     want = reference(model)
     first = PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path))
     assert generate(model, first) == want
@@ -56,6 +59,20 @@ def test_paged_cache_writes_through_and_a_fresh_cache_loads_every_page(model, tm
     stats = again.stats()
     assert stats["store_hits"] == stats["store_pages_read"] == 5 and stats["store_misses"] == 0
     assert stats["prefix_hits"] == 5 and stats["store_bytes_read"] > 0 and stats["store_load_seconds"] > 0
+
+
+@pytest.mark.parametrize("name, options, pages", [
+    ("gemma3", {}, 6),  # two groups: the full-attention layer's 5 pages, the sliding layers' last one
+    ("llama", dict(max_pages=12, eviction="score"), 5 * 3),  # every layer its own group (per-layer eviction)
+])
+def test_each_layer_group_loads_its_own_pages(name, options, pages, tmp_path):
+    model = make_pair(name)[1]
+    want = generate(model, PagedCache(page_size=PAGE, config=model.config, **options))
+    first = PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path), **options)
+    assert generate(model, first) == want
+    stored(first)
+    fresh = PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path), **options)
+    assert generate(model, fresh) == want and fresh.stats()["store_hits"] == pages
 
 
 def test_a_store_object_is_shared_by_caches_and_open_store_is_exported(model, tmp_path):

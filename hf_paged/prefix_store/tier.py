@@ -18,10 +18,11 @@
 
 Keys: the chained page hashes, in a namespace (`store_namespace`) of the hash root (the model fingerprint, no
 device index), a digest of every weight (`weights_digest`: the fingerprint samples four values a parameter), the
-pool dtype, page size, the group's layer windows, device type, page format (``kv_format``), `LAYOUT_VERSION` and
-the page tensors' shapes (the last three folded into the fingerprint given to the store): another model, one
-weight changed, another dtype, page size, window or format gets zero hits. A fresh pool whose layers hold no pages yet reads with the shapes its model's
-config implies (`kv_dims`); they name the namespace, so a wrong guess finds nothing and creates nothing.
+pool dtype, page size, the group's layer windows, device type, page format (``kv_format``), `LAYOUT_VERSION`,
+the group's layer indices and the page tensors' shapes (the weights digest and the last two folded into the
+fingerprint given to the store): another model, one weight changed, another dtype, page size, window or format
+gets zero hits. A fresh pool whose layers hold no pages yet reads with the shapes its model's config implies
+(`kv_dims`); they name the namespace, so a wrong guess finds nothing and creates nothing.
 
 Nothing here raises for a store fault: the store turns those into misses and skipped writes, with one warning.
 """
@@ -29,6 +30,7 @@ Nothing here raises for a store fault: the store turns those into misses and ski
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 import weakref
@@ -109,6 +111,15 @@ def make_tier(prefix_store, spill: bool = True) -> "StoreTier | None":
                      f"hf_paged.open_store, got {type(prefix_store).__name__}.")
 
 
+class _Group:
+    """One index a tier listens to: its layers and their windows, and the position and entry chain of each page it
+    heard hashed (for spill; dropped when the page loses its hash)."""
+
+    def __init__(self, layers: list[int], windows: list):
+        self.layers, self.windows = list(layers), list(windows)
+        self.positions: dict[bytes, tuple] = {}  # page hash -> (position, first page of `chain`, chain)
+
+
 class StoreTier(PrefixListener):
     """One cache's link to a `PrefixStore` (see the module docstring). ``owned``: the cache opened the store (from
     a URI) and closes it with `close`.
@@ -123,12 +134,11 @@ class StoreTier(PrefixListener):
         self.counters = StoreStats()
         self.prefill_rate = ReadBandwidth()  # tokens per second of this cache's prefills (its "bytes")
         self.last_decision: LoadDecision | None = None
-        self._groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # index -> (layers, windows)
+        self._groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # PrefixIndex -> _Group
         self._bound: _Bound | None = None
         self._layouts: dict = {}
-        self._positions: dict[bytes, tuple] = {}  # hashed page -> (position, chain from page base, base)
-        self._stored: OrderedDict[bytes, None] = OrderedDict()
-        self._absent: dict[bytes, float] = {}
+        self._stored: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # (namespace, page hash)
+        self._absent: dict[tuple[str, bytes], float] = {}  # (namespace, page hash) -> when the store lacked it
         self._forward: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -136,7 +146,7 @@ class StoreTier(PrefixListener):
         """Listen to ``index``, whose pages hold ``layers`` (with these sliding windows)."""
         if index not in self._groups:
             index.add_listener(self)
-        self._groups[index] = (list(layers), list(windows))
+            self._groups[index] = _Group(layers, windows)
 
     def bind(self, root: bytes, model) -> None:
         """``model`` computes the pages from now on, their hashes chained from ``root``."""
@@ -186,7 +196,8 @@ class StoreTier(PrefixListener):
     def _layout(self, index, fresh: bool = False) -> PageLayout | None:
         """The layout of ``index``'s pages; with ``fresh``, layers without pages yet take the config's shapes
         (None when unknown: nothing bound, or layers on several devices)."""
-        bound, (layers, windows) = self._bound, self._groups[index]
+        bound, group = self._bound, self._groups[index]
+        layers = group.layers
         pool = index.store
         if bound is None or pool is None:
             return None
@@ -196,9 +207,10 @@ class StoreTier(PrefixListener):
         specs = pool.page_specs(layers, bound.dims, bound.dtype, bound.device)
         key = (id(index), bound.root, bound.weights, tuple(sorted(specs.items())))
         if key not in self._layouts:
-            root = hashlib.sha256(bound.root + bound.weights + repr(sorted(specs.items())).encode()).digest()
+            described = repr((layers, sorted(specs.items()))).encode()  # (groups of one window differ in layers)
+            root = hashlib.sha256(bound.root + bound.weights + described).digest()
             self._layouts[key] = PageLayout.create(
-                model_fingerprint=root, dtype=bound.dtype, page_size=pool.page_size, layer_windows=windows,
+                model_fingerprint=root, dtype=bound.dtype, page_size=pool.page_size, layer_windows=group.windows,
                 device_type=(bound.device or pool.layer(layers[0]).device).type, page_format=pool.kv_format,
                 layout_version=LAYOUT_VERSION, tensors=specs)
         return self._layouts[key]
@@ -213,23 +225,23 @@ class StoreTier(PrefixListener):
         end, n = len(pages), layout.pages_per_entry
         base = layout.entry_start(start)
         chain = tuple(hashes[base:end])  # (the caller's list changes later)
+        positions = self._groups[index].positions
         for i in range(start, end):
-            self._positions[hashes[i]] = (i, base, chain)
+            positions[hashes[i]] = (i, base, chain)
         if generated and end % n:
             return  # decoded pages that complete no entry: written when they are evicted (spill)
         first = layout.entry_start(start)
         held = [i for i in range(first, end) if pages[i] < 0]
         if held:
             first = layout.entry_start(held[-1]) + n  # entries with a page the sequence no longer holds are skipped
-        if first < end and hashes[end - 1] not in self._stored:
+        if first < end and (layout.namespace, hashes[end - 1]) not in self._stored:
             self._write(index, layout, pages[first:end], hashes[first:end], first)
 
     def page_evicted(self, index, page: int, content_hash: bytes) -> None:
-        known = self._positions.pop(content_hash, None)
-        if not self.spill or known is None or content_hash in self._stored or index not in self._groups:
-            return
-        layout = self._layout(index)
-        if layout is None:
+        group = self._groups.get(index)
+        known = None if group is None else group.positions.pop(content_hash, None)
+        layout = None if known is None or not self.spill else self._layout(index)
+        if layout is None or (layout.namespace, content_hash) in self._stored:
             return
         position, base, chain = known
         first = layout.entry_start(position)
@@ -240,16 +252,16 @@ class StoreTier(PrefixListener):
         self._write(index, layout, [*earlier, page], list(hashes), first)
 
     def _write(self, index, layout: PageLayout, pages: list[int], hashes: list[bytes], first: int) -> None:
-        tensors = index.store.read_pages(torch.tensor(pages), self._groups[index][0])
+        tensors = index.store.read_pages(torch.tensor(pages), self._groups[index].layers)
         self.store.put(layout, hashes, tensors, first)
         self.counters.add(store_pages_written=len(pages),
                           store_bytes_written=sum(t.numel() * t.element_size() for t in tensors.values()))
-        self._remember(hashes)
+        self._remember(layout, hashes)
 
-    def _remember(self, hashes) -> None:
+    def _remember(self, layout: PageLayout, hashes) -> None:
         for h in hashes:
-            self._stored[h] = None
-            self._stored.move_to_end(h)
+            self._stored[layout.namespace, h] = None
+            self._stored.move_to_end((layout.namespace, h))
         while len(self._stored) > REMEMBERED:
             self._stored.popitem(last=False)
 
@@ -257,17 +269,15 @@ class StoreTier(PrefixListener):
     def lookup_missed(self, index, hashes: list[bytes], start: int) -> None:
         if index not in self._groups:
             return
-        now = time.monotonic()
-        if self._absent.get(hashes[start], -NEGATIVE_SECONDS) > now - NEGATIVE_SECONDS:
-            return
         layout = self._layout(index, fresh=True)
-        loaded = 0
-        if layout is not None:
-            loaded = self._load(index, layout, hashes, start)
+        now = time.monotonic()
+        if layout is None or self._absent.get((layout.namespace, hashes[start]), -math.inf) > now - NEGATIVE_SECONDS:
+            return
+        loaded = self._load(index, layout, hashes, start)
         if start + loaded < len(hashes):
             if len(self._absent) > REMEMBERED:
-                self._absent = {h: t for h, t in self._absent.items() if t > now - NEGATIVE_SECONDS}
-            self._absent[hashes[start + loaded]] = now
+                self._absent = {k: t for k, t in self._absent.items() if t > now - NEGATIVE_SECONDS}
+            self._absent[layout.namespace, hashes[start + loaded]] = now
 
     def _load(self, index, layout: PageLayout, hashes: list[bytes], start: int) -> int:
         """Load pages ``start ..`` of the longest stored run of ``hashes``; -> pages loaded."""
@@ -283,20 +293,23 @@ class StoreTier(PrefixListener):
             self.counters.add(store_recomputed=1, store_misses=wanted)
             return 0
         started = time.perf_counter()
-        layers = self._groups[index][0]
+        layers = self._groups[index].layers
         index.store.make_layers(layers, self._bound.dims, self._bound.dtype, self._bound.device)
-        loaded, nbytes = 0, 0
-        for run in self.store.get(layout, hashes[:start + found], first=start):
-            skip = max(0, start - run.first)
-            part = {name: t[skip:] for name, t in run.tensors.items()}
-            run_hashes = list(run.hashes[skip:])
-            got = index.load_run(run_hashes, lambda rows, pages, part=part: index.store.write_pages(
-                torch.tensor(pages), layers, {name: t[rows] for name, t in part.items()}))
-            loaded += got
-            nbytes += sum(t[:got].numel() * t.element_size() for t in part.values())
-            self._remember(run.hashes[:skip + got])
-            if got < len(run_hashes):
-                break  # the pool has no page to spare
+        runs = self.store.get(layout, hashes[:start + found], first=start)
+        where = [(run, i) for run in runs for i in range(max(0, start - run.first), run.pages)]  # page -> entry
+        run_hashes = [run.hashes[i] for run, i in where]
+
+        def write(rows: list[int], pages: list[int]) -> None:
+            for run in runs:  # the rows of each entry in one write
+                mine = [(row, page) for row, page in zip(rows, pages) if where[row][0] is run]
+                if mine:
+                    at = torch.tensor([where[row][1] for row, _ in mine])
+                    index.store.write_pages(torch.tensor([page for _, page in mine]), layers,
+                                            {name: t[at] for name, t in run.tensors.items()})
+
+        loaded = index.load_run(run_hashes, write) if where else 0  # (one call: its pages do not evict each other)
+        self._remember(layout, hashes[:start + loaded])
+        nbytes = loaded * layout.page_bytes
         self.counters.add(store_hits=loaded, store_misses=wanted - loaded, store_pages_read=loaded,
                           store_bytes_read=nbytes, store_load_seconds=time.perf_counter() - started)
         return loaded
