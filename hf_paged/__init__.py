@@ -12,6 +12,7 @@ from .attention import paged_attention_forward, register
 from .block_manager import BlockManager
 from .cache import PagedCache
 from .continuous_batching import generate_many, stream_many
+from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_linear_weights
 from .errors import CacheUsageError, PagePoolExhausted
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .prefix_store import open_store
@@ -30,6 +31,9 @@ __all__ = [
     "generate_many",
     "open_store",
     "stream_many",
+    "pack_linear_weights",
+    "packed_linear_weights",
+    "unpack_linear_weights",
     "paged_attention_forward",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ prompt, the samples of one prompt) are computed once. Greedy output equals per-p
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import numbers
 import operator
@@ -29,6 +30,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .cpu_weights import packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .prefix_index import model_fingerprint
@@ -124,7 +126,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                 page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True,
-                prefix_store=None) -> Iterator[tuple[int, int]]:
+                prefix_store=None, pack_weights: bool = False) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
@@ -176,7 +178,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokenize
                 generators[i * num_return_sequences + j] = torch.Generator().manual_seed(first + j)
     run = _Run()
     stream = _stream(run, model, cache, scheduler, warp, generators, stop, len(requests) * num_return_sequences,
-                     progress, own_store)
+                     progress, pack_weights, own_store)
     run.generator = weakref.ref(stream)
     return stream
 
@@ -193,14 +195,18 @@ class _Run:
 
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, generators, stop: set[int],
-            outputs: int, progress: bool, own_store: bool = False) -> Iterator[tuple[int, int]]:
+            outputs: int, progress: bool, pack_weights: bool, own_store: bool = False) -> Iterator[tuple[int, int]]:
     """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
-    released) when the generator ends, raises or is closed. With a prefix store, prefill steps are timed (the rate
-    loads are weighed against), its counters end on the bar, and a store opened for this run is closed."""
+    released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too. With a
+    prefix store, prefill steps are timed (the rate loads are weighed against), its counters end on the bar, and a
+    store opened for this run is closed."""
     cache.claim(run)
     device = model.device
+    packing = contextlib.ExitStack()  # weights packed for this call are unpacked when it ends
     bar = tqdm(total=outputs, unit="seq", disable=not progress, desc="generate_many")
     try:
+        if pack_weights:
+            packing.enter_context(packed_linear_weights(model))
         while not scheduler.done:
             step = scheduler.schedule()
             if not step:
@@ -252,6 +258,7 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, warp, ge
             if own_store:
                 cache.store_tier.close()
         bar.close()
+        packing.close()
         cache.unclaim(run)
 
 
@@ -268,7 +275,8 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int | Sequence[int] = 0, num_return_sequences: int = 1, eos_token_id: int | Sequence[int] | None = None,
                   page_size: int = 16, max_pages: int | None = None, max_batch_tokens: int = 256,
-                  cache: RaggedCache | None = None, progress: bool = True, prefix_store=None) -> list[list[int]]:
+                  cache: RaggedCache | None = None, progress: bool = True, prefix_store=None,
+                  pack_weights: bool = False) -> list[list[int]]:
     """Generate for many prompts with continuous batching; the new tokens of every output, in input order.
 
     Args:
@@ -287,12 +295,14 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int], tokeni
             `hf_paged.open_store`): prompts' pages are written to it and loaded from it instead of computed when
             that is estimated faster; a store opened from a URI is flushed and closed when the run ends. With
             ``cache=``, give the store to the `RaggedCache` instead.
+        pack_weights: pack the model's float32 CPU linear weights for this call (`hf_paged.cpu_weights`; the
+            packing is undone at the end). To pack once for many calls, use `pack_linear_weights` instead.
     """
     outputs = collections.defaultdict(list)
     for index, token in stream_many(
             model, prompts, max_new_tokens=max_new_tokens, tokenizer=tokenizer, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_return_sequences=num_return_sequences,
             eos_token_id=eos_token_id, page_size=page_size, max_pages=max_pages, max_batch_tokens=max_batch_tokens,
-            cache=cache, progress=progress, prefix_store=prefix_store):
+            cache=cache, progress=progress, prefix_store=prefix_store, pack_weights=pack_weights):
         outputs[index].append(token)
     return [outputs[i] for i in range(len(prompts) * num_return_sequences)]  # (validated by stream_many)

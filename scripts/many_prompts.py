@@ -13,10 +13,15 @@ alternately (order rotated every repeat), medians over ``--repeats``:
 * ``transformers CB``: transformers' continuous batching manager, one request per prompt with its own
   ``max_new_tokens``, ``max_batch_tokens=--cb-max-batch-tokens`` and its pool sized to the workload (its
   default block size, enough blocks for every request at once);
-* ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step).
+* ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step);
+* ``generate_many packed``: the same on a copy of the model whose linear weights are packed once
+  (`hf_paged.pack_linear_weights`);
+* ``vLLM CPU`` (``--vllm``; when ``.venv-vllm`` exists, made by ``scripts/make_vllm_env.sh``): vLLM's engine on
+  the same token ids and weights (float32, greedy, the same threads, its default steps) in its own process
+  (scripts/vllm_runner.py); otherwise its row reads "not run".
 
-Reported: tokens/s over wanted tokens (and the ratio to ``dynamic``), mean time to first token over
-prompts, peak RSS growth (`hf_paged.evaluation.memory.MemoryMeter`), prefix pages reused, and whether every
+Reported: tokens/s over wanted tokens (and the ratio to ``dynamic``), CPU-seconds per pass, mean time to first
+token over prompts, peak RSS growth (`hf_paged.evaluation.memory.MemoryMeter`), prefix pages reused, and whether every
 prompt's tokens equal the ``dynamic`` run's. Spread = (max - min) / median of a system's repeats; over 20%
 marks a noisy row. Outputs: many_prompts.md / .json / .png in ``--out``. The study is
 `hf_paged.evaluation.many_prompts`; docs/many_prompts.md has the stored results and their commands.
@@ -41,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="generate's batch size (dynamic, paged)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="generate_many's tokens per step")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="transformers CB's tokens per step")
+    p.add_argument("--vllm", default=None, help="'auto' (.venv-vllm if present; the default, 'off' with --quick), "
+                   "'off', or a python with vllm")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefix-store", default=None, help="generate_many's prefix store (a folder, file:///dir or "
                    "redis://host:port/db); from the second repeat on it holds every prompt")
@@ -49,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/many_prompts")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.vllm = args.vllm or ("off" if args.quick else "auto")  # a smoke test does not wait for vLLM's compile
     if args.quick:
         args.num_prompts, args.max_len, args.short_new, args.long_new, args.repeats = 4, 48, 4, 8, 1
         args.system_prompt = min(args.system_prompt, 32)

@@ -163,7 +163,7 @@ def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
         assert json.loads((out / "benchmark" / "benchmark.json").read_text())["environment"]["torch_threads"] == 1
         assert json.loads((out / "perplexity" / "perplexity.json").read_text())["settings"]["quick"] is True
         many = json.loads((out / "many_prompts" / "many_prompts.json").read_text())
-        assert [r["system"] for r in many["rows"]] == ["dynamic", "paged", "transformers CB", "generate_many"]
+        assert [r["system"] for r in many["rows"]] == ["dynamic", "paged", "transformers CB", "generate_many", "generate_many packed"]
         assert all(r["equal_prompts"] == many["settings"]["num_prompts"] for r in many["rows"])
         assert "torch threads 1" in proc.stdout and "smoke test" in proc.stdout
         assert _git_status() == before_status  # runs/ is ignored; results/ untouched

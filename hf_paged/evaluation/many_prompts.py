@@ -2,9 +2,10 @@
 (the study behind scripts/many_prompts.py, whose docstring describes the workload, the systems and the flags).
 
 The workload is the same for every system and run (`workload`); the systems run alternately, the order rotated
-every repeat; tokens/s over wanted tokens, mean time to first token, peak RSS growth (`MemoryMeter`), prefix pages
-reused, and whether every prompt's tokens equal the ``dynamic`` run's. A ratio whose repeats spread by more than
-20% is marked noisy.
+every repeat; tokens/s over wanted tokens, CPU-seconds per pass (the process's ``time.process_time``; vLLM's
+runner's own), mean time to first token, peak RSS growth (`MemoryMeter`), prefix pages reused, and whether every
+prompt's tokens equal the ``dynamic`` run's. A ratio whose repeats spread by more than 20% is marked noisy.
+vLLM CPU (`vllm_peer`) is a further row when its environment exists; otherwise its row reads "not run".
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from .. import assets
 from .formats import pyplot, write_report
 from .memory import MemoryMeter
 from .run_info import load_average
+from .vllm_peer import VllmPeer
 
-SYSTEMS = ("dynamic", "paged", "transformers CB", "generate_many")
+SYSTEMS = ("dynamic", "paged", "transformers CB", "generate_many", "generate_many packed")
 
 
 def workload(tokenizer, args) -> tuple[list[list[int]], list[int]]:
@@ -97,6 +99,7 @@ def run_transformers_cb(model, prompts, wanted, args):
 
 
 def run_generate_many(model, prompts, wanted, args):
+    """`stream_many` on a fresh cache; a packed model (`hf_paged.pack_linear_weights`) runs packed."""
     cache = hf_paged.RaggedCache(model.config, page_size=16, prefix_store=getattr(args, "prefix_store", None))
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
@@ -110,6 +113,12 @@ def run_generate_many(model, prompts, wanted, args):
     return outputs, first_times, time.perf_counter() - start, cache.prefix_hits
 
 
+def run_vllm(peer: VllmPeer):
+    """One pass in vLLM's runner; its CPU-seconds are the runner process's own (its prefix reuse is not counted)."""
+    answer = peer.run_pass()
+    return answer["outputs"], answer["ttft"], answer["wall_s"], None, answer["cpu_s"]
+
+
 def measure(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,33 +126,50 @@ def measure(args) -> dict:
     for attn in ("sdpa", "hf_paged"):
         models[attn], tokenizer = assets.load_model_and_tokenizer(args.model, attn_implementation=attn)
         models[attn].generation_config.eos_token_id = None  # every request generates all it wants
+    models["packed"], _ = assets.load_model_and_tokenizer(args.model, attn_implementation="hf_paged")
+    models["packed"].generation_config.eos_token_id = None
+    hf_paged.pack_linear_weights(models["packed"])  # once, as a user serving many calls would
     prompts, wanted = workload(tokenizer, args)
     runners = {
         "dynamic": lambda: run_generate(models["sdpa"], prompts, wanted, args, paged=False),
         "paged": lambda: run_generate(models["hf_paged"], prompts, wanted, args, paged=True),
         "transformers CB": lambda: run_transformers_cb(models["sdpa"], prompts, wanted, args),
         "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args),
+        "generate_many packed": lambda: run_generate_many(models["packed"], prompts, wanted, args),
     }
+    peer, vllm_status = VllmPeer.start(args.vllm, assets.resolve_model_path(args.model), prompts, wanted,
+                                       torch.get_num_threads())
+    systems = SYSTEMS + (("vLLM CPU",) if peer else ())
+    if peer:
+        runners["vLLM CPU"] = lambda: run_vllm(peer)
     meter = MemoryMeter(torch.device("cpu"))
-    runs = {name: [] for name in SYSTEMS}
-    bar = tqdm(total=args.repeats * len(SYSTEMS), desc="many prompts", disable=args.no_progress)
-    for repeat in range(args.repeats):
-        order = SYSTEMS[repeat % len(SYSTEMS):] + SYSTEMS[:repeat % len(SYSTEMS)]
-        for name in order:
-            meter.start()
-            outputs, first_times, elapsed, hits = runners[name]()
-            runs[name].append(dict(outputs=outputs, ttft=statistics.mean(first_times), seconds=elapsed,
-                                   peak_bytes=meter.stop(), prefix_hits=hits))
-            bar.update()
-    bar.close()
+    runs = {name: [] for name in systems}
+    bar = tqdm(total=args.repeats * len(systems), desc="many prompts", disable=args.no_progress)
+    try:
+        for repeat in range(args.repeats):
+            order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
+            for name in order:
+                meter.start()
+                cpu = time.process_time()
+                outputs, first_times, elapsed, hits, *child_cpu = runners[name]()
+                cpu = child_cpu[0] if child_cpu else time.process_time() - cpu
+                peak = meter.stop() if not child_cpu else float("nan")  # another process's memory is not metered
+                runs[name].append(dict(outputs=outputs, ttft=statistics.mean(first_times), seconds=elapsed,
+                                       cpu_s=cpu, peak_bytes=peak, prefix_hits=hits))
+                bar.update()
+    finally:
+        bar.close()
+        if peer:
+            peer.close()
     reference = runs["dynamic"][0]["outputs"]
     total = sum(wanted)
     rows = []
-    for name in SYSTEMS:
+    for name in systems:
         tps = [total / r["seconds"] for r in runs[name]]
         rows.append(dict(
             system=name, tokens_per_s=statistics.median(tps),
             spread=(max(tps) - min(tps)) / statistics.median(tps),
+            cpu_s=statistics.median(r["cpu_s"] for r in runs[name]),
             ttft_s=statistics.median(r["ttft"] for r in runs[name]),
             peak_mib=statistics.median(r["peak_bytes"] for r in runs[name]) / 2**20,
             prefix_hits=runs[name][-1]["prefix_hits"],
@@ -151,7 +177,7 @@ def measure(args) -> dict:
     for row in rows:
         row["vs_dynamic"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return dict(settings=vars(args), prompt_lengths=[len(p) for p in prompts], wanted=wanted,
-                threads=torch.get_num_threads(), load_average=load_average(), rows=rows)
+                threads=torch.get_num_threads(), load_average=load_average(), rows=rows, vllm=vllm_status)
 
 
 def markdown(result: dict) -> str:
@@ -163,14 +189,21 @@ def markdown(result: dict) -> str:
              + (". Smoke test (--quick): checks that everything runs; its numbers are not results"
                 if s["quick"] else ""),
              "",
-             "| system | tokens/s | vs dynamic | spread | time to first token | peak RSS growth | prefix pages "
-             "reused | tokens equal to dynamic |", "|---|---|---|---|---|---|---|---|"]
+             "| system | tokens/s | vs dynamic | spread | CPU s / pass | time to first token | peak RSS growth | "
+             "prefix pages reused | tokens equal to dynamic |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratio = f"noisy ({r['spread']:.0%})" if r["spread"] > 0.2 else f"{r['vs_dynamic']:.2f}x"
         lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} | {ratio} | "
-                     f"{r['spread']:.0%} | {r['ttft_s']:.2f} s | {r['peak_mib']:+.0f} MiB | {r['prefix_hits']} | "
+                     f"{r['spread']:.0%} | {r['cpu_s']:.2f} | {r['ttft_s']:.2f} s | {_mib(r['peak_mib'])} | "
+                     f"{'n/a' if r['prefix_hits'] is None else r['prefix_hits']} | "
                      f"{r['equal_prompts']}/{s['num_prompts']} |")
+    if result.get("vllm", "ok") != "ok":
+        lines.append(f"| vLLM CPU | {result['vllm'].splitlines()[0]} | | | | | | | |")
     return "\n".join(lines) + "\n"
+
+
+def _mib(value: float) -> str:
+    return "not metered (own process)" if value != value else f"{value:+.0f} MiB"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -183,7 +216,7 @@ def plot(result: dict, path: Path) -> None:
                                "mean time to first token, s (lower is better)",
                                "peak RSS growth, MiB (lower is better)")):
         values = [r[key] for r in rows]
-        bars = ax.barh(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868"])
+        bars = ax.barh(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"])
         ax.bar_label(bars, fmt="%.2f" if key != "peak_mib" else "%.0f")
         ax.set_title(title, fontsize=9)
         ax.invert_yaxis()
