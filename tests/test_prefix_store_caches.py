@@ -236,3 +236,26 @@ def test_bad_store_arguments_are_clear_errors(model, tmp_path):
     shared.chmod(0o777)
     with pytest.raises(hf_paged.prefix_store.UnsafeStoreDirectory):
         PagedCache(page_size=PAGE, model=model, prefix_store=str(shared))
+
+
+# ------------------------------------------------------------------------------------------- the measurement
+def test_the_measurement_command_parses_and_reports(tmp_path):
+    from script_commands import load_script
+
+    from hf_paged.evaluation import prefix_store as study
+    args = load_script("prefix_store").parse_args(["--tokens", "2048,8192", "--repeats", "2", "--threads", "1"])
+    assert args.tokens == [2048, 8192] and args.repeats == 2 and args.out == "runs/prefix_store"
+    assert load_script("prefix_store").parse_args(["--quick"]).tokens == [64]
+    row = lambda s, token=5, **kw: dict(ttft_s=s, ttft_cpu_s=s / 2, token=token, **kw)  # noqa: E731
+    runs = {mode: [row(8.0), row(10.0)] for mode in study.MODES}
+    runs["disk warm"] = [row(1.0, store_pages_read=127), row(2.0, store_pages_read=127, store_decision="load")]
+    summary = study.summarize(runs)
+    assert summary["same_first_token"] and summary["modes"]["disk warm"]["speedup"] == 6.5
+    assert summary["modes"]["disk warm"]["pages_loaded"] == 127
+    result = dict(model="m", page_size=16, threads=1, repeats=2, load_before=[1, 1, 1], load_after=[1, 1, 1],
+                  lengths={"2048": summary})
+    assert "| 2048 | disk warm | 1.500 |" in study.markdown_report(result)
+    runs["none"][0] = row(8.0, token=6)
+    assert not study.summarize(runs)["same_first_token"]
+    study.plot(result)(tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
