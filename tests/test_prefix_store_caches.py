@@ -75,6 +75,20 @@ def test_each_layer_group_loads_its_own_pages(name, options, pages, tmp_path):
     assert generate(model, fresh) == want and fresh.stats()["store_hits"] == pages
 
 
+def test_a_load_estimated_slower_than_computing_is_skipped_and_counted(model, tmp_path):
+    want = reference(model)
+    first = PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path))
+    generate(model, first)
+    stored(first)
+    slow = PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path))
+    slow.prefix_store.store.policy.bandwidth.record(1, 1.0)  # 1 byte/s
+    slow.store_tier.record_prefill(10**6, 1.0)  # a million tokens/s
+    assert generate(model, slow) == want
+    stats = slow.stats()
+    assert stats["store_recomputed"] == 1 and stats["store_hits"] == stats["store_pages_read"] == 0
+    assert stats["store_decision"] == "recomputing is estimated faster"
+
+
 def test_a_store_object_is_shared_by_caches_and_open_store_is_exported(model, tmp_path):
     store = hf_paged.open_store(tmp_path, background=True)
     want = reference(model)
