@@ -266,9 +266,10 @@ def format_summary(summary: dict) -> str:
             f"  rank {r['rank']} ({r['device']}, pid {r['pid']}): {r['prompts']:4d} prompts "
             f"{r['new_tokens']:6d} new tokens in {r['seconds']:7.2f} s = {r['tokens_per_s']:8.1f} tok/s | KV peak "
             f"{kv['peak_pages_used']} pages, {kv['peak_kv_bytes'] * mib:.1f} MiB, pool {kv['pool_bytes'] * mib:.1f} MiB"
-            + ("" if "store_hits" not in kv else f" | store: {kv['store_hits']} pages hit, {kv['store_misses']} missed, "
-               f"{kv['store_pages_written']} written, {kv['store_bytes_read'] * mib:.1f} MiB read in "
-               f"{kv['store_load_seconds']:.2f} s, {kv['store_recomputed']} loads skipped"))
+            + ("" if "store_hits" not in kv else
+               f" | store: {kv['store_hits']} pages hit, {kv['store_misses']} missed, {kv['store_pages_written']} "
+               f"written, {kv['store_bytes_read'] * mib:.1f} MiB read in {kv['store_load_seconds']:.2f} s, "
+               f"{kv['store_recomputed']} loads skipped"))
     t = summary["total"]
     lines.append(f"  total: {t['new_tokens']} new tokens in {t['seconds']:.2f} s = {t['tokens_per_s']:.1f} tok/s | "
                  f"KV peak {t['peak_kv_bytes'] * mib:.1f} MiB, pools {t['pool_bytes'] * mib:.1f} MiB")
