@@ -90,8 +90,8 @@ class _Bound:
     """What computes the pages now: the hash root, a digest of the weights, the pool's dtype, device (None: layers
     on several devices) and the K/V shape the config implies."""
 
-    def __init__(self, root: bytes, model):
-        self.root, self.weights, self.dtype = root, weights_digest(model), model.dtype
+    def __init__(self, root: bytes, weights: bytes, model):
+        self.root, self.weights, self.dtype = root, weights, model.dtype
         devices = set(getattr(model, "hf_device_map", {}).values())
         self.device = model.device if len(devices) <= 1 else None
         self.dims = kv_dims(model.config)
@@ -150,8 +150,9 @@ class StoreTier(PrefixListener):
 
     def bind(self, root: bytes, model) -> None:
         """``model`` computes the pages from now on, their hashes chained from ``root``."""
-        if self._bound is None or self._bound.root != root or self._bound.weights != weights_digest(model):
-            self._bound = _Bound(root, model)
+        weights = weights_digest(model)
+        if self._bound is None or (self._bound.root, self._bound.weights) != (root, weights):
+            self._bound = _Bound(root, weights, model)
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """A forward computed ``tokens`` prompt tokens in ``seconds``: the rate loads are weighed against."""
@@ -167,12 +168,9 @@ class StoreTier(PrefixListener):
             self.record_prefill(tokens, time.perf_counter() - started)
             self._forward = None
 
-    def stats(self) -> dict:
-        """Counters of this cache's store traffic; not a `PrefixListener` sum (the cache adds them once)."""
-        return {}
-
     def counters_snapshot(self) -> dict:
-        """`CACHE_COUNTERS`, the store's own ``store_rejected`` / ``store_errors`` (shared by its users) and the
+        """What the cache's ``stats()`` adds (the tier is no `PrefixListener.stats` source: it listens to several
+        indexes): `CACHE_COUNTERS`, the store's own ``store_rejected`` / ``store_errors`` (shared by its users) and the
         last load decision's reason."""
         store = self.store.stats()
         out = {name: value for name, value in self.counters.snapshot().items() if name in CACHE_COUNTERS}
