@@ -228,7 +228,7 @@ class StoreTier(PrefixListener):
             positions[hashes[i]] = (i, base, chain)
         if generated and end % n:
             return  # decoded pages that complete no entry: written when they are evicted (spill)
-        first = layout.entry_start(start)
+        first = base
         held = [i for i in range(first, end) if pages[i] < 0]
         if held:
             first = layout.entry_start(held[-1]) + n  # entries with a page the sequence no longer holds are skipped
