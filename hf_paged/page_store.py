@@ -201,12 +201,14 @@ class PageStore:
                 out.setdefault(name if stacked else f"{name}.{i}", []).append(tensor[pages.to(tensor.device)].cpu())
         return {name: torch.stack(parts, dim=1) if stacked else parts[0] for name, parts in out.items()}
 
-    def write_pages(self, pages: torch.Tensor, layers: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Write ``tensors`` (as `read_pages` returns them) into ``pages [P]`` of ``layers``, bytes as they are."""
+    def write_pages(self, pages: torch.Tensor, layers: list[int], tensors: dict[str, torch.Tensor],
+                    num_pages: int) -> None:
+        """Write ``tensors`` (as `read_pages` returns them) into ``pages [P]`` of ``layers``, bytes as they are, after
+        growing them to the manager's ``num_pages`` (once: growing page by page would copy the pool every time)."""
         stacked = all("." not in name for name in tensors)
         for j, i in enumerate(layers):
             layer = self.layers[i]
-            layer.grow_to(int(pages.max()) + 1 if pages.numel() else 0)
+            layer.grow_to(num_pages)
             for name, tensor in _stored_tensors(layer).items():
                 source = tensors[name][:, j] if stacked else tensors[f"{name}.{i}"]
                 tensor[pages.to(tensor.device)] = source.to(tensor.device)

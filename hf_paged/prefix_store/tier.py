@@ -294,18 +294,16 @@ class StoreTier(PrefixListener):
         layers = self._groups[index].layers
         index.store.make_layers(layers, self._bound.dims, self._bound.dtype, self._bound.device)
         runs = self.store.get(layout, hashes[:start + found], first=start)
-        where = [(run, i) for run in runs for i in range(max(0, start - run.first), run.pages)]  # page -> entry
-        run_hashes = [run.hashes[i] for run, i in where]
+        skip = max(0, start - runs[0].first) if runs else 0  # (the first entry may begin before ``start``)
+        tensors = {spec.name: torch.cat([run.tensors[spec.name] for run in runs])[skip:] for spec in layout.tensors}
+        run_hashes = [h for run in runs for h in run.hashes][skip:]
 
-        def write(rows: list[int], pages: list[int]) -> None:
-            for run in runs:  # the rows of each entry in one write
-                mine = [(row, page) for row, page in zip(rows, pages) if where[row][0] is run]
-                if mine:
-                    at = torch.tensor([where[row][1] for row, _ in mine])
-                    index.store.write_pages(torch.tensor([page for _, page in mine]), layers,
-                                            {name: t[at] for name, t in run.tensors.items()})
+        def write(rows: list[int], pages: list[int]) -> None:  # every page in one write
+            at = torch.tensor(rows)
+            index.store.write_pages(torch.tensor(pages), layers, {name: t[at] for name, t in tensors.items()},
+                                    index.manager.num_pages)
 
-        loaded = index.load_run(run_hashes, write) if where else 0  # (one call: its pages do not evict each other)
+        loaded = index.load_run(run_hashes, write) if runs else 0  # (one call: its pages do not evict each other)
         self._remember(layout, hashes[:start + loaded])
         nbytes = loaded * layout.page_bytes
         self.counters.add(store_hits=loaded, store_misses=wanted - loaded, store_pages_read=loaded,
