@@ -170,16 +170,15 @@ def main(args) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="hf_paged-prefix-store-"))
     started = time.perf_counter()
     try:
-        for tokens in args.tokens:
+        for tokens in args.tokens:  # (the report is written after each length: a long run keeps what it measured)
             runs = measure_length(args, tokens, server, folder / "store", tqdm)
             result["runs"][str(tokens)] = runs
             result["lengths"][str(tokens)] = summarize(runs)
+            result["seconds"], result["load_after"] = time.perf_counter() - started, load_average()
+            markdown = markdown_report(result)
+            write_report(Path(args.out), "prefix_store", markdown, result, plot(result))
     finally:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    result["seconds"] = time.perf_counter() - started
-    result["load_after"] = load_average()
-    markdown = markdown_report(result)
-    write_report(Path(args.out), "prefix_store", markdown, result, plot(result))
     print(markdown)
     return result
