@@ -1,9 +1,10 @@
-"""hf_paged: a paged KV cache with an LRU block manager for Hugging Face transformers.
+"""hf_paged: a paged KV cache for Hugging Face transformers, its pages under a block manager that evicts
+what attention relies on least when bounded (docs/eviction.md).
 
 ``import hf_paged`` registers the "hf_paged" attention and mask functions, so that
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_paged")
-    model.generate(**inputs, past_key_values=hf_paged.PagedCache(page_size=16))
+    model.generate(**inputs, cache=hf_paged.PagedCache(page_size=16))  # past_key_values= before 5.24
 
 reads keys and values from pages in place.
 """
@@ -14,9 +15,11 @@ from .cache import PagedCache
 from .continuous_batching import generate_many, stream_many
 from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_linear_weights
 from .errors import CacheUsageError, PagePoolExhausted
+from .generation_options import ManyOutput
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .prefix_store import open_store
 from .ragged_cache import RaggedCache
+from .stats import GenerationStats
 
 register()
 
@@ -25,6 +28,8 @@ __all__ = [
     "CACHE_KWARG",
     "BlockManager",
     "CacheUsageError",
+    "GenerationStats",
+    "ManyOutput",
     "PagePoolExhausted",
     "PagedCache",
     "RaggedCache",

@@ -178,6 +178,21 @@ class PagedLayer(CacheLayerMixin):
     prefetch = offload
 
 
+def _refuse_rewind(held: int, new_tokens: int, args, kwargs) -> None:
+    """A prompt whose positions start before the ``held`` tokens a cache already processed (every row's): a second
+    `generate` on a used cache. transformers would write it after them at the wrong positions, silently (as with
+    `DynamicCache`). Checked on the first layer of a step of several tokens, where the model passes position_ids."""
+    extra = kwargs.get("kwargs") or kwargs.get("cache_kwargs") or (args[0] if args and isinstance(args[0], dict)
+                                                                    else None) or {}
+    positions = extra.get("position_ids")
+    if held and new_tokens > 1 and isinstance(positions, torch.Tensor) and positions.shape[-1] == new_tokens:
+        start = int(positions[..., 0].max())
+        if start < held:
+            raise CacheUsageError(
+                f"this PagedCache already holds {held} tokens, and the new input starts at position {start}: one "
+                "cache per call, or reset() it first (to continue a conversation, pass every token so far).")
+
+
 def _check_arguments(config, model, lru_threshold) -> None:
     """Types that would otherwise fail later with an AttributeError or TypeError."""
     if isinstance(lru_threshold, bool) or not isinstance(lru_threshold, (int, float)):
@@ -311,6 +326,7 @@ class PagedCache(PrefixReuse, Cache):
                 self.rollback()  # the last step never reached every layer: a forward failed outside the cache
             elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
+                _refuse_rewind(layer.get_seq_length(), key_states.shape[2], args, kwargs)
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:

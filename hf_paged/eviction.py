@@ -55,7 +55,7 @@ def default_sink_pages(page_size: int) -> int:
 
 
 def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: bool = False) -> dict:
-    """The usage signal measured best for a page size (README, "Eviction"): a one-token page follows what
+    """The usage signal measured best for a page size (docs/eviction.md): a one-token page follows what
     the step's last query takes from it, averaged over heads (TOVA); a page of several tokens, whose tokens
     matter unevenly, a decayed average of its attention over a 32-query window from its most attentive head.
     What is taken is attention, except for a streaming "score" cache of one-token pages: the output each
@@ -71,7 +71,7 @@ def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: 
 # PagedCache's flat eviction keywords (in `for_pages` order) and their defaults (None: chosen by page size)
 FLAT_DEFAULTS = dict(sink_pages=None, recent_pages=1, lru_threshold=1.0, score_decay=None, observation_window=None,
                      score_heads=None, compress_prompt=False, score_signal=None)
-DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (README, "Eviction")
+DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (docs/eviction.md)
 
 
 class PageHistory:

@@ -35,6 +35,7 @@ from .page_store import PageStore
 from .page_tables import StepUndo, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
 from .prefix_store.tier import make_tier
+from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
 
@@ -311,18 +312,14 @@ class RaggedCache(Cache):
                 seq.length = length
         self.step, self._undo = None, None
 
+    def stats(self) -> dict:
+        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`), and with
+        a prefix store its counters (``store_*``)."""
+        return {**ragged_cache_stats(self), **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
+
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
         return self.store.page_bytes()
-
-    def stats(self) -> dict:
-        """Page accounting, pages reused from the pool (``prefix_hits``) and, with a prefix store, its counters."""
-        m = self.manager
-        out = dict(page_size=self.page_size, pages_total=m.num_pages, pages_used=m.num_used, pages_free=len(m.free),
-                   pages_cached=len(m.cached), prefix_hits=self.prefix_hits)
-        if self.store_tier is not None:
-            out.update(self.store_tier.counters_snapshot())
-        return out
 
     @property
     def prefix_store(self):

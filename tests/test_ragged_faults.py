@@ -11,10 +11,11 @@ import contextlib
 import pytest
 
 import hf_paged
-from hf_paged import continuous_batching
 from hf_paged.block_manager import BlockManager
+from hf_paged.generation_options import GenerationOptions
 from hf_paged.ragged_cache import RaggedCache
 from hf_paged.scheduler import Scheduler
+from hf_paged.stats import GenerationStats
 from test_generate_many import random_prompts
 from tiny_models import make_pair
 
@@ -27,7 +28,8 @@ BOOKKEEPING = {
                   "begin_step", "finish_step", "abort_step", "_clear"),
     Scheduler: ("schedule", "_admit", "_cached_pages", "_waits_for_prefix", "pages_for", "fork_pages", "plan",
                 "after_step", "_hash_full_pages", "fork_followers", "retire"),
-    continuous_batching: ("_next_token",),
+    GenerationOptions: ("next_token", "finish_reason"),
+    GenerationStats: ("admitted", "step", "token", "finished"),
 }
 
 

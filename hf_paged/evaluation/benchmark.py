@@ -10,7 +10,7 @@ bytes at the end and at their peak (sampled after every step), the page pool, pe
 and whether the paged run produced the dynamic run's tokens in every repeat. With a budget, greedy configurations
 also get rounds in which the unbounded and the bounded PagedCache decode taking turns token by token
 (`alternate_decode_steps`): per-step time ratios that load drifting over seconds does not skew. A speed ratio whose
-repeats spread by more than `NOISE` reads "noisy", not a number.
+repeats spread by more than `NOISE` is marked "noisy" beside its value.
 """
 
 from __future__ import annotations
@@ -342,9 +342,10 @@ def noisy(config: dict, key: str) -> float | None:
 
 
 def ratio_text(config: dict, key: str) -> str:
-    """The paged / dynamic ratio of ``key``, or "noisy (N%)" when the repetitions disagree by more than NOISE."""
+    """The paged / dynamic ratio of ``key``, marked "noisy (N%)" when the repetitions disagree by more than NOISE."""
     worst = noisy(config, key)
-    return f"noisy ({100 * worst:.0f}%)" if worst is not None else f"{config['ratios'][key]:.2f}"
+    ratio = f"{config['ratios'][key]:.2f}"
+    return f"{ratio} (noisy, {100 * worst:.0f}%)" if worst is not None else ratio
 
 
 def compare(a, b, prompt_len: int) -> tuple[bool, float]:
@@ -394,7 +395,7 @@ def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None
         spreads = [spread(c, kind, "decode_tok_s") for kind in ("paged", "bounded")]
         spread_cell = "—" if None in spreads else " / ".join(f"{100 * v:.0f}" for v in spreads)
         worst = max(v or 0.0 for v in spreads)
-        ratio = f"noisy ({100 * worst:.0f}%)" if worst > NOISE else f"{b['decode_vs_unbounded']:.2f}"
+        ratio = f"{b['decode_vs_unbounded']:.2f}" + (f" (noisy, {100 * worst:.0f}%)" if worst > NOISE else "")
         stats = b["runs"][-1]["stats_end"]
         pages = f"{c['page_size']} / {budget_page_size or c['page_size']}"
         steps = c.get("bounded_steps")
@@ -438,7 +439,7 @@ def markdown_report(result: dict) -> str:
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
         "(used + cached pages); pool = allocated page pool. Peak KV is sampled after every forward step. "
         f"spread = (max - min) / median over the repeats; a ratio whose repeats spread more than {100 * NOISE:.0f}% "
-        "(either cache) reads \"noisy\": rerun on a quieter machine or with --threads 1.",
+        "(either cache) is marked \"noisy\": rerun on a quieter machine or with --threads 1.",
         f"peak mem growth: {e['memory_method']}.",
         "",
     ])
