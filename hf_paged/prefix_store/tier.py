@@ -293,9 +293,10 @@ class StoreTier(PrefixListener):
         started = time.perf_counter()
         layers = self._groups[index].layers
         index.store.make_layers(layers, self._bound.dims, self._bound.dtype, self._bound.device)
-        runs = self.store.get(layout, hashes[:start + found], first=start)
+        runs = self.store.get(layout, hashes[:start + found], first=start)  # (none: the entries failed to verify)
         skip = max(0, start - runs[0].first) if runs else 0  # (the first entry may begin before ``start``)
-        tensors = {spec.name: torch.cat([run.tensors[spec.name] for run in runs])[skip:] for spec in layout.tensors}
+        tensors = {spec.name: torch.cat([run.tensors[spec.name] for run in runs])[skip:]
+                   for spec in layout.tensors} if runs else {}
         run_hashes = [h for run in runs for h in run.hashes][skip:]
 
         def write(rows: list[int], pages: list[int]) -> None:  # every page in one write
