@@ -268,7 +268,7 @@ def test_the_measurement_command_parses_and_reports(tmp_path):
     assert summary["modes"]["disk warm"]["pages_loaded"] == 127
     result = dict(model="m", page_size=16, threads=1, repeats=2, load_before=[1, 1, 1], load_after=[1, 1, 1],
                   lengths={"2048": summary})
-    assert "| 2048 | disk warm | 1.500 |" in study.markdown_report(result)
+    assert "| 2048 | disk warm | 1.500 | 0.750 | 6.50x / 6.50x |" in study.markdown_report(result)
     runs["none"][0] = row(8.0, token=6)
     assert not study.summarize(runs)["same_first_token"]
     study.plot(result)(tmp_path / "plot.png")

@@ -96,14 +96,17 @@ def measure_length(args, tokens: int, server, folder: Path, tqdm) -> dict:
 
 
 def summarize(runs: dict) -> dict:
-    """Medians per mode, per-round ratios of each mode's wall time to ``none``'s, and the first tokens' agreement."""
+    """Medians per mode, the median over rounds of ``none``'s wall (and CPU) time over each mode's, and the first
+    tokens' agreement."""
     out = {}
     for mode, rows in runs.items():
         ratios = [n["ttft_s"] / r["ttft_s"] for n, r in zip(runs["none"], rows)]
+        cpu_ratios = [n["ttft_cpu_s"] / r["ttft_cpu_s"] for n, r in zip(runs["none"], rows)]
         out[mode] = dict(
             ttft_s=statistics.median(r["ttft_s"] for r in rows),
             ttft_cpu_s=statistics.median(r["ttft_cpu_s"] for r in rows),
             speedup=statistics.median(ratios),
+            cpu_speedup=statistics.median(cpu_ratios),
             pages_loaded=statistics.median(r.get("store_pages_read", 0) for r in rows),
             pages_missed=statistics.median(r.get("store_misses", 0) for r in rows),
             pages_written=statistics.median(r.get("store_pages_written", 0) for r in rows),
@@ -120,11 +123,12 @@ def markdown_report(result: dict) -> str:
              f"Model {result['model']}, page size {result['page_size']}, {result['threads']} torch thread(s), "
              f"{result['repeats']} rounds of fresh processes, modes in a rotated order; load average "
              f"{result['load_before']} before, {result['load_after']} after.", "",
-             "| prompt tokens | mode | TTFT (s, median) | CPU s | speed-up vs none (median of rounds) | pages loaded | "
-             "MiB read | load s |", "|---|---|---|---|---|---|---|---|"]
+             "| prompt tokens | mode | TTFT (s, median) | CPU s | speed-up vs none, wall / CPU (median of rounds) | "
+             "pages loaded | MiB read | load s |", "|---|---|---|---|---|---|---|---|"]
     for tokens, summary in result["lengths"].items():
         for mode, m in summary["modes"].items():
-            lines.append(f"| {tokens} | {mode} | {m['ttft_s']:.3f} | {m['ttft_cpu_s']:.3f} | {m['speedup']:.2f}x | "
+            lines.append(f"| {tokens} | {mode} | {m['ttft_s']:.3f} | {m['ttft_cpu_s']:.3f} | {m['speedup']:.2f}x / "
+                         f"{m['cpu_speedup']:.2f}x | "
                          f"{m['pages_loaded']:.0f} | {mib(m['bytes_read'])} | {m['load_s']:.3f} |")
     lines += ["", "Every run's first token equal: " + ", ".join(
         f"{t}: {'yes' if s['same_first_token'] else 'NO'}" for t, s in result["lengths"].items()), ""]
@@ -138,20 +142,23 @@ def plot(result: dict):
         from .formats import pyplot
         plt = pyplot()
         lengths = list(result["lengths"])
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         width = 0.8 / len(MODES)
-        for j, mode in enumerate(MODES):
-            values = [result["lengths"][t]["modes"][mode]["ttft_s"] for t in lengths]
-            bars = ax.bar([i + j * width for i in range(len(lengths))], values, width, label=mode)
-            if mode.endswith("warm"):
-                for bar, t in zip(bars, lengths):
-                    ax.annotate(f"{result['lengths'][t]['modes'][mode]['speedup']:.1f}x",
-                                (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                                fontsize=8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(lengths))], [f"{t} tokens" for t in lengths])
-        ax.set_ylabel("time to first token, fresh process (s)")
-        ax.set_title(f"Prefix store: {result['model']}, median of {result['repeats']} rounds")
-        ax.legend(fontsize=8)
+        for ax, key, ratio, label in zip(axes, ("ttft_s", "ttft_cpu_s"), ("speedup", "cpu_speedup"),
+                                         ("wall seconds", "CPU seconds")):
+            for j, mode in enumerate(MODES):
+                figures = [result["lengths"][t]["modes"] for t in lengths]
+                bars = ax.bar([i + j * width for i in range(len(lengths))], [f[mode][key] for f in figures], width,
+                              label=mode)
+                for bar, f in zip(bars, figures):
+                    if mode.endswith("warm"):
+                        ax.annotate(f"{f[mode][ratio]:.1f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                    ha="center", va="bottom", fontsize=8)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(lengths))], [f"{t} tokens" for t in lengths])
+            ax.set_ylabel(f"time to first token, fresh process ({label})")
+        axes[0].set_title(f"{result['model']}: median of {result['repeats']} rounds, load {result['load_before'][0]}")
+        axes[1].set_title("x: none's time / the mode's, median of rounds")
+        axes[0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
