@@ -317,15 +317,16 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
 
 
 def _segment_attention(query, view: PagedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
-    """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions)."""
-    total = segment.past + segment.length
-    keys, values = view.pages.gather(segment.pages.to(view.pages.device))
-    keys = keys.flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total, D]
-    values = values.flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+    """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions), from its
+    first page still held (the ones before left the sliding window)."""
+    total, first = segment.past + segment.length, segment.first_page * view.plan.page_size
+    keys, values = view.pages.gather(segment.pages[segment.first_page:].to(view.pages.device))
+    keys = keys.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total - first, D]
+    values = values.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)
     mask = None
     if segment.past or sliding_window:
-        k_pos = torch.arange(total, device=query.device)
-        q_pos = k_pos[segment.past:, None]
+        k_pos = torch.arange(first, total, device=query.device)
+        q_pos = k_pos[segment.past - first:, None]
         mask = k_pos <= q_pos
         if sliding_window:
             mask &= q_pos - k_pos < sliding_window

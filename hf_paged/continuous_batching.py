@@ -1,8 +1,8 @@
 """`generate_many` / `stream_many`: continuous batching over many prompts on a paged cache.
 
-Rows of different lengths share one page pool and advance independently: every step packs one
-token per decoding row and prefill chunks of new rows into a single forward (at most
-``max_batch_tokens`` tokens), a row that finishes (a stop token or its own ``max_new_tokens``)
+Sequences of different lengths share one page pool and advance independently: every step packs one
+token per decoding sequence and prefill chunks of new sequences into a single forward (at most
+``max_batch_tokens`` tokens), a sequence that finishes (a stop token or its own ``max_new_tokens``)
 gives its pages back at once, and waiting prompts start in them. Shared prefixes (a system
 prompt, the samples of one prompt) are computed once. Greedy output equals per-prompt
 ``model.generate`` token for token.
@@ -81,7 +81,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
                 pack_weights: bool = False, prefix_store=None, **generate_kwargs) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
-    is returned. The cache is taken (for this thread) when iteration starts and given back, every row released,
+    is returned. The cache is taken (for this thread) when iteration starts and given back, every sequence released,
     when the generator ends or is closed: a loop that stops early should ``close()`` it (or drop it) before the
     cache serves another run. ``stats`` (a `GenerationStats`) is filled as the run goes, finish reasons included."""
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
@@ -146,7 +146,7 @@ def _queued(scheduler: Scheduler) -> int:
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options: GenerationOptions, scores: bool,
             generators, stats: GenerationStats, prompt_lengths: list[int], progress: bool,
             pack_weights: bool, own_store: bool = False) -> Iterator[tuple[int, int]]:
-    """The steps of a run; the cache is taken when iteration starts and given back (every row it still holds
+    """The steps of a run; the cache is taken when iteration starts and given back (every sequence it still holds
     released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too.
     ``stats`` starts when iteration starts. With a prefix store, prefill steps are timed (the rate loads are weighed
     against), its counters end on the bar, and a store opened for this run is closed."""
@@ -163,14 +163,14 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
             step = scheduler.schedule()
             if not step:
                 raise CacheUsageError("generate_many cannot admit the next prompt: the page pool is too small.")
-            stats.admitted(r.out_index for row, _ in step for r in (row, *row.followers))
-            tokens = [t for row, n in step for t in row.tokens[row.computed:row.computed + n]]
-            positions = [p for row, n in step for p in range(row.computed, row.computed + n)]
+            stats.admitted(r.out_index for seq, _ in step for r in (seq, *seq.followers))
+            tokens = [t for seq, n in step for t in seq.tokens[seq.computed:seq.computed + n]]
+            positions = [p for seq, n in step for p in range(seq.computed, seq.computed + n)]
             emitting, last, start = [], [], 0
-            for row, n in step:
+            for seq, n in step:
                 start += n
-                if row.computed + n == len(row.tokens):
-                    emitting.append(row)
+                if seq.computed + n == len(seq.tokens):
+                    emitting.append(seq)
                     last.append(start - 1)
             scheduler.plan(step)
             prefill = sum(n for _, n in step if n > 1)
@@ -193,11 +193,11 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
             # same draws on any device, whatever else the step computed)
             logits = logits.float().cpu() if scores else logits.argmax(-1).tolist()
             finished = produced = 0
-            for row, row_logits in zip(emitting, logits):
-                for sample in [row, *scheduler.fork_followers(row)]:
+            for seq, seq_logits in zip(emitting, logits):
+                for sample in [seq, *scheduler.fork_followers(seq)]:
                     request = sample.request
-                    token = (options.next_token(row_logits, sample.tokens, len(request.prompt), request.max_new_tokens,
-                                                generators.get(sample.out_index)) if scores else int(row_logits))
+                    token = (options.next_token(seq_logits, sample.tokens, len(request.prompt), request.max_new_tokens,
+                                                generators.get(sample.out_index)) if scores else int(seq_logits))
                     sample.generated.append(token)
                     sample.tokens.append(token)
                     stats.token(sample.out_index)
@@ -206,14 +206,14 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
                     if not cache.holds(run):
                         raise CacheUsageError(
                             "the RaggedCache of this stream_many generator was reset (or taken by another "
-                            "generate_many run) while the generator was paused: its rows are gone. Start a new "
+                            "generate_many run) while the generator was paused: its sequences are gone. Start a new "
                             "stream_many.")
                     reason = options.finish_reason(sample.tokens, len(sample.generated), request.max_new_tokens)
                     if reason is not None:
                         scheduler.retire(sample)
                         stats.finished(sample.out_index, reason)
                         finished += 1
-            stats.step(prompt_tokens=sum(n for row, n in step if row.computed - n < len(row.request.prompt)),
+            stats.step(prompt_tokens=sum(n for seq, n in step if seq.computed - n < len(seq.request.prompt)),
                        generated=produced,
                        prefix_hits=cache.prefix_hits - hits, seconds=seconds, queue_length=_queued(scheduler),
                        running=len(scheduler.running), cache_stats=cache.stats())

@@ -3,17 +3,24 @@
 Continuous batching packs the new tokens of every running sequence into one row,
 ``input_ids [1, T]`` with each token's own position: decode tokens (one per sequence) first,
 then prefill chunks. `RaggedCache.begin_step` plans such a step once with the sequence core
-(`hf_paged.page_tables`: copy-on-write of shared partial pages, `StepUndo`, the kernel index): pages
-for the new tokens, each token's slot, each sequence's page table; every layer then writes its
-keys/values into those slots through the cache's `PageStore` and hands attention `PagedKV` handles
+(`hf_paged.page_tables`: attention spans, copy-on-write of shared partial pages, `StepUndo`, the kernel
+index): pages for the new tokens, each token's slot, each sequence's page table; every layer then writes
+its keys/values into those slots through its group's `PageStore` and hands attention `PagedKV` handles
 of the packed step (the same view as `PagedCache`'s). Sequences are independent: each has its own
 length, positions and pages; pages are shared (reference counted) between sequences that share a
-prefix, found and registered through the cache's `PrefixIndex`, and a released sequence's hashed
+prefix, found and registered through the groups' `PrefixIndex`, and a released sequence's hashed
 pages stay cached for reuse, as in `PagedCache`.
 
-Invariants between steps:
-- ``sequences[s].pages`` holds the pages of tokens ``[0, sequences[s].length)`` in order, one
-  reference each (every layer keeps every token; sliding windows are applied by the mask);
+Layers that keep the same tokens form a `RaggedGroup` (as in `PagedCache`: the full-attention layers one,
+the layers of each sliding window another), with its own block manager, store and prefix index. A sliding
+window's group frees a sequence's leading pages as they leave the window (at the next step), so its pages in
+use stay bounded however long the sequences grow. ``groups[0]`` keeps the most tokens (full attention, else the
+widest window): the scheduler budgets its pages (``cache.manager``), and every other group holds at most the
+pages it holds for the same tokens, so within the same ``max_pages`` the others never run out first.
+
+Invariants between steps, in every group:
+- ``sequences[s].tables[g]`` holds the pages of the logical pages ``[0, ceil(length / S))`` in order, one
+  reference each, except leading entries that left the group's window (`EVICTED`);
 - a page referenced by two sequences is full, or is copied before either writes into it.
 """
 
@@ -28,11 +35,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import PagedKV, PagedView
 from .backends import check_backend, layer_backend
-from .block_manager import MAX_PAGE_SIZE, BlockManager
+from .block_manager import EVICTED, MAX_PAGE_SIZE, BlockManager
 from .errors import CacheUsageError, check_positive_int
 from .model_config import layer_windows
 from .page_store import PageStore
-from .page_tables import StepUndo, copy_on_write, kernel_index
+from .page_tables import StepUndo, attention_span, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
 from .prefix_store.tier import make_tier
 from .stats import ragged_cache_stats
@@ -40,9 +47,16 @@ from .thread_owner import ThreadOwner
 
 
 @dataclass
-class Sequence:
-    pages: list[int] = field(default_factory=list)
+class SequencePages:
+    """One sequence in the cache: its page table in each group (``tables[0]``: the widest group's) and length."""
+
+    tables: list[list[int]] = field(default_factory=list)
     length: int = 0  # tokens whose keys/values are written
+
+    @property
+    def pages(self) -> list[int]:
+        """The page table in ``groups[0]`` (the one the scheduler budgets)."""
+        return self.tables[0]
 
 
 @dataclass
@@ -53,14 +67,15 @@ class Segment:
     start: int
     length: int
     past: int  # the sequence's tokens before this step
-    pages: torch.Tensor  # long [n]: the sequence's pages after this step
+    pages: torch.Tensor  # long [n]: the sequence's page table in the group after this step
+    first_page: int = 0  # its first entry that holds a page (the ones before left the window)
 
 
 @dataclass
 class RaggedStep:
-    """What every layer needs for one packed step; planned once, on the CPU.
+    """What every layer of one group needs for one packed step; planned once, on the CPU.
 
-    ``segments[:num_single]`` have one token each (decode rows): attention reads them with one
+    ``segments[:num_single]`` have one token each (decoding sequences): attention reads them with one
     paged-kernel call; the others (prefill chunks) attend over their gathered pages.
     """
 
@@ -79,35 +94,112 @@ class RaggedStep:
 
     def _kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         singles = self.segments[:self.num_single]
-        width = max(len(s.pages) for s in singles)
+        width = max(len(s.pages) - s.first_page for s in singles)
         table = torch.full((len(singles), width), -1, dtype=torch.long)
         for r, s in enumerate(singles):
-            table[r, :len(s.pages)] = s.pages
-        page_pos = (torch.arange(width) * self.page_size).expand(len(singles), -1)
+            table[r, :len(s.pages) - s.first_page] = s.pages[s.first_page:]
+        first = torch.tensor([[s.first_page] for s in singles])
+        page_pos = (torch.arange(width) + first) * self.page_size
         return table, page_pos, torch.tensor([[s.past] for s in singles])
 
 
+class RaggedGroup:
+    """The layers of a `RaggedCache` that keep the same tokens (one sliding window, or none): their block manager,
+    page store and prefix index, and the step planned in them (``step``, ``undo`` until it is final)."""
+
+    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None):
+        self.sliding_window = sliding_window
+        self.span = attention_span(sliding_window, page_size)
+        self.manager = BlockManager(page_size, max_pages)
+        self.store = PageStore(page_size)
+        self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
+        self.step: RaggedStep | None = None
+        self.undo: StepUndo | None = None
+
+    def first_needed(self, num_tokens: int) -> int:
+        """First logical page that a step after ``num_tokens`` tokens reads."""
+        return self.span.first_needed_page(num_tokens, 0)
+
+    def holds_window(self, hashes: list[bytes], pages: int) -> bool:
+        """The pages this group needs after a prefix of ``pages`` full pages (``hashes``) are all cached here."""
+        first = self.first_needed(pages * self.span.page_size)  # (a prefix store may load the missing ones here)
+        return first >= pages or len(self.prefix.cached_run(hashes, pages, first)) == pages - first
+
+    def step_pages(self, tables: list[list[int]], lengths: list[int],
+                   counts: list[int]) -> list[tuple[int, int | None]]:
+        """Per sequence of a step (its table, length and new tokens, in packed order): the pages `plan` allocates
+        for it and the shared partial page it copies (None: no copy). Every writer of a shared partial page copies
+        it but the last one, which finds the page no longer shared and writes in place."""
+        S, refs, out = self.span.page_size, {}, []
+        for table, length, n in zip(tables, lengths, counts):
+            copied = None
+            if length % S:
+                last = table[-1]
+                holders = refs.get(last, self.manager.ref[last])
+                if holders > 1:
+                    copied, refs[last] = last, holders - 1
+            out.append((math.ceil((length + n) / S) - len(table) + (copied is not None), copied))
+        return out
+
+    def plan(self, ids: list[int], tables: list[list[int]], lengths: list[int], counts: list[int],
+             num_single: int, state: tuple = ()) -> RaggedStep:
+        """Edit ``tables`` for a step (pages that left the window out, shared partial pages copied, new pages in;
+        the pool was checked) and plan it; ``undo`` restores the tables (and ``state``) if it fails."""
+        S, manager = self.span.page_size, self.manager
+        self.undo = StepUndo(tables, state=state)
+        segments, slots, copies, start = [], [], [], 0
+        for seq_id, table, length, n in zip(ids, tables, lengths, counts):
+            first = self.first_needed(length)
+            self.undo.replaced += [p for p in table[:first] if p != EVICTED]  # released when the step is final
+            table[:first] = [EVICTED] * min(first, len(table))
+            copied = copy_on_write(manager, table, length, self.undo, release_now=True)
+            if copied is not None:
+                copies.append(copied)
+            while len(table) * S < length + n:
+                table.append(manager.allocate())
+            slots += [table[p // S] * S + p % S for p in range(length, length + n)]
+            segments.append(Segment(seq_id, start, n, length, torch.tensor(table, dtype=torch.long), first))
+            start += n
+        src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
+        self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S)
+        return self.step
+
+    def finish(self) -> None:
+        """The step is final (every layer wrote it): pages it replaced are released."""
+        if self.undo is not None:
+            self.undo.commit(self.manager)
+        self.step, self.undo = None, None
+
+    def abort(self) -> None:
+        """The step failed: the tables are as before it, pages it brought in are released."""
+        if self.undo is not None:
+            self.undo.rollback(self.manager, self.undo.tables)
+        self.step, self.undo = None, None
+
+
 class RaggedLayer(CacheLayerMixin):
-    """One decoder layer of a `RaggedCache`: writes the slots its cache planned into its pages (in the cache's
+    """One decoder layer of a `RaggedCache`: writes the slots its group planned into its pages (in the group's
     store) and returns `PagedKV` handles of the packed step."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: "RaggedCache", layer_idx: int, sliding_window: int | None):
-        self.cache, self.layer_idx, self.backend = cache, layer_idx, cache.backend  # (CacheLayerMixin.__init__ unused)
-        self.sliding_window, self.is_sliding = sliding_window, sliding_window is not None
+    def __init__(self, cache: "RaggedCache", group: RaggedGroup, layer_idx: int):
+        self.cache, self.group, self.layer_idx = cache, group, layer_idx  # (CacheLayerMixin.__init__ unused)
+        self.backend = cache.backend
+        self.sliding_window = group.sliding_window
+        self.is_sliding = group.sliding_window is not None
         self.pages = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.pages = self.cache.store.create(self.layer_idx, key_states, value_states)
+        self.pages = self.group.store.create(self.layer_idx, key_states, value_states)
         self.dtype, self.device = self.pages.dtype, self.pages.device
         self.resolved_backend = layer_backend(self.backend, self.device, self.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        step = self.cache.step
+        step = self.group.step
         if step is None or key_states.shape[0] != 1 or key_states.shape[2] != step.slots.numel():
             raise CacheUsageError(
                 f"layer {self.layer_idx}: a RaggedCache takes the packed tokens of the step it planned "
@@ -116,7 +208,7 @@ class RaggedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        self.cache.store.write(self.pages, self.cache.manager.num_pages, move(step.slots),
+        self.group.store.write(self.pages, self.group.manager.num_pages, move(step.slots),
                                key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), move(step.copy_src),
                                move(step.copy_dst))
         view = PagedView(self.pages, step, self.resolved_backend)
@@ -141,7 +233,7 @@ class RaggedCache(Cache):
     Args:
         config: the model config (one layer per decoder layer; sliding windows from it).
         page_size: tokens per page.
-        max_pages: pages in the pool (None: it grows); admission control keeps within it.
+        max_pages: pages in each group's pool (None: they grow); admission control keeps within it.
         backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
         prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
             through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
@@ -160,22 +252,29 @@ class RaggedCache(Cache):
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
                                   "model.generate with a PagedCache for this model.")
         self.page_size, self.backend = page_size, backend
-        self.manager = BlockManager(page_size, max_pages)
-        self.store = PageStore(page_size)
-        self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
-        super().__init__(layers=[RaggedLayer(self, i, w) for i, w in enumerate(layer_windows(config))])
+        windows = layer_windows(config)
+        widest_first = sorted(set(windows), key=lambda w: -math.inf if w is None else -w)
+        self.groups = [RaggedGroup(w, page_size, max_pages) for w in widest_first]
+        by_window = dict(zip(widest_first, self.groups))
+        super().__init__(layers=[RaggedLayer(self, by_window[w], i) for i, w in enumerate(windows)])
         self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
         if self.store_tier is not None:
-            self.store_tier.attach(self.prefix, [layer.layer_idx for layer in self.layers],
-                                   [layer.sliding_window for layer in self.layers])
-        self.sequences: dict[int, Sequence] = {}
-        self.step: RaggedStep | None = None
-        self._undo: StepUndo | None = None  # the sequences' tables and lengths before `step`
+            for group in self.groups:
+                layers = [layer for layer in self.layers if layer.group is group]
+                self.store_tier.attach(group.prefix, [layer.layer_idx for layer in layers],
+                                       [layer.sliding_window for layer in layers])
+        self.sequences: dict[int, SequencePages] = {}
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
         self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``
         self._owner = ThreadOwner("RaggedCache", (
             "Give each thread its own RaggedCache (generate_many makes one when cache= is not given), or let the "
             "first thread's generate_many finish (or call cache.reset() in that thread) before handing it over."))
+
+    # the widest group's: what the scheduler budgets, hashes and looks up
+    manager = property(lambda self: self.groups[0].manager)
+    store = property(lambda self: self.groups[0].store)
+    prefix = property(lambda self: self.groups[0].prefix)
+    step = property(lambda self: self.groups[0].step)
 
     # ----------------------------------------------------------------- users
     def claim(self, user) -> None:
@@ -188,10 +287,10 @@ class RaggedCache(Cache):
         self._owner.claim()
         if self.user is not None and self.user is not user and self.user.live:
             raise CacheUsageError(
-                "this RaggedCache still holds the rows of an unfinished generate_many run: a loop that left a "
-                "stream_many generator early (break) keeps its rows until that generator is closed or garbage "
+                "this RaggedCache still holds the sequences of an unfinished generate_many run: a loop that left a "
+                "stream_many generator early (break) keeps its sequences until that generator is closed or garbage "
                 "collected. Call .close() on the generator (or cache.reset()) first, or pass another cache.")
-        if self.sequences or self._undo or self.step is not None:
+        if self.sequences or any(g.undo is not None or g.step is not None for g in self.groups):
             self._clear()
             self._owner.claim()
         self.user = user
@@ -215,19 +314,40 @@ class RaggedCache(Cache):
         self._clear()
 
     def _clear(self) -> None:
-        self.step, self._undo, self.user = None, None, None
+        self.user = None
         self.sequences.clear()
-        self.manager.release_all()
+        for group in self.groups:
+            group.step, group.undo = None, None
+            group.manager.release_all()
         self._owner.release()
 
     # ------------------------------------------------------------ sequences
+    def cached_prefix(self, hashes: list[bytes], limit: int) -> list[int]:
+        """The cached pages (in ``groups[0]``) of the longest run of leading full pages ``hashes`` (at most
+        ``limit``) that every group holds what it needs of (a sliding window's group: the pages in its window)."""
+        run = self.prefix.cached_run(hashes, limit)
+        count = len(run)
+        while count and not all(group.holds_window(hashes, count) for group in self.groups[1:]):
+            count -= 1
+        return run[:count]
+
     def add_sequence(self, seq_id: int, shared_pages: list[int] = (), length: int = 0) -> None:
-        """A new sequence starting with ``shared_pages`` (cached or live pages holding ``length`` tokens)."""
+        """A new sequence starting with ``shared_pages`` (cached or live pages of ``groups[0]`` holding ``length``
+        tokens, found by `cached_prefix` when there are other groups: they share the same contents by hash)."""
         self._owner.claim()
         if seq_id in self.sequences:
             raise CacheUsageError(f"sequence {seq_id} is already in the cache")
-        self.manager.share_row(list(shared_pages))
-        self.sequences[seq_id] = Sequence(list(shared_pages), length)
+        hashes = [self.manager.page_hash.get(p) for p in shared_pages]
+        tables = [list(shared_pages)]
+        for group in self.groups[1:]:
+            first = group.first_needed(length)
+            tables.append([EVICTED] * first + [group.manager.lookup(h) for h in hashes[first:]])
+            if None in tables[-1]:
+                raise CacheUsageError("add_sequence: the shared pages must be cached in every layer group (find "
+                                      "them with cached_prefix).")
+        for group, table in zip(self.groups, tables):
+            group.manager.share_row(table)
+        self.sequences[seq_id] = SequencePages(tables, length)
         self.prefix_hits += len(shared_pages)
 
     def fork_sequence(self, source: int, seq_id: int) -> None:
@@ -236,8 +356,9 @@ class RaggedCache(Cache):
         if seq_id in self.sequences:
             raise CacheUsageError(f"sequence {seq_id} is already in the cache")
         src = self.sequences[source]
-        self.manager.share_row(src.pages)
-        self.sequences[seq_id] = Sequence(list(src.pages), src.length)
+        for group, table in zip(self.groups, src.tables):
+            group.manager.share_row(table)
+        self.sequences[seq_id] = SequencePages([list(table) for table in src.tables], src.length)
 
     def release_sequence(self, seq_id: int) -> None:
         """Drop a sequence; its pages are released (hashed ones stay cached for prefix reuse). A sequence that is
@@ -245,28 +366,31 @@ class RaggedCache(Cache):
         self._owner.claim()
         seq = self.sequences.pop(seq_id, None)  # first: an interrupted release leaks references (`reset` recounts
         if seq is not None:                      # them), it never releases a page twice
-            self.manager.release_row(seq.pages)
+            for group, table in zip(self.groups, seq.tables):
+                group.manager.release_row(table)
+
+    def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int, generated: bool = False) -> None:
+        """The sequence's full logical pages ``[start, end)`` get their content hashes ``hashes[i]`` in every group
+        (pages that left a window are skipped); ``generated``: decode steps filled them (for a prefix store)."""
+        for group, table in zip(self.groups, self.sequences[seq_id].tables):
+            group.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
-        """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it and the shared
-        partial page it copies (None: no copy). Every writer of a shared partial page copies it but the last one,
-        which finds the page no longer shared and writes in place."""
-        S, refs, out = self.page_size, {}, []
-        for seq_id, n in new_tokens:
-            seq, copied = self.sequences[seq_id], None
-            if seq.length % S:
-                last = seq.pages[-1]
-                holders = refs.get(last, self.manager.ref[last])
-                if holders > 1:
-                    copied, refs[last] = last, holders - 1
-            out.append((math.ceil((seq.length + n) / S) - len(seq.pages) + (copied is not None), copied))
-        return out
+        """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it in ``groups[0]``
+        and the shared partial page it copies there (None: no copy); see `RaggedGroup.step_pages`."""
+        return self._step_pages(0, new_tokens)
+
+    def _step_pages(self, g: int, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
+        seqs = [self.sequences[seq_id] for seq_id, _ in new_tokens]
+        return self.groups[g].step_pages([s.tables[g] for s in seqs], [s.length for s in seqs],
+                                         [n for _, n in new_tokens])
 
     # ----------------------------------------------------------------- steps
     def begin_step(self, new_tokens: list[tuple[int, int]]) -> RaggedStep:
-        """Plan a step that appends ``n`` tokens to each ``(seq_id, n)``, in that packed order.
+        """Plan a step that appends ``n`` tokens to each ``(seq_id, n)``, in that packed order, in every group;
+        returns the plan of ``groups[0]``.
 
-        Segments of one token must come first. Raises `PagePoolExhausted` when the pool cannot hold them, and
+        Segments of one token must come first. Raises `PagePoolExhausted` when a pool cannot hold them, and
         `CacheUsageError` for a plan it cannot take, changing nothing.
         """
         self._owner.claim()
@@ -277,40 +401,29 @@ class RaggedCache(Cache):
             raise CacheUsageError(f"begin_step({new_tokens}): each (sequence in the cache, tokens >= 1) once, the "
                                   "one-token segments first.")
         self.finish_step()
-        S, manager = self.page_size, self.manager
-        manager.require(sum(pages for pages, _ in self.step_pages(new_tokens)))
-        segments, slots, copies, start = [], [], [], 0
-        touched = [self.sequences[seq_id] for seq_id, _ in new_tokens]
-        self._undo = StepUndo([seq.pages for seq in touched], state=tuple((seq, seq.length) for seq in touched))
-        for seq, (seq_id, n) in zip(touched, new_tokens):
-            copied = copy_on_write(manager, seq.pages, seq.length, self._undo, release_now=True)
-            if copied is not None:
-                copies.append(copied)
-            while len(seq.pages) * S < seq.length + n:
-                seq.pages.append(manager.allocate())
-            positions = torch.arange(seq.length, seq.length + n)
-            pages = torch.tensor(seq.pages, dtype=torch.long)
-            slots.append(pages[positions // S] * S + positions % S)
-            segments.append(Segment(seq_id, start, n, seq.length, pages))
+        for g, group in enumerate(self.groups):
+            group.manager.require(sum(pages for pages, _ in self._step_pages(g, new_tokens)))
+        touched = [self.sequences[seq_id] for seq_id in ids]
+        lengths, counts = [seq.length for seq in touched], [n for _, n in new_tokens]
+        for g, group in enumerate(self.groups):
+            group.plan(ids, [seq.tables[g] for seq in touched], lengths, counts, num_single,
+                       state=tuple(zip(touched, lengths)) if g == 0 else ())
+        for seq, n in zip(touched, counts):
             seq.length += n
-            start += n
-        src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
-        self.step = RaggedStep(segments, num_single, torch.cat(slots), src, dst, S)
         return self.step
 
     def finish_step(self) -> None:
         """Make the planned step final (every layer wrote it): pages it replaced are released."""
-        if self._undo is not None:
-            self._undo.commit(self.manager)
-        self.step, self._undo = None, None
+        for group in self.groups:
+            group.finish()
 
     def abort_step(self) -> None:
         """Undo the planned step: sequences get their pages and lengths back, new pages are released."""
-        if self._undo is not None:
-            self._undo.rollback(self.manager, self._undo.tables)
-            for seq, length in self._undo.state:
-                seq.length = length
-        self.step, self._undo = None, None
+        undo = self.groups[0].undo
+        for seq, length in () if undo is None else undo.state:
+            seq.length = length
+        for group in self.groups:
+            group.abort()
 
     def stats(self) -> dict:
         """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`), and with
@@ -319,7 +432,7 @@ class RaggedCache(Cache):
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
-        return self.store.page_bytes()
+        return sum(group.store.page_bytes() for group in self.groups)
 
     @property
     def prefix_store(self):

@@ -15,16 +15,19 @@ from dataclasses import dataclass, field
 
 
 def ragged_cache_stats(cache) -> dict:
-    """`PagedCache.stats`'s fields for a `RaggedCache` (one layer group; it never evicts a live page, so
-    ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters."""
-    manager = cache.manager
+    """`PagedCache.stats`'s fields for a `RaggedCache`, summed over its layer groups (it never evicts a live page,
+    so ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters."""
+    managers = [group.manager for group in cache.groups]
     tokens = sum(seq.length for seq in cache.sequences.values())
-    out = dict(page_size=cache.page_size, pages_total=manager.num_pages, pages_used=manager.num_used,
-               pages_free=len(manager.free), pages_cached=len(manager.cached), tokens_stored=tokens,
-               kv_bytes=(manager.num_used + len(manager.cached)) * cache.page_bytes(),
-               pool_bytes=cache.store.pool_bytes(), evictions=0, prefix_hits=cache.prefix_hits, tokens_held=tokens)
-    for key, value in cache.prefix.stats().items():
-        out[key] = out.get(key, 0) + value
+    out = dict(page_size=cache.page_size, pages_total=sum(m.num_pages for m in managers),
+               pages_used=sum(m.num_used for m in managers), pages_free=sum(len(m.free) for m in managers),
+               pages_cached=sum(len(m.cached) for m in managers), tokens_stored=tokens,
+               kv_bytes=sum((g.manager.num_used + len(g.manager.cached)) * g.store.page_bytes() for g in cache.groups),
+               pool_bytes=sum(g.store.pool_bytes() for g in cache.groups), evictions=0, prefix_hits=cache.prefix_hits,
+               tokens_held=tokens)
+    for group in cache.groups:
+        for key, value in group.prefix.stats().items():
+            out[key] = out.get(key, 0) + value
     return out
 
 

@@ -268,7 +268,8 @@ def test_eviction_lives_in_one_module():
 def test_names_say_one_thing():
     """`window` is a sliding window (eviction observes the last queries: `observation_window`), `sink` an attention
     sink (attention reports usage to a probe), `usage` what attention reports in a step (the policy's memory is a
-    history); modules are named by their concept."""
+    history), a `row` a row of one batch (continuous batching schedules sequences); modules are named by their
+    concept."""
     modules = {path.relative_to(PACKAGE).with_suffix("").as_posix() for path in PACKAGE.rglob("*.py")}
     assert not modules & {"page_group", "page_groups", "page_rows", "window", "paged_kv", "cache_layer",
                           "prefix_cache", "prefix_hook"}
@@ -279,6 +280,10 @@ def test_names_say_one_thing():
                 defined.setdefault(node.name, set()).add(path.stem)
     assert defined["TokenLog"] == {"prefix_reuse"} and defined["PrefixReuse"] == {"prefix_reuse"}
     assert "sink" not in defined and "PageUsage" not in defined and "PrefixCaching" not in defined
+    assert "Row" not in defined and defined["Sequence"] == {"scheduler"}
+    for module in ("scheduler", "continuous_batching"):
+        names = {n.id for n in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())) if isinstance(n, ast.Name)}
+        assert not names & {"row", "rows"}, module
     for path in PACKAGE.rglob("*.py"):
         attributes = {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
         assert not attributes & {"observed_window", "usage_callback", "sink"}, path.name

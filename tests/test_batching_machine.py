@@ -25,10 +25,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import hf_paged
 from batching_checks import checked_scheduling
+from hf_paged.block_manager import EVICTED
 from hf_paged.ragged_cache import RaggedCache
 from test_ragged_faults import Interrupt
 
 VOCAB, BASE, MODULUS = 12, 31, 1_000_003  # keys stay exact in float32 (below 2**24)
+LAYOUTS = (("full_attention",) * 2, ("sliding_attention", "full_attention"), ("sliding_attention",) * 2)
 FRAGMENTS = ([1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 0, 1, 2], [3], [4, 4, 4, 4])  # prompts share prefixes
 
 
@@ -45,11 +47,12 @@ class ChainModel(torch.nn.Module):
     """Layer l's key (and minus its value) of token i is h_i = chain(h_{i-1}, token_i), h_{-1} = ``salt``; h_{i-1}
     is read from the cache. ``fail_after_layer`` makes the next forward raise once that layer wrote."""
 
-    def __init__(self, salt: int, layers: int = 2):
+    def __init__(self, salt: int, layer_types: tuple[str, ...] = ("full_attention",) * 2, window: int = 4):
         super().__init__()
         self.config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=4, intermediate_size=4,
-                                               num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1,
-                                               head_dim=2, max_position_embeddings=512)
+                                               num_hidden_layers=len(layer_types), num_attention_heads=1,
+                                               num_key_value_heads=1, head_dim=2, max_position_embeddings=512)
+        self.config.layer_types, self.config.sliding_window = list(layer_types), window  # (what the cache reads)
         self.config._attn_implementation = hf_paged.ATTN_IMPLEMENTATION
         self.generation_config = transformers.GenerationConfig()
         self.salt = torch.nn.Parameter(torch.tensor([float(salt)]), requires_grad=False)  # (the fingerprint's)
@@ -61,14 +64,15 @@ class ChainModel(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, logits_to_keep, use_cache, **kwargs):
         cache = kwargs[hf_paged.CACHE_KWARG]
-        step, S = cache.step, cache.page_size
+        step, S = cache.step, cache.page_size  # (the widest group's: it holds every token's previous one)
+        widest = next(layer for layer in cache.layers if layer.group is cache.groups[0])
         copied_from = {} if step.copy_src is None else dict(zip(step.copy_dst.tolist(), step.copy_src.tolist()))
         tokens, hashes = input_ids[0].tolist(), []
         for segment in step.segments:
             h = int(self.salt)
             if segment.past:
                 page = int(segment.pages[(segment.past - 1) // S])
-                h = int(cache.layers[0].pages.keys[copied_from.get(page, page), (segment.past - 1) % S, 0, 0])
+                h = int(widest.pages.keys[copied_from.get(page, page), (segment.past - 1) % S, 0, 0])
             for token in tokens[segment.start:segment.start + segment.length]:
                 h = chain(h, token)
                 hashes.append(h)
@@ -119,9 +123,10 @@ class BatchingMachine(RuleBasedStateMachine):
         super().__init__()
         self.run = None
 
-    @initialize(page_size=st.integers(1, 4), max_pages=st.one_of(st.none(), st.integers(4, 24)))
-    def start(self, page_size, max_pages):
-        self.models = [ChainModel(salt) for salt in (7, 11)]
+    @initialize(page_size=st.integers(1, 4), max_pages=st.one_of(st.none(), st.integers(4, 24)),
+                layer_types=st.sampled_from(LAYOUTS), window=st.integers(2, 6))  # (the model reads one token back)
+    def start(self, page_size, max_pages, layer_types, window):
+        self.models = [ChainModel(salt, layer_types, window) for salt in (7, 11)]
         self.cache = RaggedCache(self.models[0].config, page_size=page_size, max_pages=max_pages)
 
     # ------------------------------------------------------------------------ runs
@@ -238,18 +243,20 @@ class BatchingMachine(RuleBasedStateMachine):
     def pages_are_accounted_for(self):
         if not hasattr(self, "cache"):
             return
-        manager = self.cache.manager
-        manager.check_invariants()
-        if self.run is None and self.cache.user is None:
-            assert self.cache.sequences == {} and manager.num_used == 0
-        elif self.run is None:  # an interrupt in the run's clean-up: what it left goes at the next claim or reset
-            assert not self.cache.user.live
-        if manager.max_pages is not None:
-            assert manager.num_used <= manager.max_pages
+        for group in self.cache.groups:  # (every group: the scheduler budgets the widest, the others follow it)
+            manager = group.manager
+            manager.check_invariants()
+            if self.run is None and self.cache.user is None:
+                assert self.cache.sequences == {} and manager.num_used == 0
+            if manager.max_pages is not None:
+                assert manager.num_used <= manager.max_pages
+        if self.run is None and self.cache.user is not None:  # an interrupt in the run's clean-up: what it left
+            assert not self.cache.user.live                    # goes at the next claim or reset
 
     @invariant()
     def running_rows_hold_their_chains(self):
-        """Every running row's pages hold h_0 .. h_{computed - 1} of its tokens, in every layer."""
+        """Every running row's pages hold h_0 .. h_{computed - 1} of its tokens, in every layer; a sliding window's
+        group holds at least the pages its window still reads."""
         run = getattr(self, "run", None)
         if run is None or run["scheduler"] is None or not self.cache.layers[0].is_initialized:
             return
@@ -261,8 +268,11 @@ class BatchingMachine(RuleBasedStateMachine):
                 h = chain(h, token)
                 want.append(h)
             for layer in self.cache.layers:
-                got = [int(layer.pages.keys[seq.pages[i // S], i % S, 0, 0]) for i in range(row.computed)]
-                assert got == want, (row.out_index, got, want)
+                table = seq.tables[self.cache.groups.index(layer.group)]
+                first = next((i for i, page in enumerate(table) if page != EVICTED), len(table))
+                assert EVICTED not in table[first:] and first <= layer.group.first_needed(row.computed)
+                got = [int(layer.pages.keys[table[i // S], i % S, 0, 0]) for i in range(first * S, row.computed)]
+                assert got == want[first * S:], (row.out_index, got, want)
 
     def teardown(self):
         if getattr(self, "run", None) is not None:
@@ -272,9 +282,11 @@ class BatchingMachine(RuleBasedStateMachine):
 def checked_abort(cache: RaggedCache) -> None:
     """After `abort_step`: each page is referenced once by every sequence that holds it (the run's clean-up, which
     recounts every page, would hide a reference an abort failed to give back)."""
-    held = Counter(p for seq in cache.sequences.values() for p in seq.pages)
-    ref = cache.manager.ref
-    assert {p: ref[p] for p in range(cache.manager.num_pages) if ref[p]} == dict(held), "abort_step lost a reference"
+    for g, group in enumerate(cache.groups):
+        held = Counter(p for seq in cache.sequences.values() for p in seq.tables[g] if p != EVICTED)
+        ref = group.manager.ref
+        live = {p: ref[p] for p in range(group.manager.num_pages) if ref[p]}
+        assert live == dict(held), "abort_step lost a reference"
 
 
 def test_continuous_batching_state_machine(monkeypatch):

@@ -158,6 +158,18 @@ def test_generate_many_loads_shared_prefixes_in_a_fresh_cache(model, tmp_path):
     assert stats["prefix_hits"] == 14 and stats["store_pages_written"] == 0
 
 
+def test_generate_many_loads_every_layer_group_of_a_sliding_window_model(tmp_path):
+    """A hybrid model's RaggedCache has a group per window: a fresh cache loads the full-attention group's pages and
+    the pages still in the sliding group's window, so the whole stored prompt is reused."""
+    model = make_pair("gemma3")[1]
+    want = many(model, [PROMPT])
+    assert many(model, [PROMPT], prefix_store=str(tmp_path)) == want
+    cache = RaggedCache(model.config, page_size=PAGE, prefix_store=str(tmp_path))
+    assert many(model, [PROMPT], cache=cache) == want
+    stats = cache.stats()
+    assert stats["prefix_hits"] == 5 and stats["store_hits"] == 6  # 5 full-attention pages, the window's last one
+
+
 def test_spill_writes_evicted_generated_pages_that_write_through_leaves_out(model, tmp_path):
     """Generated pages complete no entry (64 of these small pages an entry): a bounded pool that evicts them writes
     them first, so the whole conversation so far loads later; without spill only the prompt's pages do."""

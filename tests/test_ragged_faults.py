@@ -24,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BOOKKEEPING = {
     BlockManager: ("allocate", "release", "share", "release_row", "share_row", "set_hash", "lookup", "forget",
                    "require", "available", "grow_to", "release_all", "_drop_hash"),
-    RaggedCache: ("claim", "unclaim", "holds", "add_sequence", "fork_sequence", "release_sequence", "step_pages",
-                  "begin_step", "finish_step", "abort_step", "_clear"),
+    RaggedCache: ("claim", "unclaim", "holds", "cached_prefix", "add_sequence", "fork_sequence", "release_sequence",
+                  "hash_pages", "step_pages", "begin_step", "finish_step", "abort_step", "_clear"),
     Scheduler: ("schedule", "_admit", "_cached_pages", "_waits_for_prefix", "pages_for", "fork_pages", "plan",
                 "after_step", "_hash_full_pages", "fork_followers", "retire"),
     GenerationOptions: ("next_token", "finish_reason"),
@@ -122,7 +122,7 @@ def test_an_interrupt_in_the_clean_up_is_mended_by_the_next_run(workload):
     real = RaggedCache._clear
 
     def interrupted_clear(self):
-        self.step = None  # a clean-up interrupted after its first statement
+        self.user = None  # a clean-up interrupted after its first statement
         raise KeyboardInterrupt
 
     RaggedCache._clear = interrupted_clear
