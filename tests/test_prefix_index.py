@@ -27,8 +27,11 @@ class Recorder(PrefixListener):
     def page_evicted(self, index, page, content_hash):
         self.events.append(("evicted", page, content_hash))
 
-    def lookup_missed(self, index, hashes):
-        self.events.append(("missed", len(hashes)))
+    def run_hashed(self, index, pages, hashes, start, generated):
+        self.events.append(("run", list(pages), start))
+
+    def lookup_missed(self, index, hashes, start):
+        self.events.append(("missed", len(hashes) - start))
 
 
 def test_events_follow_a_page_from_its_hash_to_its_eviction():
@@ -38,7 +41,7 @@ def test_events_follow_a_page_from_its_hash_to_its_eviction():
     a, b = manager.allocate(), manager.allocate()
     index.register_pages([a, b], [b"ha", b"hb"], 0, 0, 2)
     manager.release_row([a, b])  # both stay cached (hashed), b evicted first (tail first)
-    assert heard.events == [("hashed", a, b"ha"), ("hashed", b, b"hb")]
+    assert heard.events == [("hashed", a, b"ha"), ("hashed", b, b"hb"), ("run", [a, b], 0)]
     assert index.cached_run([b"ha", b"hb", b"hc"]) == [a, b] and heard.events[-1] == ("missed", 1)
     assert manager.allocate() == b and heard.events[-1] == ("evicted", b, b"hb")  # taken for reuse
     assert index.cached_run([b"ha", b"hb"]) == [a] and heard.events[-1] == ("missed", 1)
@@ -56,17 +59,15 @@ def test_a_listener_supplies_the_pages_a_lookup_misses():
     class Tier(PrefixListener):
         calls = 0
 
-        def lookup_missed(self, index, hashes):
+        def lookup_missed(self, index, hashes, start):
             Tier.calls += 1
-            for h in hashes:
-                if h not in tier:
-                    return
+            run = [h for h in hashes[start:] if h in tier]
 
-                def write(page, kv=tier[h]):
-                    index.store.layers[0].grow_to(manager.num_pages)
-                    slots = torch.arange(page * 2, page * 2 + 2)
-                    index.store.layers[0].write(slots, kv, -kv)
-                index.load(h, write)
+            def write(rows, pages):
+                index.store.layers[0].grow_to(manager.num_pages)
+                for row, page in zip(rows, pages):
+                    index.store.layers[0].write(torch.arange(page * 2, page * 2 + 2), tier[run[row]], -tier[run[row]])
+            assert index.load_run(run, write) == 2
 
     index.add_listener(Tier())
     run = index.cached_run([b"h0", b"h1", b"h2"])
