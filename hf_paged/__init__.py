@@ -17,6 +17,7 @@ from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_line
 from .errors import CacheUsageError, PagePoolExhausted
 from .generation_options import ManyOutput
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
+from .prefix_store import open_store
 from .ragged_cache import RaggedCache
 from .stats import GenerationStats
 
@@ -33,6 +34,7 @@ __all__ = [
     "PagedCache",
     "RaggedCache",
     "generate_many",
+    "open_store",
     "stream_many",
     "pack_linear_weights",
     "packed_linear_weights",

@@ -24,7 +24,7 @@ from .layer_groups import LayerGroup, LayerGroups
 from .kv_formats import check_kv_format
 from .model_config import ATTN_IMPLEMENTATION, head_dim, layer_windows
 from .page_store import FloatPages
-from .prefix_reuse import PrefixHook, PrefixReuse, TokenLog
+from .prefix_reuse import PrefixHook, PrefixReuse
 from .thread_owner import ThreadOwner
 
 
@@ -264,6 +264,8 @@ class PagedCache(PrefixReuse, Cache):
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
+        prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
+            `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
 
     ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
     """
@@ -272,7 +274,8 @@ class PagedCache(PrefixReuse, Cache):
                  model=None, eviction: str | EvictionPolicy | None = None, sink_pages: int | None = None,
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
-                 per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float"):
+                 per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
+                 prefix_store=None, store_spill: bool = True):
         check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold, kv_format)
@@ -288,12 +291,8 @@ class PagedCache(PrefixReuse, Cache):
         self.groups = LayerGroups()
         self._owner = ThreadOwner()
         self.config = None
-        self.token_log: TokenLog | None = None
-        self.prefix_hook: PrefixHook | None = None
-        if model is not None:
-            config = config or model.config
-            self.token_log = TokenLog(page_size)
-            self.prefix_hook = PrefixHook(self, model)
+        self.bind_model(model, prefix_store, store_spill)  # prefix caching: token log, forward hook, prefix store
+        config = config or (model.config if model is not None else None)
         if config is not None:
             self.bind_config(config)
 
@@ -394,7 +393,7 @@ class PagedCache(PrefixReuse, Cache):
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
             twin.prefix_hook = PrefixHook(twin, self.prefix_hook.model())
-        twin.per_layer_eviction = self.per_layer_eviction
+        twin.per_layer_eviction, twin.store_tier = self.per_layer_eviction, self.store_tier  # (indexes are shared)
         twin.groups = self.groups.fork()
         key_of = {id(g): k for k, g in self.groups.items()}
         twin.layers = [layer.fork(twin.groups[key_of[id(layer.group)]]) for layer in self.layers]
@@ -465,4 +464,4 @@ class PagedCache(PrefixReuse, Cache):
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
         ``kv_bytes`` counts used + cached pages of every layer."""
         self.commit()
-        return dict(page_size=self.page_size, **self.groups.stats())
+        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats())

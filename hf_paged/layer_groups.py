@@ -342,8 +342,8 @@ class LayerGroups(dict):
             return
         exact = min((g.eviction.exact_tokens for g in self.values() if g.eviction is not None), default=math.inf)
         for group in self.values():
-            group.register_hashes(row_hashes if exact == math.inf else
-                                  [h[:exact // group.page_size] for h in row_hashes])
+            hashes = row_hashes if exact == math.inf else [h[:exact // group.page_size] for h in row_hashes]
+            group.register_hashes(hashes, generated=group.step is not None and group.step.q_len == 1)
 
     def rollback(self) -> None:
         for group in self.values():

@@ -42,6 +42,7 @@ from .model_config import head_dim, layer_windows
 from .page_store import PageStore
 from .page_tables import StepUndo, attention_span, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
+from .prefix_store.tier import make_tier
 from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
@@ -122,8 +123,8 @@ class RaggedGroup:
 
     def holds_window(self, hashes: list[bytes], pages: int) -> bool:
         """The pages this group needs after a prefix of ``pages`` full pages (``hashes``) are all cached here."""
-        return all(self.manager.lookup(h) is not None for h in hashes[self.first_needed(pages * self.span.page_size)
-                                                                         :pages])
+        first = self.first_needed(pages * self.span.page_size)  # (a prefix store may load the missing ones here)
+        return first >= pages or len(self.prefix.cached_run(hashes, pages, first)) == pages - first
 
     def step_pages(self, tables: list[list[int]], lengths: list[int],
                    counts: list[int]) -> list[tuple[int, int | None]]:
@@ -236,10 +237,12 @@ class RaggedCache(Cache):
         max_pages: pages in each group's pool (None: they grow); admission control keeps within it.
         backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
         kv_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4", "fp8_e4m3").
+        prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
+            through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None,
-                 kv_format: str = "float"):
+                 kv_format: str = "float", prefix_store=None, store_spill: bool = True):
         if not isinstance(config, PretrainedConfig):
             raise CacheUsageError(f"config must be a transformers model config (model.config), got "
                                   f"{type(config).__name__}.")
@@ -257,6 +260,12 @@ class RaggedCache(Cache):
         self.groups = [RaggedGroup(w, page_size, max_pages, kv_format) for w in widest_first]
         by_window = dict(zip(widest_first, self.groups))
         super().__init__(layers=[RaggedLayer(self, by_window[w], i) for i, w in enumerate(windows)])
+        self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
+        if self.store_tier is not None:
+            for group in self.groups:
+                layers = [layer for layer in self.layers if layer.group is group]
+                self.store_tier.attach(group.prefix, [layer.layer_idx for layer in layers],
+                                       [layer.sliding_window for layer in layers])
         self.sequences: dict[int, SequencePages] = {}
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
         self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``
@@ -363,11 +372,11 @@ class RaggedCache(Cache):
             for group, table in zip(self.groups, seq.tables):
                 group.manager.release_row(table)
 
-    def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int) -> None:
+    def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int, generated: bool = False) -> None:
         """The sequence's full logical pages ``[start, end)`` get their content hashes ``hashes[i]`` in every group
-        (pages that left a window are skipped)."""
+        (pages that left a window are skipped); ``generated``: decode steps filled them (for a prefix store)."""
         for group, table in zip(self.groups, self.sequences[seq_id].tables):
-            group.prefix.register_pages(table, hashes, 0, start, end)
+            group.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
         """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it in ``groups[0]``
@@ -420,12 +429,18 @@ class RaggedCache(Cache):
             group.abort()
 
     def stats(self) -> dict:
-        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`)."""
-        return ragged_cache_stats(self)
+        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`), and with
+        a prefix store its counters (``store_*``)."""
+        return {**ragged_cache_stats(self), **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
         return sum(group.store.page_bytes() for group in self.groups)
+
+    @property
+    def prefix_store(self):
+        """The prefix store this cache reads and writes (None without one): ``flush()`` waits for its writes."""
+        return None if self.store_tier is None else self.store_tier.store
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--vllm", default=None, help="'auto' (.venv-vllm if present; the default, 'off' with --quick), "
                    "'off', or a python with vllm")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix-store", default=None, help="generate_many's prefix store (a folder, file:///dir or "
+                   "redis://host:port/db); from the second repeat on it holds every prompt")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: 4 short prompts, 1 repeat")
     p.add_argument("--out", default="runs/many_prompts")

@@ -344,17 +344,17 @@ def test_bad_formats_are_refused_naming_the_argument_and_the_alternatives(make):
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_a_run_of_quantized_pages_leaves_the_store_and_comes_back_byte_for_byte(kv_format):
     """What a prefix store outside the pool moves: each page's codes and scales as stored (decoding and encoding
-    again would not give int4's bytes back), named by the store's layout."""
+    again would not give int4's bytes back), named by the store's page specs."""
     stores = [PageStore(page_size=2, kv_format=kv_format) for _ in range(2)]
     for store in stores:
         pages = store.create(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
     stores[0].layers[0].grow_to(3)
     stores[0].layers[0].write(torch.arange(6), torch.randn(6, 2, 16), torch.randn(6, 2, 16))
-    assert sorted(stores[0].layout()[0]["tensors"]) == ["k_pool", "k_scale", "v_pool", "v_scale"]
-    out = stores[0].gather_pages(torch.tensor([2, 0]))
-    stores[1].scatter_pages(torch.tensor([1, 0]), out)
-    for name, tensor in out[0].items():
-        assert torch.equal(stores[1].gather_pages(torch.tensor([1, 0]))[0][name], tensor)
+    assert sorted(stores[0].page_specs([0])) == ["k_pool", "k_scale", "v_pool", "v_scale"]
+    out = stores[0].read_pages(torch.tensor([2, 0]), [0])
+    stores[1].write_pages(torch.tensor([1, 0]), [0], out, num_pages=3)
+    for name, tensor in out.items():
+        assert torch.equal(stores[1].read_pages(torch.tensor([1, 0]), [0])[name], tensor)
     keys, values = pages.gather(torch.tensor([1, 0]))
     want_keys, want_values = stores[0].layers[0].gather(torch.tensor([2, 0]))
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)

@@ -101,13 +101,17 @@ def run_transformers_cb(model, prompts, wanted, args):
 
 def run_generate_many(model, prompts, wanted, args):
     """`stream_many` on a fresh cache; a packed model (`hf_paged.pack_linear_weights`) runs packed."""
-    cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format)
+    cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format,
+                                 prefix_store=getattr(args, "prefix_store", None))
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
     for index, token in hf_paged.stream_many(model, prompts, max_new_tokens=wanted, eos_token_id=[], cache=cache,
                                              max_batch_tokens=args.max_batch_tokens, progress=False):
         first_times[index] = first_times[index] or time.perf_counter() - start
         outputs[index].append(token)
+    if cache.prefix_store is not None:
+        cache.prefix_store.flush()
+        print("generate_many prefix store:", {k: v for k, v in cache.stats().items() if k.startswith("store_")})
     return outputs, first_times, time.perf_counter() - start, cache.prefix_hits
 
 
