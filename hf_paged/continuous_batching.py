@@ -22,6 +22,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from .cpu_weights import packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
+from .kv_formats import check_kv_format
 from .generation_options import GenerationOptions, ManyOutput, as_int, int_or_ints, per_prompt, token_lists
 from .stats import GenerationStats
 from .prefix_index import model_fingerprint
@@ -48,20 +49,25 @@ def _check(prompts: list[list[int]], max_new: list[int], vocab_size: int, cache:
 
 
 def _cache_for(model, cache: RaggedCache | None, page_size: int | None, max_pages: int | None,
-               prefix_store=None) -> RaggedCache:
-    """The run's cache: ``cache``, or a new one of ``page_size`` (default 16) and ``max_pages`` pages (and
-    ``prefix_store``). The pool's arguments belong to the cache: with ``cache=``, values other than the cache's own
-    are refused."""
+               kv_format: str | None, prefix_store=None) -> RaggedCache:
+    """The run's cache: ``cache``, or a new one of ``page_size`` (default 16) and ``max_pages`` pages in ``kv_format``
+    (default "float"), which the model's device must read (and ``prefix_store``). The pool's arguments belong to the
+    cache: with ``cache=``, values other than the cache's own are refused."""
     if cache is None:
-        return RaggedCache(model.config, 16 if page_size is None else page_size, max_pages, prefix_store=prefix_store)
+        cache = RaggedCache(model.config, 16 if page_size is None else page_size, max_pages,
+                            kv_format="float" if kv_format is None else kv_format, prefix_store=prefix_store)
+        check_kv_format(cache.kv_format, model.device)
+        return cache
     if prefix_store is not None:
         raise CacheUsageError("pass prefix_store= to the RaggedCache given as cache= (RaggedCache(config, ..., "
                               "prefix_store=...)), or leave cache= out.")
     if not isinstance(cache, RaggedCache):
         raise CacheUsageError(f"cache must be a RaggedCache (or None: generate_many makes one), got "
                               f"{type(cache).__name__}.")
+    check_kv_format(cache.kv_format, model.device)
     for name, given, own in (("page_size", page_size, cache.page_size), ("max_pages", max_pages,
-                                                                         cache.manager.max_pages)):
+                                                                         cache.manager.max_pages),
+                             ("kv_format", kv_format, cache.kv_format)):
         if given is not None and given != own:
             raise CacheUsageError(f"{name}={given!r} with cache= (whose {name} is {own!r}): the pool's size is the "
                                   f"cache's. Give it to RaggedCache(...) or leave cache= out.")
@@ -78,7 +84,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
                 bad_words_ids: Sequence[Sequence[int]] | None = None, attention_mask: torch.Tensor | None = None,
                 page_size: int | None = None, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True, stats: GenerationStats | None = None,
-                pack_weights: bool = False, prefix_store=None, **generate_kwargs) -> Iterator[tuple[int, int]]:
+                pack_weights: bool = False, kv_format: str | None = None, prefix_store=None,
+                **generate_kwargs) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every sequence released,
@@ -107,10 +114,10 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     seeds = (per_prompt("seed", seeds, len(prompts)) if isinstance(seeds, list) else
              [seeds + i * n for i in range(len(prompts))])
     own_store = cache is None and prefix_store is not None  # (closed when the run ends)
-    cache = _cache_for(model, cache, page_size, max_pages, prefix_store)
+    cache = _cache_for(model, cache, page_size, max_pages, kv_format, prefix_store)
     _check(prompts, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
     requests = [Request(i, p, m, n) for i, (p, m) in enumerate(zip(prompts, max_new))]
-    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers])
+    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers], cache.kv_format)
     scheduler = Scheduler(cache, requests, int(max_batch_tokens), root)
     if cache.store_tier is not None:
         cache.store_tier.bind(root, model)
@@ -252,8 +259,8 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None 
         tokenizer: tokenizes string prompts; needed by ``stop_strings`` and ``decode``.
         decode: return strings (``tokenizer.decode(..., skip_special_tokens=True)``) instead of token ids.
         return_dict_in_generate: return a `ManyOutput` (sequences, finish reasons, stats, texts).
-        page_size, max_pages: the page pool of a new cache (16, ``None``: it grows); prompts wait for pages when
-            it is full.
+        page_size, max_pages, kv_format: the page pool of a new cache (16, ``None``: it grows, "float"; "int8",
+            "int4", or "fp8_e4m3" on CUDA, as for `PagedCache`); prompts wait for pages when it is full.
         max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
         progress: a tqdm bar of finished sequences, with tokens/s, queue, pages and time to first token.

@@ -42,3 +42,12 @@ def layer_windows(config) -> list[int | None]:
         )
     by_type = {"sliding_attention": window, "chunked_attention": chunk}
     return [by_type.get(t) for t in layer_types]
+
+
+def head_dim(config) -> int | None:
+    """The attention head dim of a model config (``head_dim``, else hidden size / query heads), None if unknown."""
+    text_config = config.get_text_config(decoder=True)
+    dim = getattr(text_config, "head_dim", None)
+    if dim is None and getattr(text_config, "num_attention_heads", None):
+        dim = getattr(text_config, "hidden_size", 0) // text_config.num_attention_heads or None
+    return dim

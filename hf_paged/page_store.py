@@ -148,28 +148,6 @@ class PageStore:
             pages.copy_pages(copy_src, copy_dst)
         pages.write(slots, keys, values)
 
-    def layout(self) -> dict[int, dict]:
-        """Per layer (by index): what one page holds there, for a store outside the pool: the format, and each
-        tensor's shape and dtype (``keys [S, H, D]``, ``values [S, H, Dv]``; a quantized format adds its scales)."""
-        return {i: dict(kv_format=p.kv_format, device=str(p.device),
-                        tensors={name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in p.kernel_operands().items()
-                                 if torch.is_tensor(t)}) for i, p in sorted(self.layers.items())}
-
-    def gather_pages(self, pages: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of ``pages`` ``[P]`` of every layer, in `layout` order: per layer keys ``[P, S, H, D]``, values."""
-        keys, values = zip(*(p.gather(pages.to(p.device)) for _, p in sorted(self.layers.items())))
-        return [k.clone() for k in keys], [v.clone() for v in values]
-
-    def scatter_pages(self, pages: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write ``keys``/``values`` (as `gather_pages` returns them) into ``pages`` of every layer."""
-        S = self.page_size
-        for (_, layer), k, v in zip(sorted(self.layers.items()), keys, values):
-            at = pages.to(layer.device)
-            layer.grow_to(int(at.max()) + 1 if at.numel() else 0)
-            slots = (at[:, None] * S + torch.arange(S, device=layer.device)).reshape(-1)
-            layer.write(slots, k.reshape(-1, *k.shape[2:]).to(layer.device, layer.dtype),
-                        v.reshape(-1, *v.shape[2:]).to(layer.device, layer.dtype))
-
     # ------------------------------------------------ pages outside the pool (a prefix store's entries)
     def page_specs(self, layers: list[int], dims: tuple[int, int, int] | None = None, dtype: torch.dtype | None = None,
                    device: torch.device | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

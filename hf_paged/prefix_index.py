@@ -4,8 +4,9 @@ A full page's hash chains everything that shaped its K/V: ``h_i = sha256(h_{i-1}
 || mask_i)`` (`page_hashes`): every token before it (the chain), its tokens' positions (RoPE, learned position
 embeddings: left padding shifts them) and the mask (what earlier tokens see). The chain is rooted at ``h_{-1}``,
 a fingerprint of what computed the K/V (`model_fingerprint`: model class, config, parameter shapes, dtypes and
-device types, sampled weights, page size, layer windows), so pages never match across models. Hashes are stable
-across processes and ranks (no salted built-in ``hash``; no device index: ``cuda:0`` and ``cuda:1`` agree).
+device types, sampled weights, page size, layer windows, page format), so pages never match across models or
+formats. Hashes are stable across processes and ranks (no salted built-in ``hash``; no device index: ``cuda:0``
+and ``cuda:1`` agree).
 
 `PrefixIndex` registers and looks up hashes for one block manager (whose hash table maps hash <-> page) and
 tells its listeners (`PrefixListener`) when a page gets its hash, when a page loses it (evicted for reuse, or
@@ -38,14 +39,15 @@ def page_hashes(tokens: list[int], mask: list[int], positions: list[int], page_s
     return hashes
 
 
-def model_fingerprint(model: torch.nn.Module, page_size: int, windows: list) -> bytes:
-    """What computed a cache's K/V, as the root of its pages' hash chains: the model's class, config,
-    parameter shapes, dtypes and device types (not indices: ranks on ``cuda:0`` and ``cuda:1`` agree), four
-    sampled values of every parameter (one transfer), the page size and the layers' windows. Two models that
-    differ in any of these never share pages."""
+def model_fingerprint(model: torch.nn.Module, page_size: int, windows: list, kv_format: str = "float") -> bytes:
+    """What computed a cache's K/V and how its pages hold it, as the root of its pages' hash chains: the model's
+    class, config, parameter shapes, dtypes and device types (not indices: ranks on ``cuda:0`` and ``cuda:1``
+    agree), four sampled values of every parameter (one transfer), the page size, the layers' windows and the page
+    format (`hf_paged.kv_formats`: int8 pages never stand in for float ones). Two caches that differ in any of these
+    never share pages."""
     digest = hashlib.sha256(type(model).__qualname__.encode())
     digest.update(model.config.to_json_string(use_diff=False).encode())
-    digest.update(repr((page_size, windows)).encode())
+    digest.update(repr((page_size, windows, kv_format)).encode())
     samples = []
     for name, param in model.named_parameters():
         digest.update(f"{name} {tuple(param.shape)} {param.dtype} {param.device.type}".encode())
@@ -159,14 +161,6 @@ class PrefixIndex:
             for key, value in listener.stats().items():
                 out[key] = out.get(key, 0) + value
         return out
-
-    def load_pages(self, hashes: list[bytes], keys: list, values: list) -> list[int]:
-        """`load_run` with page i of every layer getting ``keys[layer][i]`` / ``values[layer][i]`` (as
-        `PageStore.gather_pages` returns them); -> the pages holding the run's leading hashes afterwards."""
-        def write(rows: list[int], pages: list[int]) -> None:
-            at = torch.tensor(rows)
-            self.store.scatter_pages(torch.tensor(pages), [k[at] for k in keys], [v[at] for v in values])
-        return [self.manager.lookup(h) for h in hashes[:self.load_run(hashes, write)]]
 
     def load_run(self, hashes: list[bytes], write: Callable[[list[int], list[int]], None]) -> int:
         """A listener supplies the content of a run of hashes (in sequence order): the ones no page holds get pages

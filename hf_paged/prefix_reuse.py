@@ -167,7 +167,7 @@ class PrefixReuse:
     def fingerprint(self, model) -> bytes:
         """The root of this cache's page hashes when ``model`` computes its K/V (see `model_fingerprint`)."""
         windows = [layer.group.sliding_window for layer in self.layers]
-        return model_fingerprint(model, self.page_size, windows)
+        return model_fingerprint(model, self.page_size, windows, self.kv_format)
 
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      position_ids: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0) -> int:
