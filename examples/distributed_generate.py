@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-pages", type=int, default=None, help="bound each process' page pool (default: grows)")
+    p.add_argument("--prefix-store", default=None, help="a prefix store every process shares: a folder, file:///dir "
+                   "or redis://host:port/db (docs/prefix_store.md)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
     result = generate_distributed(model, tokenizer, prompts, max_batch_tokens=args.max_batch_tokens,
                                   max_new_tokens=args.max_new_tokens, page_size=args.page_size,
                                   max_pages=args.max_pages, state=state, progress=not args.no_progress,
-                                  seed=args.seed, **gen)
+                                  seed=args.seed, prefix_store=args.prefix_store, **gen)
     if state.is_main_process:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

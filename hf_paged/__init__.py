@@ -18,6 +18,7 @@ from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_line
 from .errors import CacheUsageError, PagePoolExhausted
 from .generation_options import ManyOutput
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
+from .prefix_store import open_store
 from .ragged_cache import RaggedCache
 from .stats import GenerationStats
 
@@ -35,6 +36,7 @@ __all__ = [
     "plan_compiled_steps",
     "RaggedCache",
     "generate_many",
+    "open_store",
     "stream_many",
     "pack_linear_weights",
     "packed_linear_weights",

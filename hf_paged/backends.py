@@ -34,10 +34,15 @@ def resolve_backend(choice: str | None, device: torch.device) -> str:
     return _resolve(choice or os.environ.get("HF_PAGED_BACKEND", "auto"), device.type)
 
 
-def layer_backend(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """`resolve_backend` for pools of ``dtype``: the C kernel reads only its supported dtypes, else "torch"."""
-    backend = resolve_backend(choice, device)
-    return "torch" if backend == "cpu" and dtype not in cpu_kernel.SUPPORTED_DTYPES else backend
+def layer_backend(choice: str | None, pages) -> str:
+    """`resolve_backend` for a layer's `LayerPages`: the C kernel reads its page formats (int8 and int4 whatever the
+    model's dtype; float pages of its supported dtypes), else "torch" (which reads every format through gathers)."""
+    backend = resolve_backend(choice, pages.device)
+    if backend != "cpu":
+        return backend
+    if pages.kv_format == "float":
+        return backend if pages.dtype in cpu_kernel.SUPPORTED_DTYPES else "torch"
+    return backend if pages.kv_format in cpu_kernel.KV_FORMATS else "torch"
 
 
 @functools.lru_cache(maxsize=None)

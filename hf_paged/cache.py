@@ -22,9 +22,10 @@ from .compiled import CompiledSteps
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .layer_groups import LayerGroup, LayerGroups
-from .model_config import ATTN_IMPLEMENTATION, layer_windows
+from .kv_formats import check_kv_format
+from .model_config import ATTN_IMPLEMENTATION, head_dim, layer_windows
 from .page_store import FloatPages
-from .prefix_reuse import PrefixHook, PrefixReuse, TokenLog
+from .prefix_reuse import PrefixHook, PrefixReuse
 from .thread_owner import ThreadOwner
 
 
@@ -111,7 +112,7 @@ class PagedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check(key_states, value_states)
         if self._resolved_backend is None:
-            self._resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+            self._resolved_backend = layer_backend(self.backend, self.pages)
 
     def begin_compiled(self, batch: int, q_len: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """This layer's part of a compiled forward's step, done before the forward's layers run (`PagedCache`):
@@ -214,8 +215,10 @@ def _refuse_rewind(held: int, new_tokens: int, args, kwargs) -> None:
                 "cache per call, or reset() it first (to continue a conversation, pass every token so far).")
 
 
-def _check_arguments(config, model, lru_threshold) -> None:
-    """Types that would otherwise fail later with an AttributeError or TypeError."""
+def _check_arguments(config, model, lru_threshold, kv_format: str) -> None:
+    """Types that would otherwise fail later with an AttributeError or TypeError; a page format that the model's
+    head dim or devices cannot have (a cache without a model checks its device on its first write, before writing
+    anything)."""
     if isinstance(lru_threshold, bool) or not isinstance(lru_threshold, (int, float)):
         raise CacheUsageError(f"lru_threshold must be a number: a positive multiple of an even attention share, "
                               f"got {lru_threshold!r}.")
@@ -226,6 +229,10 @@ def _check_arguments(config, model, lru_threshold) -> None:
                                                                                     PretrainedConfig)):
         raise CacheUsageError(f"model must be a transformers model (a torch.nn.Module with a .config), "
                               f"got {type(model).__name__}.")
+    config = config if config is not None or model is None else model.config
+    check_kv_format(kv_format, head_dim=None if config is None else head_dim(config))
+    for device in () if model is None else {p.device for p in model.parameters() if p.device.type != "meta"}:
+        check_kv_format(kv_format, device)
 
 
 def _row_indices(name: str, indices, groups: LayerGroups) -> list[int]:
@@ -277,6 +284,9 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
+        kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
+        prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
+            `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
 
     ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
     """
@@ -285,12 +295,13 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
                  model=None, eviction: str | EvictionPolicy | None = None, sink_pages: int | None = None,
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
-                 per_layer_eviction: bool | None = None, score_signal: str | None = None):
+                 per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
+                 prefix_store=None, store_spill: bool = True):
         check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         check_positive_int("max_pages", max_pages, allow_none=True)
-        _check_arguments(config, model, lru_threshold)
+        _check_arguments(config, model, lru_threshold, kv_format)
         check_backend(backend)
-        self.backend = backend
+        self.backend, self.kv_format = backend, kv_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                         observation_window, score_heads, compress_prompt, score_signal)
         super().__init__(layers=[])
@@ -301,19 +312,15 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         self.groups = LayerGroups()
         self._owner = ThreadOwner()
         self.config = None
-        self.token_log: TokenLog | None = None
-        self.prefix_hook: PrefixHook | None = None
-        if model is not None:
-            config = config or model.config
-            self.token_log = TokenLog(page_size)
-            self.prefix_hook = PrefixHook(self, model)
+        self.bind_model(model, prefix_store, store_spill)  # prefix caching: token log, forward hook, prefix store
+        config = config or (model.config if model is not None else None)
         if config is not None:
             self.bind_config(config)
 
     # ------------------------------------------------------------- structure
     def bind_config(self, config) -> None:
         """One layer per decoder layer, grouped by sliding window (an empty cache may serve another model)."""
-        _check_arguments(config, None, self.policy.threshold)
+        _check_arguments(config, None, self.policy.threshold, self.kv_format)
         if getattr(config, "is_encoder_decoder", False):
             raise CacheUsageError(
                 f"PagedCache supports decoder-only models; {type(config).__name__} is an encoder-decoder model "
@@ -330,7 +337,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
 
     def _group(self, sliding_window: int | None, layer_idx: int) -> LayerGroup:
         return self.groups.for_layer(sliding_window, layer_idx, self.page_size, self.max_pages, self.policy,
-                                     self.per_layer_eviction)
+                                     self.per_layer_eviction, self.kv_format)
 
     def _layer(self, layer_idx: int) -> PagedLayer:
         while len(self.layers) <= layer_idx:
@@ -399,13 +406,13 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         copies that page first. ``copy.deepcopy(cache)`` does the same.
         """
         self.commit()
-        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend)
+        twin = PagedCache(self.page_size, self.max_pages, backend=self.backend, kv_format=self.kv_format)
         twin.policy = self.policy
         twin.config = self.config
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
             twin.prefix_hook = PrefixHook(twin, self.prefix_hook.model())
-        twin.per_layer_eviction = self.per_layer_eviction
+        twin.per_layer_eviction, twin.store_tier = self.per_layer_eviction, self.store_tier  # (indexes are shared)
         twin.groups = self.groups.fork()
         key_of = {id(g): k for k, g in self.groups.items()}
         twin.layers = [layer.fork(twin.groups[key_of[id(layer.group)]]) for layer in self.layers]
@@ -476,4 +483,4 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
         ``kv_bytes`` counts used + cached pages of every layer."""
         self.commit()
-        return dict(page_size=self.page_size, **self.groups.stats())
+        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats())

@@ -71,6 +71,10 @@ class CompiledSteps:
         if self.config is None:
             raise CacheUsageError("torch.compile with a PagedCache needs a cache that knows the model's layers: make "
                                   "it with PagedCache(config=model.config) (or call cache.bind_config(model.config)).")
+        if self.kv_format != "float":
+            raise CacheUsageError(f"plan_compiled_steps writes float pages only, and this cache has "
+                                  f"kv_format={self.kv_format!r}: use kv_format='float' with torch.compile, or run "
+                                  "quantized pages without plan_compiled_steps.")
         if self._owner.ident != threading.get_ident():
             self._owner.claim()
         if self._compiled_step_planned:

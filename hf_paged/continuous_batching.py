@@ -22,6 +22,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from .cpu_weights import packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
+from .kv_formats import check_kv_format
 from .generation_options import GenerationOptions, ManyOutput, as_int, int_or_ints, per_prompt, token_lists
 from .stats import GenerationStats
 from .prefix_index import model_fingerprint
@@ -47,16 +48,26 @@ def _check(prompts: list[list[int]], max_new: list[int], vocab_size: int, cache:
                 "raise max_pages or lower its max_new_tokens.")
 
 
-def _cache_for(model, cache: RaggedCache | None, page_size: int | None, max_pages: int | None) -> RaggedCache:
-    """The run's cache: ``cache``, or a new one of ``page_size`` (default 16) and ``max_pages`` pages. The pool's
-    arguments belong to the cache: with ``cache=``, values other than the cache's own are refused."""
+def _cache_for(model, cache: RaggedCache | None, page_size: int | None, max_pages: int | None,
+               kv_format: str | None, prefix_store=None) -> RaggedCache:
+    """The run's cache: ``cache``, or a new one of ``page_size`` (default 16) and ``max_pages`` pages in ``kv_format``
+    (default "float"), which the model's device must read (and ``prefix_store``). The pool's arguments belong to the
+    cache: with ``cache=``, values other than the cache's own are refused."""
     if cache is None:
-        return RaggedCache(model.config, 16 if page_size is None else page_size, max_pages)
+        cache = RaggedCache(model.config, 16 if page_size is None else page_size, max_pages,
+                            kv_format="float" if kv_format is None else kv_format, prefix_store=prefix_store)
+        check_kv_format(cache.kv_format, model.device)
+        return cache
+    if prefix_store is not None:
+        raise CacheUsageError("pass prefix_store= to the RaggedCache given as cache= (RaggedCache(config, ..., "
+                              "prefix_store=...)), or leave cache= out.")
     if not isinstance(cache, RaggedCache):
         raise CacheUsageError(f"cache must be a RaggedCache (or None: generate_many makes one), got "
                               f"{type(cache).__name__}.")
+    check_kv_format(cache.kv_format, model.device)
     for name, given, own in (("page_size", page_size, cache.page_size), ("max_pages", max_pages,
-                                                                         cache.manager.max_pages)):
+                                                                         cache.manager.max_pages),
+                             ("kv_format", kv_format, cache.kv_format)):
         if given is not None and given != own:
             raise CacheUsageError(f"{name}={given!r} with cache= (whose {name} is {own!r}): the pool's size is the "
                                   f"cache's. Give it to RaggedCache(...) or leave cache= out.")
@@ -73,7 +84,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
                 bad_words_ids: Sequence[Sequence[int]] | None = None, attention_mask: torch.Tensor | None = None,
                 page_size: int | None = None, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True, stats: GenerationStats | None = None,
-                pack_weights: bool = False, **generate_kwargs) -> Iterator[tuple[int, int]]:
+                pack_weights: bool = False, kv_format: str | None = None, prefix_store=None,
+                **generate_kwargs) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every sequence released,
@@ -101,11 +113,14 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     seeds = int_or_ints("seed", seed)
     seeds = (per_prompt("seed", seeds, len(prompts)) if isinstance(seeds, list) else
              [seeds + i * n for i in range(len(prompts))])
-    cache = _cache_for(model, cache, page_size, max_pages)
+    own_store = cache is None and prefix_store is not None  # (closed when the run ends)
+    cache = _cache_for(model, cache, page_size, max_pages, kv_format, prefix_store)
     _check(prompts, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
     requests = [Request(i, p, m, n) for i, (p, m) in enumerate(zip(prompts, max_new))]
-    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers])
+    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers], cache.kv_format)
     scheduler = Scheduler(cache, requests, int(max_batch_tokens), root)
+    if cache.store_tier is not None:
+        cache.store_tier.bind(root, model)
     generators = {}
     if options.do_sample:
         for i, first in enumerate(seeds):
@@ -114,7 +129,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     lengths = [len(p) for p in prompts for _ in range(n)]
     run = _Run()
     stream = _stream(run, model, cache, scheduler, options, options.needs_scores(requests), generators,
-                     GenerationStats() if stats is None else stats, lengths, progress, pack_weights)
+                     GenerationStats() if stats is None else stats, lengths, progress, pack_weights, own_store)
     run.generator = weakref.ref(stream)
     return stream
 
@@ -137,10 +152,11 @@ def _queued(scheduler: Scheduler) -> int:
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options: GenerationOptions, scores: bool,
             generators, stats: GenerationStats, prompt_lengths: list[int], progress: bool,
-            pack_weights: bool) -> Iterator[tuple[int, int]]:
+            pack_weights: bool, own_store: bool = False) -> Iterator[tuple[int, int]]:
     """The steps of a run; the cache is taken when iteration starts and given back (every sequence it still holds
     released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too.
-    ``stats`` starts when iteration starts."""
+    ``stats`` starts when iteration starts. With a prefix store, prefill steps are timed (the rate loads are weighed
+    against), its counters end on the bar, and a store opened for this run is closed."""
     cache.claim(run)
     stats.start(prompt_lengths)
     device = model.device
@@ -164,6 +180,7 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
                     emitting.append(seq)
                     last.append(start - 1)
             scheduler.plan(step)
+            prefill = sum(n for _, n in step if n > 1)
             began = time.perf_counter()
             try:
                 with torch.no_grad():
@@ -175,6 +192,8 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
                 cache.abort_step()
                 raise
             seconds = time.perf_counter() - began
+            if cache.store_tier is not None and prefill >= cache.page_size:
+                cache.store_tier.record_prefill(prefill, seconds)
             scheduler.after_step(step)
             # raw argmax: on the logits' device; processed or sampled: the logits come to the CPU (float32), where
             # the processors read each output's own tokens and every draw uses its output's own CPU generator (the
@@ -209,6 +228,12 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
             bar.update(finished)
     finally:
         stats.end()
+        if cache.store_tier is not None:
+            counts = cache.store_tier.counters_snapshot()
+            bar.set_postfix({**stats.postfix(), "store hits": counts["store_hits"],
+                             "store writes": counts["store_pages_written"]}, refresh=False)
+            if own_store:
+                cache.store_tier.close()
         bar.close()
         packing.close()
         cache.unclaim(run)
@@ -234,12 +259,16 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None 
         tokenizer: tokenizes string prompts; needed by ``stop_strings`` and ``decode``.
         decode: return strings (``tokenizer.decode(..., skip_special_tokens=True)``) instead of token ids.
         return_dict_in_generate: return a `ManyOutput` (sequences, finish reasons, stats, texts).
-        page_size, max_pages: the page pool of a new cache (16, ``None``: it grows); prompts wait for pages when
-            it is full.
+        page_size, max_pages, kv_format: the page pool of a new cache (16, ``None``: it grows, "float"; "int8",
+            "int4", or "fp8_e4m3" on CUDA, as for `PagedCache`); prompts wait for pages when it is full.
         max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
         progress: a tqdm bar of finished sequences, with tokens/s, queue, pages and time to first token.
         stats: a `GenerationStats` to fill (also on ``ManyOutput.stats``).
+        prefix_store: a prefix store for a cache made here (a URI, a folder path or a store from
+            `hf_paged.open_store`): prompts' pages are written to it and loaded from it instead of computed when
+            that is estimated faster; a store opened from a URI is flushed and closed when the run ends. With
+            ``cache=``, give the store to the `RaggedCache` instead.
         pack_weights: pack the model's float32 CPU linear weights for this call (`hf_paged.cpu_weights`; the
             packing is undone at the end). To pack once for many calls, use `pack_linear_weights` instead.
     """

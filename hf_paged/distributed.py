@@ -157,6 +157,7 @@ def generate_distributed(
     state=None,
     progress: bool = True,
     seed: int = 0,
+    prefix_store=None,
     **sampling,
 ) -> DistributedGeneration:
     """Generate a completion for every prompt, the prompts spread over the launched processes.
@@ -167,8 +168,12 @@ def generate_distributed(
 
     Returns, on every rank, a :class:`DistributedGeneration` whose ``summary`` holds
     ``num_processes``, ``ranks`` (per rank: prompts, new_tokens, seconds, tokens_per_s, device, pid and
-    ``kv``: the rank's page pool figures, peaks over its run) and ``total`` (new_tokens, wall seconds
-    from the first to the last process, tokens_per_s, summed KV bytes).
+    ``kv``: the rank's page pool figures, peaks over its run, and with a prefix store its ``store_*`` counters)
+    and ``total`` (new_tokens, wall seconds from the first to the last process, tokens_per_s, summed KV bytes).
+
+    ``prefix_store``: a store every process reads and writes (a URI or folder each process opens, e.g. a folder on
+    a shared file system or a Redis server; see docs/prefix_store.md): a prompt prefix one rank computed is loaded
+    by the others instead of computed again. A store opened from a URI is flushed and closed at the end.
     """
     from accelerate.utils import gather_object
 
@@ -184,7 +189,7 @@ def generate_distributed(
     mine = share(state, sorted(range(len(prompts)), key=lambda i: (-len(token_ids[i]), i)))
 
     eos = _eos_ids(model, tokenizer)
-    cache = RaggedCache(model.config, page_size=page_size, max_pages=max_pages)
+    cache = RaggedCache(model.config, page_size=page_size, max_pages=max_pages, prefix_store=prefix_store)
     new = {i: [] for i in mine}
     peak_used = 0
     state.wait_for_everyone()
@@ -198,11 +203,14 @@ def generate_distributed(
         peak_used = max(peak_used, cache.manager.num_used)
     seconds = time.perf_counter() - start
     wall_end = time.time()
+    if cache.store_tier is not None:
+        cache.store_tier.close()  # (flushes; closes a store this call opened)
     records = [dict(index=i, prompt=prompts[i], completion=tokenizer.decode(new[i], skip_special_tokens=True),
                     tokens=len(new[i]), prompt_tokens=len(token_ids[i])) for i in mine]
     page_bytes = cache.page_bytes()
     kv = dict(page_size=page_size, pages_total=cache.manager.num_pages, pool_bytes=cache.manager.num_pages * page_bytes,
-              peak_pages_used=peak_used, peak_kv_bytes=peak_used * page_bytes, prefix_hits=cache.prefix_hits)
+              peak_pages_used=peak_used, peak_kv_bytes=peak_used * page_bytes, prefix_hits=cache.prefix_hits,
+              **{k: v for k, v in cache.stats().items() if k.startswith("store_")})
     new_tokens = sum(r["tokens"] for r in records)
     rank = dict(rank=state.process_index, pid=os.getpid(), device=str(_input_device(model)), prompts=len(records),
                 new_tokens=new_tokens, prompt_tokens=sum(r["prompt_tokens"] for r in records),
@@ -257,7 +265,11 @@ def format_summary(summary: dict) -> str:
         lines.append(
             f"  rank {r['rank']} ({r['device']}, pid {r['pid']}): {r['prompts']:4d} prompts "
             f"{r['new_tokens']:6d} new tokens in {r['seconds']:7.2f} s = {r['tokens_per_s']:8.1f} tok/s | KV peak "
-            f"{kv['peak_pages_used']} pages, {kv['peak_kv_bytes'] * mib:.1f} MiB, pool {kv['pool_bytes'] * mib:.1f} MiB")
+            f"{kv['peak_pages_used']} pages, {kv['peak_kv_bytes'] * mib:.1f} MiB, pool {kv['pool_bytes'] * mib:.1f} MiB"
+            + ("" if "store_hits" not in kv else
+               f" | store: {kv['store_hits']} pages hit, {kv['store_misses']} missed, {kv['store_pages_written']} "
+               f"written, {kv['store_bytes_read'] * mib:.1f} MiB read in {kv['store_load_seconds']:.2f} s, "
+               f"{kv['store_recomputed']} loads skipped"))
     t = summary["total"]
     lines.append(f"  total: {t['new_tokens']} new tokens in {t['seconds']:.2f} s = {t['tokens_per_s']:.1f} tok/s | "
                  f"KV peak {t['peak_kv_bytes'] * mib:.1f} MiB, pools {t['pool_bytes'] * mib:.1f} MiB")

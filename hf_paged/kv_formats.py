@@ -71,18 +71,23 @@ def rotation(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _rotation(dim, torch.device(device))
 
 
-def _finite_range(groups: torch.Tensor, reduce: str) -> torch.Tensor:
-    """Per group (last dim) the min or max of the finite entries; 0 for a group without any."""
+def _finite_range(groups: torch.Tensor, reduce: str, finite: bool) -> torch.Tensor:
+    """Per group (last dim) the min or max of the finite entries; 0 for a group without any (``finite``: every
+    entry is finite, nothing to skip)."""
+    if finite:
+        return getattr(groups, reduce)(-1)
     fill = math.inf if reduce == "amin" else -math.inf
     out = getattr(torch.where(torch.isfinite(groups), groups, fill), reduce)(-1)
     return torch.where(torch.isfinite(out), out, 0.0)
 
 
-def _scale(value: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def _scale(value: torch.Tensor, groups: torch.Tensor, finite: bool) -> torch.Tensor:
     """float16 scales (clamped into float16's range), NaN for the groups (last dim of ``groups``) that hold a
-    NaN or nothing finite."""
-    unreadable = groups.isnan().any(-1) | ~torch.isfinite(groups).any(-1)
-    return value.clamp(max=_FP16_MAX).masked_fill(unreadable, float("nan")).to(torch.float16)
+    NaN or nothing finite (none when ``finite``)."""
+    value = value.clamp(max=_FP16_MAX)
+    if not finite:
+        value = value.masked_fill(groups.isnan().any(-1) | ~torch.isfinite(groups).any(-1), float("nan"))
+    return value.to(torch.float16)
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,14 @@ class SymmetricCodec:
     def width(self, dim: int) -> int:
         return dim
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``[..., D]`` -> (codes ``[..., D]``, float16 scales ``[..., 1]``)."""
-        scale = _scale(x.abs().where(torch.isfinite(x), 0.0).amax(-1) / self.limit, x)[..., None]
-        scaled = torch.where(scale > 0, x / scale.float(), 0.0).nan_to_num(0.0).clamp(-self.limit, self.limit)
+    def encode(self, x: torch.Tensor, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[..., D]`` -> (codes ``[..., D]``, float16 scales ``[..., 1]``); ``finite``: the caller checked
+        that every entry is (the steps that keep non-finite entries out are skipped)."""
+        magnitude = x.abs() if finite else x.abs().where(torch.isfinite(x), 0.0)
+        scale = _scale(magnitude.amax(-1) / self.limit, x, finite)[..., None]
+        s = scale.float()
+        scaled = torch.where(s > 0, x / s, 0.0)
+        scaled = (scaled if finite else scaled.nan_to_num(0.0)).clamp(-self.limit, self.limit)
         return (scaled.round() if not self.dtype.is_floating_point else scaled).to(self.dtype), scale
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
@@ -130,16 +139,18 @@ class Int4Codec:
     def width(self, dim: int) -> int:
         return dim // 2 + self.groups(dim)
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``[..., D]`` (D even) -> (uint8 ``[..., D / 2 + G]``, float16 scales ``[..., G]``)."""
+    def encode(self, x: torch.Tensor, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[..., D]`` (D even) -> (uint8 ``[..., D / 2 + G]``, float16 scales ``[..., G]``); ``finite`` as
+        for `SymmetricCodec.encode`."""
         dim = x.shape[-1]
         groups = x.unflatten(-1, (self.groups(dim), self.group_size(dim)))
-        low, high = _finite_range(groups, "amin"), _finite_range(groups, "amax")
+        low, high = _finite_range(groups, "amin", finite), _finite_range(groups, "amax", finite)
         # wide enough for the range, and for the zero point -low / scale to fit an int8 (|zero| <= 120)
-        scale = _scale(torch.maximum((high - low) / 15, low.abs() / 120), groups)
-        s = scale.float().nan_to_num(0.0)[..., None]
+        scale = _scale(torch.maximum((high - low) / 15, low.abs() / 120), groups, finite)
+        s = (scale.float() if finite else scale.float().nan_to_num(0.0))[..., None]
         zero = torch.where(s > 0, -low[..., None] / s, 0.0).round().clamp(-128, 127)
-        codes = torch.where(s > 0, groups / s, 0.0).nan_to_num(0.0).add(zero).round().clamp(0, 15).to(torch.uint8)
+        scaled = torch.where(s > 0, groups / s, 0.0)
+        codes = (scaled if finite else scaled.nan_to_num(0.0)).add(zero).round().clamp(0, 15).to(torch.uint8)
         codes = codes.flatten(-2)
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return torch.cat([packed, zero[..., 0].to(torch.int8).view(torch.uint8)], -1), scale
@@ -189,12 +200,23 @@ def page_format(kv_format: str) -> PageFormat:
     return _FORMATS[kv_format]
 
 
-def check_kv_format(kv_format: str, device: torch.device | str, head_dim: int, value_dim: int | None = None) -> None:
+def check_kv_format(kv_format: str, device: torch.device | str | None = None, head_dim: int | None = None,
+                    value_dim: int | None = None) -> None:
     """Raise `CacheUsageError` (naming the argument and the alternatives) unless pages of ``kv_format`` can be
     stored for these head dims and read on ``device``: an unknown format, fp8 off CUDA (the CPU kernel reads
-    float, int8 and int4; Triton reads fp8 from compute capability 8.9), an odd head dim for int4."""
+    float, int8 and int4; Triton reads fp8 from compute capability 8.9), an odd head dim for int4. What is not
+    known yet (None) is not checked."""
     fmt = page_format(kv_format)
-    device = torch.device(device)
+    if device is not None:
+        _check_device(kv_format, torch.device(device))
+    dims = {"head_dim": head_dim, "value_dim": head_dim if value_dim is None else value_dim}
+    for name, dim in dims.items():
+        if dim is not None and fmt.even_dims and dim % 2:
+            raise CacheUsageError(f"kv_format={kv_format!r} packs two values a byte and needs an even {name}, the "
+                                  f"model's is {dim}; choose 'int8' or 'float'")
+
+
+def _check_device(kv_format: str, device: torch.device) -> None:
     readable = [name for name, f in _FORMATS.items() if f.devices is None or device.type in f.devices]
     if kv_format not in readable:
         raise CacheUsageError(f"kv_format={kv_format!r} cannot be read on {device.type} (only the Triton kernel "
@@ -202,11 +224,6 @@ def check_kv_format(kv_format: str, device: torch.device | str, head_dim: int, v
     if kv_format == "fp8_e4m3" and torch.cuda.get_device_capability(device) < (8, 9):
         raise CacheUsageError(f"kv_format='fp8_e4m3' needs a GPU of compute capability 8.9 or newer, {device} has "
                               f"{torch.cuda.get_device_capability(device)}; choose 'int8' or 'int4'")
-    dims = {"head_dim": head_dim, "value_dim": head_dim if value_dim is None else value_dim}
-    for name, dim in dims.items():
-        if fmt.even_dims and dim % 2:
-            raise CacheUsageError(f"kv_format={kv_format!r} packs two values a byte and needs an even {name}, the "
-                                  f"model's is {dim}; choose 'int8' or 'float'")
 
 
 def dequantize(codec: SymmetricCodec | Int4Codec, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
@@ -220,7 +237,8 @@ def quantize(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> tuple[torch.
     """(codes, float16 scales) of ``x [..., dim]`` (any float dtype), rotated first by a rotated codec: what a
     page stores; `dequantize` reads it back."""
     x = x.float()
-    return codec.encode(x @ rotation(x.shape[-1], x.device) if codec.rotated else x)
+    x = x @ rotation(x.shape[-1], x.device) if codec.rotated else x
+    return codec.encode(x, finite=bool(torch.isfinite(x).all()))
 
 
 # ----------------------------------------------------------------------------------- layer pages
@@ -250,6 +268,11 @@ class QuantizedPages:
     def num_pages(self) -> int:
         return self.k_codes.shape[0]
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(heads, head_dim, value_dim, page_size): what every write must match."""
+        return self.k_codes.shape[2], self.head_dim, self.value_dim, self.page_size
+
     def grow_to(self, num_pages: int) -> None:
         if num_pages > self.num_pages:
             for name in self._TENSORS:
@@ -257,8 +280,13 @@ class QuantizedPages:
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode ``keys [T, H, D]``/``values [T, H, Dv]`` into the flat slots ``slots [T]`` (page * S + slot)."""
-        for prefix, codec, x in (("k", self.format.key, keys), ("v", self.format.value, values)):
-            codes, scale = quantize(codec, x)
+        fmt, heads = self.format, keys.shape[1]
+        if fmt.key == fmt.value and self.head_dim == self.value_dim:  # one codec: keys and values in one call
+            codes, scale = quantize(fmt.key, torch.cat([keys, values], 1))
+            encoded = (("k", codes[:, :heads], scale[:, :heads]), ("v", codes[:, heads:], scale[:, heads:]))
+        else:
+            encoded = (("k", *quantize(fmt.key, keys)), ("v", *quantize(fmt.value, values)))
+        for prefix, codes, scale in encoded:
             getattr(self, f"{prefix}_codes").flatten(0, 1)[slots] = codes
             getattr(self, f"{prefix}_scale").flatten(0, 1)[slots] = scale
 

@@ -64,14 +64,14 @@ class LayerGroup(PageRows):
     """Rows' pages for one group of layers, all rows advancing in lockstep, one step at a time."""
 
     def __init__(self, manager: BlockManager, sliding_window: int | None = None,
-                 policy: EvictionPolicy | None = None, prefix=None):
+                 policy: EvictionPolicy | None = None, prefix=None, kv_format: str = "float"):
         super().__init__(manager, sliding_window, prefix)
         self.policy = policy or EvictionPolicy("error")
         self.eviction = GroupEviction(self.policy, True) if manager.max_pages is not None else None  # (bounded only)
         self.step: StepPlan | None = None
         self._undo: StepUndo | None = None  # set while a step is open
         self.members = Members()
-        self.store = PageStore(manager.page_size)  # the K/V bytes of the group's page ids (shared by forks)
+        self.store = PageStore(manager.page_size, kv_format)  # the K/V bytes of the group's page ids (shared by forks)
         self.prefix.store = self.prefix.store or self.store
 
     def read_view(self, pages, backend: str) -> PagedView:
@@ -285,12 +285,13 @@ class LayerGroups(dict):
     operations that span them all."""
 
     def for_layer(self, sliding_window: int | None, layer_idx: int, page_size: int, max_pages: int | None,
-                  policy: EvictionPolicy, per_layer: bool) -> LayerGroup:
+                  policy: EvictionPolicy, per_layer: bool, kv_format: str = "float") -> LayerGroup:
         """The group of a layer, made on first use: the layers of one sliding window share one, or each layer
-        has its own when it chooses its own victims (``per_layer``, keyed ``(window, layer)``)."""
+        has its own when it chooses its own victims (``per_layer``, keyed ``(window, layer)``); its pages in
+        ``kv_format``."""
         key = (sliding_window, layer_idx) if per_layer else sliding_window
         if key not in self:
-            self[key] = LayerGroup(BlockManager(page_size, max_pages), sliding_window, policy)
+            self[key] = LayerGroup(BlockManager(page_size, max_pages), sliding_window, policy, kv_format=kv_format)
         return self[key]
 
     def keep(self, groups: set[int]) -> None:
@@ -300,7 +301,7 @@ class LayerGroups(dict):
         for key in [k for k, g in self.items() if id(g) not in groups]:
             del self[key]
         for group in self.values():
-            group.store = group.prefix.store = PageStore(group.page_size)
+            group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format)
 
     @property
     def step_open(self) -> bool:
@@ -341,8 +342,8 @@ class LayerGroups(dict):
             return
         exact = min((g.eviction.exact_tokens for g in self.values() if g.eviction is not None), default=math.inf)
         for group in self.values():
-            group.register_hashes(row_hashes if exact == math.inf else
-                                  [h[:exact // group.page_size] for h in row_hashes])
+            hashes = row_hashes if exact == math.inf else [h[:exact // group.page_size] for h in row_hashes]
+            group.register_hashes(hashes, generated=group.step is not None and group.step.q_len == 1)
 
     def rollback(self) -> None:
         for group in self.values():

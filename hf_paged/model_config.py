@@ -44,9 +44,16 @@ def layer_windows(config) -> list[int | None]:
     return [by_type.get(t) for t in layer_types]
 
 
-def kv_heads_and_dim(config) -> tuple[int, int]:
+def head_dim(config) -> int | None:
+    """The attention head dim of a model config (``head_dim``, else hidden size / query heads), None if unknown."""
+    text_config = config.get_text_config(decoder=True)
+    dim = getattr(text_config, "head_dim", None)
+    if dim is None and getattr(text_config, "num_attention_heads", None):
+        dim = getattr(text_config, "hidden_size", 0) // text_config.num_attention_heads or None
+    return dim
+
+
+def kv_heads_and_dim(config) -> tuple[int, int | None]:
     """(key/value heads, head dim) of the decoder's attention layers, as the config states them."""
     text_config = config.get_text_config(decoder=True)
-    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return heads, head_dim
+    return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads, head_dim(config)

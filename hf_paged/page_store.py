@@ -172,27 +172,48 @@ class PageStore:
         if copy_src is not None:
             pages.copy_pages(copy_src, copy_dst)
 
-    def layout(self) -> dict[int, dict]:
-        """Per layer (by index): what one page holds there, for a store outside the pool: the format, and each
-        tensor's shape and dtype (``keys [S, H, D]``, ``values [S, H, Dv]``; a quantized format adds its scales)."""
-        return {i: dict(kv_format=p.kv_format, device=str(p.device),
-                        tensors={name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in p.kernel_operands().items()
-                                 if torch.is_tensor(t)}) for i, p in sorted(self.layers.items())}
+    # ------------------------------------------------ pages outside the pool (a prefix store's entries)
+    def page_specs(self, layers: list[int], dims: tuple[int, int, int] | None = None, dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What one page of ``layers`` holds, as named tensors: each tensor of the format (``k_pool``, ``v_pool``,
+        and the scales of a quantized one) stacked over the layers, ``(len(layers), *shape)``, when every layer has
+        the same ones (else one per layer, ``"name.layer"``). A layer without pages is described as `make_layers`
+        would make it from ``dims`` (kv heads, key and value head dims), ``dtype`` and ``device``."""
+        per_layer = []
+        for i in layers:
+            pages = self.layers.get(i) or make_layer_pages(self.kv_format, self.page_size, *dims, dtype, device)
+            per_layer.append({n: (tuple(t.shape[1:]), t.dtype) for n, t in _stored_tensors(pages).items()})
+        if all(specs == per_layer[0] for specs in per_layer):
+            return {n: ((len(layers), *shape), dt) for n, (shape, dt) in per_layer[0].items()}
+        return {f"{n}.{i}": spec for i, specs in zip(layers, per_layer) for n, spec in specs.items()}
 
-    def gather_pages(self, pages: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of ``pages`` ``[P]`` of every layer, in `layout` order: per layer keys ``[P, S, H, D]``, values."""
-        keys, values = zip(*(p.gather(pages.to(p.device)) for _, p in sorted(self.layers.items())))
-        return [k.clone() for k in keys], [v.clone() for v in values]
+    def make_layers(self, layers: list[int], dims: tuple[int, int, int], dtype: torch.dtype,
+                    device: torch.device) -> None:
+        """Empty pages for the ``layers`` that have none yet (keys/values of ``dims`` in ``dtype`` on ``device``)."""
+        for i in layers:
+            if i not in self.layers:
+                self.layers[i] = make_layer_pages(self.kv_format, self.page_size, *dims, dtype, device)
 
-    def scatter_pages(self, pages: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write ``keys``/``values`` (as `gather_pages` returns them) into ``pages`` of every layer."""
-        S = self.page_size
-        for (_, layer), k, v in zip(sorted(self.layers.items()), keys, values):
-            at = pages.to(layer.device)
-            layer.grow_to(int(at.max()) + 1 if at.numel() else 0)
-            slots = (at[:, None] * S + torch.arange(S, device=layer.device)).reshape(-1)
-            layer.write(slots, k.reshape(-1, *k.shape[2:]).to(layer.device, layer.dtype),
-                        v.reshape(-1, *v.shape[2:]).to(layer.device, layer.dtype))
+    def read_pages(self, pages: torch.Tensor, layers: list[int]) -> dict[str, torch.Tensor]:
+        """CPU copies of ``pages [P]`` of ``layers`` as stored, named as `page_specs` names them, ``[P, *shape]``."""
+        stacked = "." not in next(iter(self.page_specs(layers)))
+        out: dict[str, list[torch.Tensor]] = {}
+        for i in layers:
+            for name, tensor in _stored_tensors(self.layers[i]).items():
+                out.setdefault(name if stacked else f"{name}.{i}", []).append(tensor[pages.to(tensor.device)].cpu())
+        return {name: torch.stack(parts, dim=1) if stacked else parts[0] for name, parts in out.items()}
+
+    def write_pages(self, pages: torch.Tensor, layers: list[int], tensors: dict[str, torch.Tensor],
+                    num_pages: int) -> None:
+        """Write ``tensors`` (as `read_pages` returns them) into ``pages [P]`` of ``layers``, bytes as they are, after
+        growing them to the manager's ``num_pages`` (once: growing page by page would copy the pool every time)."""
+        stacked = all("." not in name for name in tensors)
+        for j, i in enumerate(layers):
+            layer = self.layers[i]
+            layer.grow_to(num_pages)
+            for name, tensor in _stored_tensors(layer).items():
+                source = tensors[name][:, j] if stacked else tensors[f"{name}.{i}"]
+                tensor[pages.to(tensor.device)] = source.to(tensor.device)
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over the layers (0 before the first write)."""
@@ -201,3 +222,8 @@ class PageStore:
     def pool_bytes(self) -> int:
         """Bytes allocated for every layer's pages."""
         return sum(pages.page_bytes() * pages.num_pages for pages in self.layers.values())
+
+
+def _stored_tensors(pages: FloatPages | QuantizedPages) -> dict[str, torch.Tensor]:
+    """A layer's page tensors (``[num_pages, ...]``: the format's bytes, scales included), by kernel operand name."""
+    return {name: t for name, t in pages.kernel_operands().items() if torch.is_tensor(t)}

@@ -206,11 +206,12 @@ class PageRows:
         twin.hashed_pages = self.hashed_pages
 
     # -------------------------------------------------------- prefix caching
-    def register_hashes(self, row_hashes: list[list[bytes]]) -> None:
-        """Give the rows' full pages their content hashes (they become reusable once released)."""
+    def register_hashes(self, row_hashes: list[list[bytes]], generated: bool = False) -> None:
+        """Give the rows' full pages their content hashes (they become reusable once released); ``generated``: they
+        were filled by decode steps (see `PrefixIndex.register_pages`)."""
         full = min(self.num_tokens // self.page_size, *(len(h) for h in row_hashes)) if row_hashes else 0
         for row, hashes in zip(self.rows, row_hashes):
-            self.prefix.register_pages(row, hashes, self.first_page, self.hashed_pages, full)
+            self.prefix.register_pages(row, hashes, self.first_page, self.hashed_pages, full, generated)
         self.hashed_pages = max(self.hashed_pages, full)
 
     def _needed_pages(self, pages: int) -> range:
@@ -219,7 +220,7 @@ class PageRows:
 
     def can_restore(self, row_hashes: list[list[bytes]], pages: int) -> bool:
         needed = self._needed_pages(pages)
-        return all(len(self.prefix.cached_run(h[needed.start:needed.stop])) == len(needed) for h in row_hashes)
+        return all(len(self.prefix.cached_run(h, needed.stop, needed.start)) == len(needed) for h in row_hashes)
 
     def restore(self, row_hashes: list[list[bytes]], pages: int) -> None:
         """Rows become the cached pages of their first ``pages`` pages (shared, counted as hits)."""

@@ -24,6 +24,7 @@ import torch
 from .errors import CacheUsageError
 from .model_config import CACHE_KWARG
 from .prefix_index import model_fingerprint, page_hashes
+from .prefix_store.tier import make_tier
 
 
 def check_hashable(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
@@ -136,12 +137,37 @@ class TokenLog:
 
 
 class PrefixReuse:
-    """The prefix-reuse part of `PagedCache` (``token_log``, ``prefix_hook``; see `PagedCache(model=...)`)."""
+    """The prefix-reuse part of `PagedCache` (``token_log``, ``prefix_hook``, ``store_tier``; see
+    `PagedCache(model=...)`)."""
+
+    def bind_model(self, model, prefix_store=None, store_spill: bool = True) -> None:
+        """Prefix caching for ``model`` (None: none): a token log and a forward hook; and a prefix store under the
+        pool (`hf_paged.prefix_store.tier.make_tier`), whose tier listens to the groups' indexes from each prompt on."""
+        if prefix_store is not None and model is None:
+            raise CacheUsageError("prefix_store= needs prefix caching: PagedCache(model=model, prefix_store=...).")
+        self.token_log = None if model is None else TokenLog(self.page_size)
+        self.prefix_hook = None if model is None else PrefixHook(self, model)
+        self.store_tier = make_tier(prefix_store, store_spill)
+
+    def attach_store(self) -> None:
+        """The store tier listens to every layer group's prefix index (groups change with `bind_config`)."""
+        for group in {id(layer.group): layer.group for layer in self.layers}.values():
+            members = [layer for layer in self.layers if layer.group is group]
+            self.store_tier.attach(group.prefix, [m.layer_idx for m in members], [m.sliding_window for m in members])
+
+    @property
+    def prefix_store(self):
+        """The prefix store this cache reads and writes (None without one): ``flush()`` waits for its writes."""
+        return None if self.store_tier is None else self.store_tier.store
+
+    def store_stats(self) -> dict:
+        """The store tier's counters (``store_*``; none without a store)."""
+        return {} if self.store_tier is None else self.store_tier.counters_snapshot()
 
     def fingerprint(self, model) -> bytes:
         """The root of this cache's page hashes when ``model`` computes its K/V (see `model_fingerprint`)."""
         windows = [layer.group.sliding_window for layer in self.layers]
-        return model_fingerprint(model, self.page_size, windows)
+        return model_fingerprint(model, self.page_size, windows, self.kv_format)
 
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      position_ids: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0) -> int:
@@ -198,12 +224,18 @@ def _before_forward(cache_ref, module, args, kwargs):
         return None
     attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
     check_hashable(attention_mask, position_ids)  # before any change
+    tier = cache.store_tier  # a prefix store: it times prefills, to weigh loading pages against computing them
+    if tier is not None:
+        tier.forward_done()
     cache.commit()  # hash the pages filled by the previous step before this one can free them
     cache.token_log.truncate(cache.get_seq_length())  # a forward that failed before any layer ran
     if cache.token_log.num_tokens < cache.get_seq_length():
         cache.token_log.stop()  # a forward this hook did not see (inputs_embeds, another model) wrote the cache
     if cache.get_seq_length() == 0:
         cache.token_log.root = cache.fingerprint(module)
+        if tier is not None:
+            cache.attach_store()
+            tier.bind(cache.token_log.root, module)
         logits_to_keep = kwargs.get("logits_to_keep", 0)
         reused = cache.reuse_prefix(input_ids, attention_mask, position_ids, logits_to_keep)
         if reused:
@@ -217,4 +249,6 @@ def _before_forward(cache_ref, module, args, kwargs):
             input_ids = input_ids[:, reused:]
             position_ids = None if position_ids is None else position_ids[..., reused:]
     cache.token_log.extend(input_ids, attention_mask, position_ids)
+    if tier is not None:
+        tier.forward_begins(input_ids.numel(), cache.page_size)
     return args, kwargs

@@ -37,10 +37,12 @@ from .attention import PagedKV, PagedView
 from .backends import check_backend, layer_backend
 from .block_manager import EVICTED, MAX_PAGE_SIZE, BlockManager
 from .errors import CacheUsageError, check_positive_int
-from .model_config import layer_windows
+from .kv_formats import check_kv_format
+from .model_config import head_dim, layer_windows
 from .page_store import PageStore
 from .page_tables import StepUndo, attention_span, copy_on_write, kernel_index
 from .prefix_index import PrefixIndex
+from .prefix_store.tier import make_tier
 from .stats import ragged_cache_stats
 from .thread_owner import ThreadOwner
 
@@ -106,11 +108,11 @@ class RaggedGroup:
     """The layers of a `RaggedCache` that keep the same tokens (one sliding window, or none): their block manager,
     page store and prefix index, and the step planned in them (``step``, ``undo`` until it is final)."""
 
-    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None):
+    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None, kv_format: str = "float"):
         self.sliding_window = sliding_window
         self.span = attention_span(sliding_window, page_size)
         self.manager = BlockManager(page_size, max_pages)
-        self.store = PageStore(page_size)
+        self.store = PageStore(page_size, kv_format)
         self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         self.step: RaggedStep | None = None
         self.undo: StepUndo | None = None
@@ -121,8 +123,8 @@ class RaggedGroup:
 
     def holds_window(self, hashes: list[bytes], pages: int) -> bool:
         """The pages this group needs after a prefix of ``pages`` full pages (``hashes``) are all cached here."""
-        return all(self.manager.lookup(h) is not None for h in hashes[self.first_needed(pages * self.span.page_size)
-                                                                         :pages])
+        first = self.first_needed(pages * self.span.page_size)  # (a prefix store may load the missing ones here)
+        return first >= pages or len(self.prefix.cached_run(hashes, pages, first)) == pages - first
 
     def step_pages(self, tables: list[list[int]], lengths: list[int],
                    counts: list[int]) -> list[tuple[int, int | None]]:
@@ -194,7 +196,7 @@ class RaggedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.pages = self.group.store.create(self.layer_idx, key_states, value_states)
         self.dtype, self.device = self.pages.dtype, self.pages.device
-        self.resolved_backend = layer_backend(self.backend, self.device, self.dtype)
+        self.resolved_backend = layer_backend(self.backend, self.pages)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -234,25 +236,36 @@ class RaggedCache(Cache):
         page_size: tokens per page.
         max_pages: pages in each group's pool (None: they grow); admission control keeps within it.
         backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
+        kv_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4", "fp8_e4m3").
+        prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
+            through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
     """
 
-    def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None):
+    def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None,
+                 kv_format: str = "float", prefix_store=None, store_spill: bool = True):
         if not isinstance(config, PretrainedConfig):
             raise CacheUsageError(f"config must be a transformers model config (model.config), got "
                                   f"{type(config).__name__}.")
         check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         check_positive_int("max_pages", max_pages, allow_none=True)
         check_backend(backend)
+        check_kv_format(kv_format, head_dim=head_dim(config))
         layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
         if "chunked_attention" in layer_types:
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
                                   "model.generate with a PagedCache for this model.")
-        self.page_size, self.backend = page_size, backend
+        self.page_size, self.backend, self.kv_format = page_size, backend, kv_format
         windows = layer_windows(config)
         widest_first = sorted(set(windows), key=lambda w: -math.inf if w is None else -w)
-        self.groups = [RaggedGroup(w, page_size, max_pages) for w in widest_first]
+        self.groups = [RaggedGroup(w, page_size, max_pages, kv_format) for w in widest_first]
         by_window = dict(zip(widest_first, self.groups))
         super().__init__(layers=[RaggedLayer(self, by_window[w], i) for i, w in enumerate(windows)])
+        self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
+        if self.store_tier is not None:
+            for group in self.groups:
+                layers = [layer for layer in self.layers if layer.group is group]
+                self.store_tier.attach(group.prefix, [layer.layer_idx for layer in layers],
+                                       [layer.sliding_window for layer in layers])
         self.sequences: dict[int, SequencePages] = {}
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
         self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``
@@ -359,11 +372,11 @@ class RaggedCache(Cache):
             for group, table in zip(self.groups, seq.tables):
                 group.manager.release_row(table)
 
-    def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int) -> None:
+    def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int, generated: bool = False) -> None:
         """The sequence's full logical pages ``[start, end)`` get their content hashes ``hashes[i]`` in every group
-        (pages that left a window are skipped)."""
+        (pages that left a window are skipped); ``generated``: decode steps filled them (for a prefix store)."""
         for group, table in zip(self.groups, self.sequences[seq_id].tables):
-            group.prefix.register_pages(table, hashes, 0, start, end)
+            group.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
         """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it in ``groups[0]``
@@ -416,12 +429,18 @@ class RaggedCache(Cache):
             group.abort()
 
     def stats(self) -> dict:
-        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`)."""
-        return ragged_cache_stats(self)
+        """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`), and with
+        a prefix store its counters (``store_*``)."""
+        return {**ragged_cache_stats(self), **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""
         return sum(group.store.page_bytes() for group in self.groups)
+
+    @property
+    def prefix_store(self):
+        """The prefix store this cache reads and writes (None without one): ``flush()`` waits for its writes."""
+        return None if self.store_tier is None else self.store_tier.store
 
     # ------------------------------------------------------------ transformers
     def get_seq_length(self, layer_idx: int = 0) -> int:

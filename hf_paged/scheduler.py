@@ -188,7 +188,7 @@ class Scheduler:
             return
         hashes = seq.request.hashes if full <= len(seq.request.hashes) else page_hashes(
             seq.tokens[:full * self.S], [1] * (full * self.S), list(range(full * self.S)), self.S, 0, self.root)
-        self.cache.hash_pages(seq.out_index, hashes, seq.hashed, full)
+        self.cache.hash_pages(seq.out_index, hashes, seq.hashed, full, generated=full > len(seq.request.hashes))
         for content_hash in hashes[seq.hashed:full]:
             if self.computing.get(content_hash) is seq:
                 del self.computing[content_hash]

@@ -52,6 +52,7 @@ from hf_paged.evaluation import benchmark as study  # noqa: E402
 from hf_paged.evaluation.benchmark import (  # noqa: E402
     ALL_BATCH_SIZES, ALL_CONTEXTS, ALL_MODES, ALL_PAGE_SIZES, BASE, DEFAULT_SET, DEFAULTS, QUICK, QUICK_SET, mode_list)
 from hf_paged.evaluation.formats import int_list  # noqa: E402
+from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
 
 HELP_EPILOG = f"""\
 configurations:
@@ -90,6 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=int_list, default=None, help="prompts per batch, e.g. 1,8")
     p.add_argument("--modes", type=mode_list, default=None, help="e.g. greedy,beam4,sample8")
     p.add_argument("--page-sizes", type=int_list, default=None, help="PagedCache page sizes, e.g. 16,128")
+    p.add_argument("--kv-format", default="float", choices=KV_FORMATS,
+                   help="page format of every PagedCache (hf_paged.kv_formats): float (the model's dtype), int8, int4, "
+                        "fp8_e4m3 (CUDA)")
     p.add_argument("--full", action="store_true", help="cross product of all axis lists")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens generated per row (default {DEFAULTS['new_tokens']}; --quick {QUICK['new_tokens']})")

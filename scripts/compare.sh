@@ -5,7 +5,7 @@
 # (scripts/many_prompts.py: generate_many against generate and transformers' continuous batching, about 6.5
 # minutes). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored); nothing tracked changes.
 #
-#   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install]
+#   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install] [--prefix-store]
 #     --quick        smoke test of every part (about 90 s on 2 idle cores); its numbers are not results
 #     --threads N    torch threads for every part (default: the idle cores, i.e. cores minus the load average,
 #                    at least 1; too many threads on a busy machine make every ratio noise)
@@ -13,16 +13,20 @@
 #                    stored results in results/ each have their own command, named in docs/ (benchmark.md,
 #                    perplexity.md, many_prompts.md, ...)
 #     --no-install   skip scripts/install.sh and use the `python` on PATH as it is
+#     --prefix-store also time the first token of a 2k-token prompt in fresh processes, computed or loaded from a
+#                    folder or Redis prefix store (scripts/prefix_store.py, about 10 minutes; --quick: 3 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-QUICK=() THREADS="" OUT="" INSTALL=1
+QUICK=() THREADS="" OUT="" INSTALL=1 STORE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=(--quick) ;;
     --threads) THREADS=${2:?--threads needs a number}; shift ;;
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --no-install) INSTALL="" ;;
-    *) echo "compare.sh: unknown argument '$1' (expected --quick, --threads N, --out DIR, --no-install)" >&2; exit 2 ;;
+    --prefix-store) STORE=1 ;;
+    *) echo "compare.sh: unknown argument '$1' (expected --quick, --threads N, --out DIR, --no-install," \
+            "--prefix-store)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -41,4 +45,5 @@ echo "compare.sh: torch threads $THREADS ($(nproc) cores, load average $(cut -d'
 python scripts/benchmark.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/benchmark"
 python scripts/perplexity.py --mode streaming "${QUICK[@]}" --threads "$THREADS" --out "$OUT/perplexity"
 python scripts/many_prompts.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/many_prompts"
+[ -z "$STORE" ] || python scripts/prefix_store.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/prefix_store"
 echo "compare.sh: done in $(( $(date +%s) - START )) s; results in $OUT/ (benchmark/, perplexity/, many_prompts/: .md, .json, .png)"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 
 from hf_paged.evaluation import many_prompts as study
+from hf_paged.kv_formats import KV_FORMATS
 
 
 def parse_args(argv=None):
@@ -45,10 +46,14 @@ def parse_args(argv=None):
     p.add_argument("--system-prompt", type=int, default=0, help="tokens of a shared passage before every prompt")
     p.add_argument("--batch-size", type=int, default=8, help="generate's batch size (dynamic, paged)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="generate_many's tokens per step")
+    p.add_argument("--kv-format", default="float", choices=KV_FORMATS, help="page format of the PagedCache and "
+                   "generate_many's RaggedCache (hf_paged.kv_formats)")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="transformers CB's tokens per step")
     p.add_argument("--vllm", default=None, help="'auto' (.venv-vllm if present; the default, 'off' with --quick), "
                    "'off', or a python with vllm")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix-store", default=None, help="generate_many's prefix store (a folder, file:///dir or "
+                   "redis://host:port/db); from the second repeat on it holds every prompt")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: 4 short prompts, 1 repeat")
     p.add_argument("--out", default="runs/many_prompts")

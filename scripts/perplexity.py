@@ -52,6 +52,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from hf_paged import assets  # noqa: E402
 from hf_paged.evaluation import perplexity as study  # noqa: E402
 from hf_paged.evaluation.formats import int_list  # noqa: E402
+from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
 from hf_paged.evaluation.perplexity import DEFAULTS, QUICK  # noqa: E402
 
 
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"use the first N tokens of the text (0: all; default {DEFAULTS['max_tokens']}, "
                         f"--quick {QUICK['max_tokens']})")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-format", default="float", choices=KV_FORMATS,
+                   help="page format of every PagedCache (hf_paged.kv_formats): float (the model's dtype), int8, int4, "
+                        "fp8_e4m3 (CUDA)")
     p.add_argument("--window", type=int, default=512, help="strided: tokens per window")
     p.add_argument("--stride", type=int, default=256, help="strided: window step (the scored tokens per window)")
     p.add_argument("--chunk", type=int, default=None, help="streaming: tokens per forward; none: one page")

@@ -21,11 +21,22 @@ rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.p
 the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
 quartiles), with the load average before and after.
 
+Part ``cache``: the real caches with each format the CPU reads (float, int8, int4) on the embedded SmolLM2
+(float32, "hf_paged"): KV bytes per token from ``PagedCache.stats()["kv_bytes"]`` after a prefill (float pages
+of a float32 and of a bfloat16 model, int8, int4; scales included); perplexity of ``--max-tokens`` tokens in one
+forward through each format's pages, with paired intervals against float pages; greedy agreement of
+``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts`` prompts of
+32-256 tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt); and ``generate``'s
+decode speed at each ``--decode-contexts`` length: every format's cache is prefilled once, then each round
+decodes ``--decode-tokens`` tokens from a fork of it, formats alternating (CPU time per token, medians and
+quartiles of per-round ratios over ``--repeats`` rounds).
+
 Writes ``--out`` (default runs/quantized, git-ignored)/quantized.md, quantized.json and quantized.png. The
 study is `hf_paged.evaluation.quantized`.
 
 Examples:
-    python scripts/quantized.py                          # both parts (about 10 minutes on 1 idle core)
+    python scripts/quantized.py                          # every part (about 30 minutes on 1 idle core)
+    python scripts/quantized.py --parts cache --repeats 5 --out results/quantized/cache
     python scripts/quantized.py --parts speed --contexts 4096 --batches 1
     python scripts/quantized.py --quick                  # smoke test, not a result
 """
@@ -63,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help=f"speed: rounds (default {DEFAULTS['repeats']})")
     p.add_argument("--calls", type=int, default=None, help=f"speed: kernel calls per format and round "
                                                            f"(default {DEFAULTS['calls']})")
+    p.add_argument("--decode-contexts", type=int_list, default=None,
+                   help=f"cache: prompt lengths of generate's decode speed (default {DEFAULTS['decode_contexts']})")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help=f"cache: new tokens per timed generate (default {DEFAULTS['decode_tokens']})")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"cache: prompts of the many-prompts workload (default {DEFAULTS['num_prompts']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
     p.add_argument("--quick", action="store_true", help="smoke test (seconds to a minute, not a result)")
     p.add_argument("--out", default="runs/quantized", help="output folder (git-ignored runs/)")
@@ -70,11 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
-            setattr(args, key, int_list(value) if key in ("contexts", "batches") else value)
+            setattr(args, key, int_list(value) if key in ("contexts", "batches", "decode_contexts") else value)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if not args.parts or set(args.parts) - set(PARTS):
         p.error(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {','.join(args.parts)!r}")
-    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads"):
+    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads", "decode_tokens", "num_prompts"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     return args

@@ -118,3 +118,12 @@ def test_a_cache_that_needs_its_layers_up_front_says_so():
     hf_paged.plan_compiled_steps(model)
     with pytest.raises(hf_paged.CacheUsageError, match="config=model.config"):
         model(torch.tensor([[5, 6]]), **{CACHE: hf_paged.PagedCache(4)})
+
+
+def test_quantized_pages_are_refused_under_the_hook_before_any_work():
+    _, model = make_pair("llama")
+    hf_paged.plan_compiled_steps(model)
+    cache = hf_paged.PagedCache(4, config=model.config, kv_format="int8")
+    with pytest.raises(hf_paged.CacheUsageError, match="kv_format='int8'"):
+        model(torch.tensor([[5, 6]]), **{CACHE: cache})
+    assert cache.get_seq_length() == 0

@@ -205,6 +205,18 @@ def test_generate_distributed_single_process_and_empty(tiny_model_dir):
     assert empty.results == [] and empty.summary["total"]["new_tokens"] == 0
 
 
+def test_a_prefix_store_carries_prompts_from_one_run_to_the_next(tiny_model_dir, tmp_path):
+    from hf_paged.distributed import format_summary
+    model, tokenizer = assets.load_model_and_tokenizer(str(tiny_model_dir), attn_implementation="hf_paged")
+    prompts = assets.britannica_prompts(3, 20, 40, seed=2)
+    runs = [generate_distributed(model, tokenizer, prompts, max_new_tokens=4, page_size=4, state=make_state(),
+                                 progress=False, prefix_store=str(tmp_path)) for _ in range(2)]
+    assert runs[0].results == runs[1].results
+    first, second = (run.summary["ranks"][0]["kv"] for run in runs)
+    assert first["store_hits"] == 0 and first["store_pages_written"] > 0
+    assert second["store_hits"] > 0 and second["store_misses"] == 0 and "store:" in format_summary(runs[1].summary)
+
+
 # --------------------------------------------------------------------------------- device_map
 def _check_pools_follow_layers(model, cache, dtype):
     decoder_layers = model.model.layers

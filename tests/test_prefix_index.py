@@ -27,8 +27,11 @@ class Recorder(PrefixListener):
     def page_evicted(self, index, page, content_hash):
         self.events.append(("evicted", page, content_hash))
 
-    def lookup_missed(self, index, hashes):
-        self.events.append(("missed", len(hashes)))
+    def run_hashed(self, index, pages, hashes, start, generated):
+        self.events.append(("run", list(pages), start))
+
+    def lookup_missed(self, index, hashes, start):
+        self.events.append(("missed", len(hashes) - start))
 
 
 def test_events_follow_a_page_from_its_hash_to_its_eviction():
@@ -38,7 +41,7 @@ def test_events_follow_a_page_from_its_hash_to_its_eviction():
     a, b = manager.allocate(), manager.allocate()
     index.register_pages([a, b], [b"ha", b"hb"], 0, 0, 2)
     manager.release_row([a, b])  # both stay cached (hashed), b evicted first (tail first)
-    assert heard.events == [("hashed", a, b"ha"), ("hashed", b, b"hb")]
+    assert heard.events == [("hashed", a, b"ha"), ("hashed", b, b"hb"), ("run", [a, b], 0)]
     assert index.cached_run([b"ha", b"hb", b"hc"]) == [a, b] and heard.events[-1] == ("missed", 1)
     assert manager.allocate() == b and heard.events[-1] == ("evicted", b, b"hb")  # taken for reuse
     assert index.cached_run([b"ha", b"hb"]) == [a] and heard.events[-1] == ("missed", 1)
@@ -56,17 +59,15 @@ def test_a_listener_supplies_the_pages_a_lookup_misses():
     class Tier(PrefixListener):
         calls = 0
 
-        def lookup_missed(self, index, hashes):
+        def lookup_missed(self, index, hashes, start):
             Tier.calls += 1
-            for h in hashes:
-                if h not in tier:
-                    return
+            run = [h for h in hashes[start:] if h in tier]
 
-                def write(page, kv=tier[h]):
-                    index.store.layers[0].grow_to(manager.num_pages)
-                    slots = torch.arange(page * 2, page * 2 + 2)
-                    index.store.layers[0].write(slots, kv, -kv)
-                index.load(h, write)
+            def write(rows, pages):
+                index.store.layers[0].grow_to(manager.num_pages)
+                for row, page in zip(rows, pages):
+                    index.store.layers[0].write(torch.arange(page * 2, page * 2 + 2), tier[run[row]], -tier[run[row]])
+            assert index.load_run(run, write) == 2
 
     index.add_listener(Tier())
     run = index.cached_run([b"h0", b"h1", b"h2"])
@@ -102,24 +103,31 @@ def test_generate_many_registers_pages_through_the_index_and_tells_listeners():
 
 
 def test_a_run_of_pages_goes_out_of_the_store_and_back_into_fresh_pages():
-    """What a prefix store outside the pool needs: the page layout of every layer, a run of pages copied out
-    (`gather_pages`) and loaded into fresh pages of another pool under their hashes (`load_pages`), cached."""
+    """What a prefix store outside the pool needs: the pages' specs over layers, a run of pages copied out
+    (`read_pages`) and loaded into fresh pages of another pool under their hashes (`load_run`), cached."""
     store = PageStore(page_size=2)
     for layer, heads in ((0, 1), (1, 2)):
         pages = store.create(layer, torch.zeros(1, heads, 1, 4), torch.zeros(1, heads, 1, 3))
         pages.grow_to(3)
         pages.write(torch.arange(6), torch.randn(6, heads, 4), torch.randn(6, heads, 3))
-    assert store.layout()[1]["tensors"] == {"k_pool": ((2, 2, 4), "torch.float32"),
-                                            "v_pool": ((2, 2, 3), "torch.float32")}
-    keys, values = store.gather_pages(torch.tensor([2, 0]))
+    assert store.page_specs([0, 1]) == {"k_pool.0": ((2, 1, 4), torch.float32), "v_pool.0": ((2, 1, 3), torch.float32),
+                                        "k_pool.1": ((2, 2, 4), torch.float32), "v_pool.1": ((2, 2, 3), torch.float32)}
+    tensors = store.read_pages(torch.tensor([2, 0]), [0, 1])
     manager, other = BlockManager(page_size=2, initial_pages=4), PageStore(page_size=2)
     for layer, heads in ((0, 1), (1, 2)):
         other.create(layer, torch.zeros(1, heads, 1, 4), torch.zeros(1, heads, 1, 3))
     index = PrefixIndex(manager, other)
-    loaded = index.load_pages([b"a", b"b"], keys, values)
-    assert index.cached_run([b"a", b"b"]) == loaded and len(manager.cached) == 2 and manager.num_used == 0
-    back_keys, back_values = other.gather_pages(torch.tensor(loaded))
-    assert all(torch.equal(a, b) for a, b in zip(keys + values, back_keys + back_values))
+
+    def write(rows, pages):
+        at = torch.tensor(rows)
+        other.write_pages(torch.tensor(pages), [0, 1], {name: t[at] for name, t in tensors.items()},
+                          manager.num_pages)
+
+    assert index.load_run([b"a", b"b"], write) == 2
+    loaded = index.cached_run([b"a", b"b"])
+    assert len(loaded) == 2 and len(manager.cached) == 2 and manager.num_used == 0
+    back = other.read_pages(torch.tensor(loaded), [0, 1])
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[name], tensors[name]) for name in tensors)
 
 
 def test_listener_counters_join_the_cache_stats():

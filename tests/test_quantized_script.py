@@ -79,3 +79,21 @@ def test_perplexity_part_on_the_real_model(tmp_path):
     assert rows["int4"]["kl_mean"] > rows["int8"]["kl_mean"]
     assert all(r["low"] <= r["relative"] <= r["high"] for r in rows.values())
     assert len(rows) == len(quantized.schemes(64, 16))
+
+
+@pytest.mark.slow
+def test_cache_part_measures_the_real_caches(tmp_path):
+    """Through PagedCache/generate_many pages: bytes per token from stats() (int8 about a quarter of float32's),
+    float pages as their own reference, agreement counted per prompt, decode ratios against float pages."""
+    assert quantized.main(["--quick", "--parts", "cache", "--max-tokens", "64", "--decode-contexts", "48",
+                           "--decode-tokens", "2", "--num-prompts", "2", "--repeats", "1", "--out", str(tmp_path),
+                           "--no-progress"]) == 0
+    cache = json.loads((tmp_path / "quantized.json").read_text())["cache"]
+    sizes = cache["bytes_per_token"]
+    assert sizes["bfloat16"] == sizes["float32"] / 2 and 0.25 < sizes["int8"] / sizes["float32"] <= 0.27
+    assert sizes["int4"] < sizes["int8"]
+    assert cache["perplexity"][0]["kv_format"] == "float" and cache["perplexity"][0]["relative"] == 0
+    assert [row["kv_format"] for row in cache["agreement"]] == ["int8", "int4"]
+    assert all(len(row["tokens_before_divergence"]) == 2 for row in cache["agreement"])
+    assert {(r["context"], r["kv_format"]) for r in cache["decode"]} == {(48, f) for f in quantized.CACHE_FORMATS}
+    assert "## Through the real caches" in (tmp_path / "quantized.md").read_text()

@@ -167,12 +167,14 @@ def fresh_cache(model, kind: str, cfg: Config, budget: int | None = None, budget
     """A new cache of ``kind``: DynamicCache, the unbounded PagedCache ("paged"), or the PagedCache held to
     ``budget`` tokens per row and layer ("bounded": a pool of ``budget // page size`` pages per row the
     configuration decodes; a longer prompt is cut to it after prefill)."""
+    options = dict(budget_options or {})
+    kv_format = options.pop("kv_format", "float")  # of every PagedCache (a DynamicCache ignores it)
     if kind != "bounded":
-        return make_cache(kind, model, cfg.page_size)
+        return make_cache(kind, model, cfg.page_size, kv_format=kv_format)
     page_size = budget_page_size or cfg.page_size
     rows = cfg.batch * parse_mode(cfg.mode)["rows_per_prompt"]
     return make_cache("paged", model, page_size, max_pages=rows * (budget // page_size), compress_prompt=True,
-                      **budget_options or {})
+                      kv_format=kv_format, **options)
 
 
 def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, budget: int,
@@ -573,10 +575,10 @@ def main(args, argv: list[str]) -> dict:
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
                     seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
                     budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
-                    budget_score_signal=args.budget_score_signal, argv=list(argv),
+                    budget_score_signal=args.budget_score_signal, kv_format=args.kv_format, argv=list(argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
-    budget_options = {}  # PagedCache arguments of the bounded cache that --budget-* flags set
+    budget_options = {"kv_format": args.kv_format}  # PagedCache arguments: every one's format, the bounded one's flags
     if args.budget_eviction:
         budget_options["eviction"] = args.budget_eviction
     if args.budget_per_layer:

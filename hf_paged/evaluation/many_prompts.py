@@ -64,7 +64,8 @@ def run_generate(model, prompts, wanted, args, paged: bool):
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         first = FirstToken()
-        kwargs = {hf_paged.CACHE_KWARG: hf_paged.PagedCache(config=model.config)} if paged else {}
+        cache = hf_paged.PagedCache(config=model.config, kv_format=args.kv_format) if paged else None
+        kwargs = {hf_paged.CACHE_KWARG: cache} if paged else {}
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(wanted[b:b + len(batch)]),
                              do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([first]), **kwargs)
         first_times += [first.time - start] * len(batch)
@@ -100,13 +101,17 @@ def run_transformers_cb(model, prompts, wanted, args):
 
 def run_generate_many(model, prompts, wanted, args):
     """`stream_many` on a fresh cache; a packed model (`hf_paged.pack_linear_weights`) runs packed."""
-    cache = hf_paged.RaggedCache(model.config, page_size=16)
+    cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format,
+                                 prefix_store=getattr(args, "prefix_store", None))
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
     for index, token in hf_paged.stream_many(model, prompts, max_new_tokens=wanted, eos_token_id=[], cache=cache,
                                              max_batch_tokens=args.max_batch_tokens, progress=False):
         first_times[index] = first_times[index] or time.perf_counter() - start
         outputs[index].append(token)
+    if cache.prefix_store is not None:
+        cache.prefix_store.flush()
+        print("generate_many prefix store:", {k: v for k, v in cache.stats().items() if k.startswith("store_")})
     return outputs, first_times, time.perf_counter() - start, cache.prefix_hits
 
 
@@ -181,7 +186,9 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"{s['num_prompts']} prompts of {s['min_len']}-{s['max_len']} tokens"
              + (f" after a shared {s['system_prompt']}-token system prompt" if s["system_prompt"] else "")
-             + f", {s['short_new']} or {s['long_new']} new tokens each, greedy; {result['threads']} thread(s), "
+             + f", {s['short_new']} or {s['long_new']} new tokens each, greedy; "
+             + (f"{s['kv_format']} pages; " if s.get("kv_format", "float") != "float" else "")
+             + f"{result['threads']} thread(s), "
              f"load average {result['load_average']}, median of {s['repeats']}"
              + (". Smoke test (--quick): checks that everything runs; its numbers are not results"
                 if s["quick"] else ""),

@@ -95,8 +95,8 @@ def run_strided(args, state, models, ids, progress) -> dict:
             for kind in ("dynamic", "paged"):
                 model = models[kind]
                 t0 = time.perf_counter()
-                nll, count = window_nll(model, make_cache(kind, model, args.page_size), ids, begin, end, trg,
-                                        state.device)
+                cache = make_cache(kind, model, args.page_size, kv_format=args.kv_format)
+                nll, count = window_nll(model, cache, ids, begin, end, trg, state.device)
                 rec[f"{kind}_nll_sum"], rec["tokens"] = nll, count
                 rec[f"{kind}_wall_s"] = time.perf_counter() - t0
             records.append(rec)
@@ -105,8 +105,9 @@ def run_strided(args, state, models, ids, progress) -> dict:
     records = sorted(gather_object(records), key=lambda r: r["index"])
     tokens = sum(r["tokens"] for r in records)
     rows = []
+    fmt = "" if args.kv_format == "float" else f", kv_format={args.kv_format!r}"
     for kind, label, cache_name, attn in (("dynamic", "DynamicCache", "DynamicCache", "sdpa"),
-                                         ("paged", "PagedCache", f"PagedCache(page_size={args.page_size})",
+                                         ("paged", "PagedCache", f"PagedCache(page_size={args.page_size}{fmt})",
                                           "hf_paged")):
         nll = math.fsum(r[f"{kind}_nll_sum"] for r in records)
         rows.append(dict(name=kind, label=label, cache=cache_name, attn_implementation=attn, nll_sum=nll,
@@ -153,7 +154,8 @@ def run_streaming(args, state, models, ids, progress) -> dict:
             try:
                 model = models[cfg["kind"]]
                 paged = cfg["kind"] == "paged"
-                paged_kwargs = dict(max_pages=cfg["max_pages"], **cfg["policy_kwargs"]) if paged else {}
+                paged_kwargs = (dict(max_pages=cfg["max_pages"], kv_format=args.kv_format, **cfg["policy_kwargs"])
+                                if paged else {})
                 cache = make_cache(cfg["kind"], model, args.page_size, **paged_kwargs)
                 nll = CacheStream(model, cache, hf_paged.CACHE_KWARG).score(ids[None], args.chunk, bar)[0]
             except Exception as exc:  # noqa: BLE001  a row that fails is reported, the others still run

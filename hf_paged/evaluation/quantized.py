@@ -2,7 +2,10 @@
 
 The study behind scripts/quantized.py (which documents both parts and the arguments): `perplexity_part` scores
 the embedded text through `SimulatedPages`, a DynamicCache that keeps what each page `Scheme` hands back;
-`speed_part` times the C kernel's decode call on one SmolLM2-shaped layer with pages of each format.
+`speed_part` times the C kernel's decode call on one SmolLM2-shaped layer with pages of each format; `cache_part`
+measures the real caches with quantized pages (`PagedCache(kv_format=...)`, `generate_many(kv_format=...)`): KV bytes
+per token from ``stats()``, perplexity, greedy agreement with float pages over the many-prompts workload, and
+``generate``'s decode speed.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ from .intervals import paired_ratio_interval
 from .run_info import load_average, versions
 from .text import load_token_ids
 
-PARTS = ("perplexity", "speed")
+PARTS = ("perplexity", "speed", "cache")
+CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4")
 LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
 TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
-DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20)
-QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3)
+DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20,
+                decode_contexts="1024,4096", decode_tokens=32, num_prompts=16)
+QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3, decode_contexts="128,256",
+             decode_tokens=4, num_prompts=4)
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -229,7 +235,128 @@ def speed_part(args, progress) -> dict:
                 results=results)
 
 
+# ------------------------------------------------------------------------------------- the real caches
+def _bytes_per_token(model, ids: torch.Tensor, page_size: int, kv_format: str) -> float:
+    """``stats()["kv_bytes"]`` of a `PagedCache` in ``kv_format`` after a prefill of ``ids``, per token."""
+    import hf_paged
+
+    cache = hf_paged.PagedCache(page_size=page_size, config=model.config, kv_format=kv_format)
+    with torch.no_grad():
+        model(input_ids=ids[None], use_cache=True, **{hf_paged.CACHE_KWARG: cache})
+    return cache.stats()["kv_bytes"] / len(ids)
+
+
+def _first_divergence(got: list[int], want: list[int]) -> int:
+    """Tokens of ``got`` equal to ``want`` before the first that differs."""
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+def cache_part(args, progress) -> dict:
+    """Bytes, perplexity, greedy agreement and decode speed through `PagedCache`/`generate_many` pages."""
+    import types
+
+    import hf_paged
+
+    from .many_prompts import workload
+
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
+    model.generation_config.eos_token_id = None
+    ids, info = load_token_ids(tokenizer, args.max_tokens)
+    bar = progress(total=2 + 2 * len(CACHE_FORMATS) + len(args.decode_contexts) * (1 + args.repeats),
+                   desc="real caches")
+    # KV bytes per token: float pages of a float32 and a bfloat16 model, int8 and int4 pages (scales included)
+    tokens = ids[: args.page_size * max(1, len(ids) // (2 * args.page_size))]  # whole pages
+    bf16, _ = assets.load_model_and_tokenizer(args.model, dtype=torch.bfloat16, attn_implementation="hf_paged")
+    sizes = {"float32": _bytes_per_token(model, tokens, args.page_size, "float"),
+             "bfloat16": _bytes_per_token(bf16, tokens, args.page_size, "float")}
+    del bf16
+    bar.update(1)
+    for kv_format in CACHE_FORMATS[1:]:
+        sizes[kv_format] = _bytes_per_token(model, tokens, args.page_size, kv_format)
+    bar.update(1)
+    # perplexity: one forward of the text through each format's pages, paired intervals against float pages
+    nll_rows, reference = [], None
+    for kv_format in CACHE_FORMATS:
+        cache = hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=kv_format)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=True, **{hf_paged.CACHE_KWARG: cache}).logits[0, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        del logits
+        nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
+        blocks = [(float(nll[b:b + args.block].sum()), len(nll[b:b + args.block])) for b in range(0, len(nll),
+                                                                                                    args.block)]
+        row = dict(kv_format=kv_format, perplexity=math.exp(float(nll.mean())), block_nll=[b for b, _ in blocks])
+        if reference is None:
+            reference, ref_row = logp, row
+        ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], [n for _, n in blocks])
+        row.update(relative=ratio, low=low, high=high, kl_mean=float((reference.exp() * (reference - logp)).sum(-1)
+                                                                     .mean()),
+                   top1_agreement=float((logp.argmax(-1) == reference.argmax(-1)).float().mean()))
+        nll_rows.append(row)
+        bar.update(1)
+    del reference, logp
+    # greedy agreement with float pages: generate_many over the many-prompts workload
+    shape = types.SimpleNamespace(system_prompt=0, num_prompts=args.num_prompts, min_len=32, max_len=256,
+                                  short_new=8, long_new=64)
+    prompts, wanted = workload(tokenizer, shape)
+    outputs = {}
+    for kv_format in CACHE_FORMATS:
+        outputs[kv_format] = hf_paged.generate_many(model, prompts, max_new_tokens=wanted, eos_token_id=[],
+                                                    page_size=args.page_size, kv_format=kv_format, progress=False)
+        bar.update(1)
+    agreement = []
+    for kv_format in CACHE_FORMATS[1:]:
+        same = [_first_divergence(got, want) for got, want in zip(outputs[kv_format], outputs["float"])]
+        agreement.append(dict(kv_format=kv_format, prompts=len(prompts), wanted=wanted, tokens_before_divergence=same,
+                              equal=sum(s == n for s, n in zip(same, wanted)), agreeing_share=sum(same) / sum(wanted)))
+    # decode speed of generate: each format's cache prefilled once per context, then every round decodes from a
+    # fork of it (pages shared, the partial last page copied), formats alternating, CPU time per new token
+    speed = []
+    for context in args.decode_contexts:
+        prompt = load_token_ids(tokenizer, context)[0][None] if context > len(ids) else ids[None, :context]
+        caches = {}
+        for kv_format in CACHE_FORMATS:
+            caches[kv_format] = hf_paged.PagedCache(page_size=args.page_size, config=model.config,
+                                                    kv_format=kv_format)
+            with torch.no_grad():
+                model(input_ids=prompt[:, :-1], use_cache=True, **{hf_paged.CACHE_KWARG: caches[kv_format]})
+        bar.update(1)
+        times = {kv_format: [] for kv_format in CACHE_FORMATS}
+        for round_ in range(args.repeats):
+            shift = round_ % len(CACHE_FORMATS)
+            for kv_format in CACHE_FORMATS[shift:] + CACHE_FORMATS[:shift]:
+                fork = caches[kv_format].fork()
+                cpu, wall = time.process_time(), time.perf_counter()
+                model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                               max_new_tokens=args.decode_tokens, pad_token_id=0, **{hf_paged.CACHE_KWARG: fork})
+                times[kv_format].append(((time.process_time() - cpu) / args.decode_tokens,
+                                         (time.perf_counter() - wall) / args.decode_tokens))
+                del fork
+            bar.update(1)
+        for kv_format in CACHE_FORMATS:
+            ratios = [c / f for (c, _), (f, _) in zip(times[kv_format], times["float"])]
+            q1, median, q3 = quartiles(ratios)
+            speed.append(dict(context=context, kv_format=kv_format,
+                              cpu_ms=1e3 * statistics.median(c for c, _ in times[kv_format]),
+                              wall_ms=1e3 * statistics.median(w for _, w in times[kv_format]),
+                              cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3,
+                              kv_bytes=caches[kv_format].stats()["kv_bytes"]))
+        del caches
+    bar.close()
+    return dict(text=info, page_size=args.page_size, bytes_per_token=sizes, bytes_tokens=len(tokens),
+                perplexity=nll_rows, agreement=agreement, decode=speed, decode_tokens=args.decode_tokens,
+                threads=torch.get_num_threads())
+
+
 # ------------------------------------------------------------------------------------------- output
+def _interval(row: dict) -> str:
+    return f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]"
+
+
+def _quartiles(row: dict) -> str:
+    return f"{row['cpu_ratio']:.2f}x [{row['cpu_ratio_q1']:.2f}, {row['cpu_ratio_q3']:.2f}]"
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = ["# Quantized pages: perplexity, bytes and decode speed", ""]
@@ -245,8 +372,7 @@ def markdown(report: dict) -> str:
                   "| pages | perplexity | vs float32 [95% interval] | KL mean | KL p99 | top-1 agreement | "
                   "bytes/token | vs float32 | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in r["rows"]:
-            vs = ("—" if row["name"] == "float32" else
-                  f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]")
+            vs = "—" if row["name"] == "float32" else _interval(row)
             lines.append(f"| {row['name']} | {row['perplexity']:.4f} | {vs} | {row['kl_mean']:.5f} | "
                          f"{row['kl_p99']:.4f} | {row['top1_agreement']:.4f} | {row['bytes_per_token']:.0f} | "
                          f"{row['bytes_ratio']:.3f}x | {row['note']} |")
@@ -262,12 +388,65 @@ def markdown(report: dict) -> str:
                   "", "| context | batch | pages | CPU ms/call | wall ms/call | vs float32 (CPU) | KV MiB |",
                   "|---:|---:|---|---:|---:|---:|---:|"]
         for row in r["results"]:
-            ratio = (f"{row['cpu_ratio']:.2f}x [{row['cpu_ratio_q1']:.2f}, {row['cpu_ratio_q3']:.2f}]"
-                     if row["format"] != "float32" else "—")
+            ratio = _quartiles(row) if row["format"] != "float32" else "—"
             lines.append(f"| {row['context']} | {row['batch']} | {row['format']} | {row['cpu_ms']:.3f} | "
                          f"{row['wall_ms']:.3f} | {ratio} | {row['kv_bytes'] / 2**20:.1f} |")
         lines.append("")
+    if "cache" in report:
+        lines += cache_markdown(report["cache"], report["environment"])
     return "\n".join(lines)
+
+
+def _table(header: str, cells: list[list]) -> list[str]:
+    """A markdown table: ``header`` ("| a | b |" with "<" after a left-aligned column's name), then one row each."""
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rule = "|".join("---" if n.endswith("<") else "---:" for n in names)
+    return ["| " + " | ".join(n.rstrip("<") for n in names) + " |", f"|{rule}|"] + \
+        ["| " + " | ".join(map(str, row)) + " |" for row in cells]
+
+
+def cache_markdown(r: dict, environment: dict) -> list[str]:
+    """The `cache_part` tables."""
+    sizes = r["bytes_per_token"]
+    lines = [f"## Through the real caches: PagedCache / generate_many with kv_format, pages of {r['page_size']}", "",
+             f"KV bytes per token (`stats()[\"kv_bytes\"]` after a prefill of {r['bytes_tokens']} tokens, every "
+             "layer, scales included):", ""]
+    lines += _table("| pages< | bytes/token | vs float32 |",
+                    [[name, f"{value:.0f}", f"{value / sizes['float32']:.3f}x"] for name, value in sizes.items()])
+    lines += ["", f"Perplexity, {r['text']['tokens']} tokens in one forward through each format's pages ('hf_paged' "
+              "attention), against float pages with a 95% paired bootstrap interval:", ""]
+    lines += _table("| pages< | perplexity | vs float [95% interval] | KL mean | top-1 agreement |",
+                    [[row["kv_format"], f"{row['perplexity']:.4f}", "—" if row["kv_format"] == "float" else
+                      _interval(row), f"{row['kl_mean']:.5f}", f"{row['top1_agreement']:.4f}"]
+                     for row in r["perplexity"]])
+    if r["agreement"]:
+        lines += ["", "Greedy agreement with float pages: `generate_many` over the many-prompts workload "
+                  f"({r['agreement'][0]['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each):",
+                  ""]
+        lines += _table("| pages< | prompts equal | new tokens before the first difference (per prompt)< | "
+                        "share of wanted |",
+                        [[row["kv_format"], f"{row['equal']}/{row['prompts']}",
+                          ", ".join(f"{s}/{w}" for s, w in zip(row["tokens_before_divergence"], row["wanted"])),
+                          f"{row['agreeing_share']:.1%}"] for row in r["agreement"]])
+    lines += ["", f"`generate` decode speed, batch 1, {r['decode_tokens']} new tokens from a prefilled cache's fork "
+              f"per round, formats alternating, {r['threads']} thread(s); ratio: CPU time per token against float32 "
+              f"pages per round, median [quartiles]. Load average {environment['load_avg_start']} before, "
+              f"{environment.get('load_avg_end')} after.", ""]
+    lines += _table("| context | pages< | CPU ms/token | wall ms/token | vs float32 (CPU) | KV MiB |",
+                    [[row["context"], row["kv_format"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
+                      "—" if row["kv_format"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
+                     for row in r["decode"]])
+    return lines + [""]
+
+
+def _ratio_axes(ax, ylabel: str, title: str) -> None:
+    """Decode-time ratios against float32 pages over the context, on a log2 axis."""
+    ax.axhline(1, color="black", lw=1, label="float32 pages")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -292,6 +471,15 @@ def plot(report: dict, path: Path) -> None:
             ax.set_ylabel("perplexity vs float32 pages (%), 95% interval")
             ax.set_title(f"{title}Perplexity against bytes, {report['perplexity']['text']['tokens']} tokens")
             ax.legend(fontsize=7)
+        elif part == "cache":
+            rows = report["cache"]["decode"]
+            for i, name in enumerate(CACHE_FORMATS[1:], start=1):
+                pts = [(r["context"], r["cpu_ratio"]) for r in rows if r["kv_format"] == name]
+                sizes = report["cache"]["bytes_per_token"]
+                ax.plot(*zip(*pts), "-o", color=f"C{i}",
+                        label=f"{name} ({sizes[name] / sizes['float32']:.3f}x float32's bytes)")
+            _ratio_axes(ax, "CPU time per new token / float32 pages'",
+                        f"{title}generate decode through PagedCache(kv_format=...)")
         else:
             results = report["speed"]["results"]
             batches = sorted({r["batch"] for r in results})
@@ -300,12 +488,7 @@ def plot(report: dict, path: Path) -> None:
                     pts = [(r["context"], r["cpu_ratio"]) for r in results
                            if r["format"] == name and r["batch"] == batch]
                     ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}, batch {batch}")
-            ax.axhline(1, color="black", lw=1, label="float32 pages")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context (tokens)")
-            ax.set_ylabel("CPU time per decode call / float32 pages'")
-            ax.set_title(f"{title}C kernel decode, one SmolLM2 layer")
-            ax.legend(fontsize=7)
+            _ratio_axes(ax, "CPU time per decode call / float32 pages'", f"{title}C kernel decode, one SmolLM2 layer")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -325,7 +508,7 @@ def main(args) -> int:
     report = dict(settings={k: v for k, v in vars(args).items() if k != "no_progress"}, environment=environment)
     t0 = time.perf_counter()
     for part in args.parts:
-        report[part] = (perplexity_part if part == "perplexity" else speed_part)(args, progress)
+        report[part] = {"perplexity": perplexity_part, "speed": speed_part, "cache": cache_part}[part](args, progress)
     environment.update(load_avg_end=load_average(), wall_s=time.perf_counter() - t0)
     table = markdown(report)
     write_report(Path(args.out), "quantized", table, report, plot=lambda path: plot(report, path))

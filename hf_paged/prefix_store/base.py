@@ -50,7 +50,7 @@ class PrefixStore(Protocol):
 
     def contains_prefix(self, layout: PageLayout, hashes: Sequence[bytes]) -> int: ...
 
-    def get(self, layout: PageLayout, hashes: Sequence[bytes]) -> list[PageRun]: ...
+    def get(self, layout: PageLayout, hashes: Sequence[bytes], first: int = 0) -> list[PageRun]: ...
 
     def decide_load(self, nbytes: int, tokens: int, prefill_tokens_per_s: float | None) -> LoadDecision: ...
 
@@ -117,10 +117,11 @@ class RunStore(ABC):
         self.counters.add(store_hits=found, store_misses=len(hashes) - found)
         return found
 
-    def get(self, layout: PageLayout, hashes: Sequence[bytes]) -> list[PageRun]:
-        """The longest run of leading pages of ``hashes`` that the store holds and that verify."""
+    def get(self, layout: PageLayout, hashes: Sequence[bytes], first: int = 0) -> list[PageRun]:
+        """The longest run of leading pages of ``hashes`` that the store holds and that verify; entries that end
+        before page ``first`` (pages the caller holds) are not read."""
         started = time.perf_counter()
-        runs = self._walk(layout, hashes)
+        runs = [(start, end) for start, end in self._walk(layout, hashes) if end > first]
         keys = [hashes[end - 1] for _, end in runs]
         loaded, nbytes = [], 0
         for (start, end), key, data in zip(runs, keys, self._read_many(layout, keys)):

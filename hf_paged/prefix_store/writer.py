@@ -83,8 +83,8 @@ class BackgroundWriter:
     def contains_prefix(self, layout: PageLayout, hashes: Sequence[bytes]) -> int:
         return self.store.contains_prefix(layout, hashes)
 
-    def get(self, layout: PageLayout, hashes: Sequence[bytes]) -> list[PageRun]:
-        return self.store.get(layout, hashes)
+    def get(self, layout: PageLayout, hashes: Sequence[bytes], first: int = 0) -> list[PageRun]:
+        return self.store.get(layout, hashes, first)
 
     def decide_load(self, nbytes: int, tokens: int, prefill_tokens_per_s: float | None) -> LoadDecision:
         return self.store.decide_load(nbytes, tokens, prefill_tokens_per_s)
