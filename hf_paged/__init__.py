@@ -12,6 +12,7 @@ reads keys and values from pages in place.
 from .attention import paged_attention_forward, register
 from .block_manager import BlockManager
 from .cache import PagedCache
+from .compiled import plan_compiled_steps
 from .continuous_batching import generate_many, stream_many
 from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_linear_weights
 from .errors import CacheUsageError, PagePoolExhausted
@@ -32,6 +33,7 @@ __all__ = [
     "ManyOutput",
     "PagePoolExhausted",
     "PagedCache",
+    "plan_compiled_steps",
     "RaggedCache",
     "generate_many",
     "open_store",

@@ -32,6 +32,7 @@ from transformers.utils import logging
 from .errors import CacheUsageError
 from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
+from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
 
 logger = logging.get_logger(__name__)
@@ -108,6 +109,38 @@ class PagedView:
         positions = (page_pos.unsqueeze(-1) + torch.arange(S, device=page_pos.device)).reshape(B, -1)
         positions = positions.masked_fill((table == -1).repeat_interleave(S, dim=1), plan.num_tokens)
         return keys, values, positions.clamp(max=plan.num_tokens)
+
+
+class CompiledRead:
+    """What a compiled forward's attention reads of one paged layer in one step: its view's kernel operands and
+    kernel index, tensors only, made before the forward's layers run (`PagedCache`'s compiled step begin) and
+    returned by the layer's update in place of keys and values. Attention then calls one custom op
+    (``hf_paged::paged_attention``): no Python decision, no tensor subclass inside the graph. The index's page
+    axis and the pools' page axis are marked dynamic, so a row's new page or a grown pool is not a recompile."""
+
+    def __init__(self, view: PagedView, slots: torch.Tensor):
+        if view.probe is not None or view.plan.packed:
+            raise CacheUsageError(
+                "torch.compile with a PagedCache reads the pages through the paged kernel only: a bounded cache whose "
+                "eviction observes attention ('score', 'lru') or generate_many's packed steps run eagerly. Use "
+                "eviction='fifo' or 'error' (or no max_pages) under torch.compile, or do not compile the model.")
+        self.view, self.slots = view, slots
+        self.operands = view.pages.kernel_operands()
+        self.index = view.kernel_index()
+        for tensor in self.index:
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        for tensor in self.operands.values():
+            if torch.is_tensor(tensor):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+    def attend(self, query, attention_mask, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+        """``[B, Q, Hq, Dv]``: the queries over the layer's pages (the mask's last column is the newest token)."""
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0
+        operands = self.operands
+        return paged_attention_op(query, operands["k_pool"], operands["v_pool"], *self.index, attention_mask, scaling,
+                                  sliding_window, softcap, s_aux, operands["k_scale"], operands["v_scale"],
+                                  operands["kv_format"], self.view.backend)
 
 
 def read_window(pages, plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,6 +408,8 @@ def paged_attention_forward(
         raise NotImplementedError("hf_paged attention is for inference: dropout is not supported.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if isinstance(key, CompiledRead):
+        return key.attend(query, attention_mask, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):
         out = _paged_attention(module, query, key.paged, attention_mask, scaling, sliding_window, softcap, s_aux)
         return out, None

@@ -15,9 +15,10 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import PagedKV, read_window, warn_gathered_pages
+from .attention import CompiledRead, PagedKV, read_window, warn_gathered_pages
 from .backends import check_backend, layer_backend
 from .block_manager import MAX_PAGE_SIZE
+from .compiled import CompiledSteps
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .layer_groups import LayerGroup, LayerGroups
@@ -54,6 +55,8 @@ class PagedLayer(CacheLayerMixin):
         self.group = group
         self.backend = backend  # "cpu" | "torch" | "triton" | "auto" | None (= $HF_PAGED_BACKEND)
         self._resolved_backend: str | None = None  # what `backend` means for these pages, on first use
+        self.compiled: CompiledRead | None = None  # what attention reads in a compiled forward's step
+        self.compiled_sizes = (0, (0, 0))  # (get_seq_length, get_mask_sizes) before that step
         self.layer_idx = layer_idx
         self.is_sliding = group.sliding_window is not None
         self.sliding_window = group.sliding_window
@@ -85,12 +88,7 @@ class PagedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new tokens into their slots; return `PagedKV` handles (no copy of the cache)."""
-        if not self.is_initialized:
-            self._check_shapes(key_states, value_states)
-            self.lazy_initialization(key_states, value_states)
-        self._check(key_states, value_states)
-        if self._resolved_backend is None:
-            self._resolved_backend = layer_backend(self.backend, self.pages)
+        self._ready_for(key_states, value_states)
         batch, _, q_len, _ = key_states.shape
         group = self.group
         plan = group.join_step(self, batch, q_len, lambda: _identical_rows(key_states, value_states))
@@ -106,6 +104,29 @@ class PagedLayer(CacheLayerMixin):
         view = group.read_view(self.pages, self._resolved_backend)
         shape = (batch, self.num_heads, plan.kv_len)
         return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
+
+    def _ready_for(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The layer's pages exist (made for these keys on first use), the keys match them, the backend is known."""
+        if not self.is_initialized:
+            self._check_shapes(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
+        self._check(key_states, value_states)
+        if self._resolved_backend is None:
+            self._resolved_backend = layer_backend(self.backend, self.pages)
+
+    def begin_compiled(self, batch: int, q_len: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """This layer's part of a compiled forward's step, done before the forward's layers run (`PagedCache`):
+        `update`'s bookkeeping (pages, plan, growth, copy-on-write) and the `CompiledRead` the layer's update returns.
+        ``keys``/``values`` give the pages' shapes, dtype and device when the layer has none yet; rows of a fresh
+        batch do not share pages."""
+        self._ready_for(keys, values)
+        group = self.group
+        self.compiled_sizes = (group.members[self], group.mask_sizes(q_len))  # as the forward asks before it runs
+        group.join_step(self, batch, q_len, lambda: list(range(batch)))
+        plan = group.step.on(self.device)
+        group.store.prepare(self.pages, group.manager.num_pages, plan.copy_src, plan.copy_dst)
+        group.wrote(self)
+        self.compiled = CompiledRead(group.read_view(self.pages, self._resolved_backend), plan.slots)
 
     def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, same_as: list[int]) -> None:
         """Rows the group shares because the first layer saw identical keys must be identical here too."""
@@ -236,7 +257,7 @@ def _crop_count(tokens_to_remove) -> int:
     return int(tokens_to_remove)
 
 
-class PagedCache(PrefixReuse, Cache):
+class PagedCache(PrefixReuse, CompiledSteps, Cache):
     """A paged KV cache for ``model.generate`` (``past_key_values=`` or ``cache=``).
 
     Args:
@@ -325,6 +346,8 @@ class PagedCache(PrefixReuse, Cache):
 
     # ----------------------------------------------------------------- steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._plans_ahead or torch.compiler.is_compiling():
+            return self._update_compiled(key_states, value_states, layer_idx)
         if self._owner.ident != threading.get_ident():  # (the owner's own steps skip the call)
             self._owner.claim()
         layer = self._layer(layer_idx)
@@ -365,7 +388,7 @@ class PagedCache(PrefixReuse, Cache):
     def _drop_failed_step(self, layer_idx: int) -> None:
         """A query about a layer that already wrote an unfinished step comes from a new forward (a
         layer only asks before it writes, as Llama 4 does): the step failed, roll it back."""
-        if layer_idx < len(self.layers) and self._owner.is_mine_or_free():
+        if layer_idx < len(self.layers) and not torch.compiler.is_compiling() and self._owner.is_mine_or_free():
             group = self.layers[layer_idx].group
             if group.up_to_date(self.layers[layer_idx]) and self.groups.step_failed(group):
                 self.rollback()
@@ -374,10 +397,6 @@ class PagedCache(PrefixReuse, Cache):
         """Tokens processed by layer ``layer_idx`` (never tokens stored: positions stay right)."""
         self._drop_failed_step(layer_idx)
         return super().get_seq_length(layer_idx)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        self._drop_failed_step(layer_idx)
-        return super().get_mask_sizes(query_length, layer_idx)
 
     # ------------------------------------------------------------------ fork
     def fork(self) -> "PagedCache":

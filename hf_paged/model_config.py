@@ -51,3 +51,9 @@ def head_dim(config) -> int | None:
     if dim is None and getattr(text_config, "num_attention_heads", None):
         dim = getattr(text_config, "hidden_size", 0) // text_config.num_attention_heads or None
     return dim
+
+
+def kv_heads_and_dim(config) -> tuple[int, int | None]:
+    """(key/value heads, head dim) of the decoder's attention layers, as the config states them."""
+    text_config = config.get_text_config(decoder=True)
+    return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads, head_dim(config)

@@ -79,6 +79,10 @@ class FloatPages:
         key_rows.index_copy_(0, slots, keys.to(self.dtype))
         value_rows.index_copy_(0, slots, values.to(self.dtype))
 
+    def write_in_graph(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`write` as one node of a compiled graph (`write_slots`): the pools are written in place, never copied."""
+        write_slots(self.keys, self.values, slots, keys, values)
+
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.keys[dst] = self.keys[src]
         self.values[dst] = self.values[src]
@@ -102,6 +106,20 @@ class FloatPages:
 
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.keys, self.values))
+
+
+@torch.library.custom_op("hf_paged::write_slots", mutates_args=("keys", "values"))
+def write_slots(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, new_keys: torch.Tensor,
+                new_values: torch.Tensor) -> None:
+    """Token t's key and value ``new_keys [T, H, D]`` go to slot ``slots[t]`` of the float pages ``keys``/``values``
+    ``[P, S, H, D]`` (a custom op: a compiled graph mutates the pools in place instead of copying them)."""
+    keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, new_keys.to(keys.dtype))
+    values.view(-1, *values.shape[2:]).index_copy_(0, slots, new_values.to(values.dtype))
+
+
+@write_slots.register_fake
+def _(keys, values, slots, new_keys, new_values) -> None:
+    return None
 
 
 def make_layer_pages(kv_format: str, page_size: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
@@ -143,10 +161,16 @@ class PageStore:
               copy_src: torch.Tensor | None = None, copy_dst: torch.Tensor | None = None) -> None:
         """A step of one layer: grow to the manager's ``num_pages``, copy ``copy_src`` onto ``copy_dst``
         (copy-on-write, before any write), then write the tokens ``[T, H, D]`` into ``slots``."""
+        self.prepare(pages, num_pages, copy_src, copy_dst)
+        pages.write(slots, keys, values)
+
+    @staticmethod
+    def prepare(pages: FloatPages, num_pages: int, copy_src: torch.Tensor | None = None,
+                copy_dst: torch.Tensor | None = None) -> None:
+        """What a step does to a layer's pages before writing its tokens: grow, then copy on write."""
         pages.grow_to(num_pages)
         if copy_src is not None:
             pages.copy_pages(copy_src, copy_dst)
-        pages.write(slots, keys, values)
 
     # ------------------------------------------------ pages outside the pool (a prefix store's entries)
     def page_specs(self, layers: list[int], dims: tuple[int, int, int] | None = None, dtype: torch.dtype | None = None,
