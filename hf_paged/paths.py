@@ -30,6 +30,34 @@ def unsafe_reason(path: Path, st: os.stat_result) -> str | None:
     return None
 
 
+class UntrustedFile(Exception):
+    """A file `read_trusted` did not read, and why."""
+
+
+def read_trusted(path: Path) -> tuple[int, bytes]:
+    """``path``'s bytes, read when it is a regular file that `unsafe_reason` accepts (a link is never followed), and
+    its descriptor, open, for the caller to use and close (the very file that was checked). Raises
+    FileNotFoundError, `UntrustedFile` saying why it was not read, or OSError when reading failed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise UntrustedFile(f"{path} cannot be opened ({error.strerror or error})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedFile(f"{path} is not a regular file")
+        reason = unsafe_reason(path, st)
+        if reason:
+            raise UntrustedFile(reason)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return fd, f.read()
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def unsafe_folder_reason(folder: Path) -> str | None:
     """Why another user could place, swap or remove files in the existing ``folder``, or None when it is private
     (see the module docstring). The folders above it are checked as written and as symbolic links resolve."""

@@ -25,7 +25,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ..paths import unsafe_reason
+from ..paths import UntrustedFile, read_trusted, unsafe_reason
 
 ELF_MAGIC = b"\x7fELF"
 RECORD_LIMIT = 256  # bytes: a record is one line, "<sha256 hex> <size>"
@@ -81,20 +81,12 @@ def load(path: Path, symbols: tuple[str, ...]) -> ctypes.CDLL:
     Raises `Rejected` (never loaded) or `Unusable` (loaded but unfit), saying why.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd, data = read_trusted(path)
     except FileNotFoundError:
         raise Rejected(f"{path} does not exist") from None
-    except OSError as error:
-        raise Rejected(f"{path} cannot be opened ({error.strerror or error})") from None
+    except (UntrustedFile, OSError) as error:
+        raise Rejected(str(error)) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Rejected(f"{path} is not a regular file")
-        reason = unsafe_reason(path, st)
-        if reason:
-            raise Rejected(reason)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read()
         if not data.startswith(ELF_MAGIC):
             raise Rejected(f"{path} is not an ELF shared library")
         if _read_record(path) != _digest(data):

@@ -3,7 +3,7 @@
 Layout: ``<root>/v<STORE_FORMAT>/<namespace>/<key[:2]>/<key>.safetensors`` (``key``: the hex hash of
 the entry's last page). Invariants:
 - the root is owned by this user and writable by nobody else (the kernel cache's rule,
-  `hf_paged.kernels.library_cache.unsafe_reason`), else `UnsafeStoreDirectory` at construction: files
+  `hf_paged.paths.unsafe_reason`), else `UnsafeStoreDirectory` at construction: files
   others could plant would become the model's keys and values. Folders below it are created ``0700``;
 - a file is published whole: written to a temporary name in its folder, then renamed over its target,
   so readers and a concurrent writer of the same key see either no file or a complete one (two writers
@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ..kernels.library_cache import unsafe_reason
+from ..paths import UntrustedFile, read_trusted, unsafe_reason
 from .base import RunStore
 from .errors import BadEntry, StoreUnavailable, UnsafeStoreDirectory
 from .layout import STORE_FORMAT, PageLayout
@@ -108,20 +108,15 @@ class DiskStore(RunStore):
 
     def _read(self, path: Path) -> bytes | BadEntry | None:
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd, data = read_trusted(path)
         except FileNotFoundError:
             return None
+        except UntrustedFile as error:
+            return BadEntry(str(error))
         except OSError as error:
-            return BadEntry(f"{path} cannot be opened ({error.strerror or error})")
+            self.counters.add(store_errors=1)
+            return BadEntry(f"{path} cannot be read ({error.strerror or error})")
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return BadEntry(f"{path} is not a regular file")
-            reason = unsafe_reason(path, st)
-            if reason:
-                return BadEntry(reason)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read()
             if self.writable:
                 now = self._now()
                 try:
@@ -129,9 +124,6 @@ class DiskStore(RunStore):
                 except OSError:
                     pass  # a folder we may read but not change keeps its order
             return data
-        except OSError as error:
-            self.counters.add(store_errors=1)
-            return BadEntry(f"{path} cannot be read ({error.strerror or error})")
         finally:
             os.close(fd)
 
