@@ -149,12 +149,6 @@ class PrefixReuse:
         self.prefix_hook = None if model is None else PrefixHook(self, model)
         self.store_tier = make_tier(prefix_store, store_spill)
 
-    def attach_store(self) -> None:
-        """The store tier listens to every layer group's prefix index (groups change with `bind_config`)."""
-        for group in {id(layer.group): layer.group for layer in self.layers}.values():
-            members = [layer for layer in self.layers if layer.group is group]
-            self.store_tier.attach(group.prefix, [m.layer_idx for m in members], [m.sliding_window for m in members])
-
     @property
     def prefix_store(self):
         """The prefix store this cache reads and writes (None without one): ``flush()`` waits for its writes."""
@@ -234,7 +228,7 @@ def _before_forward(cache_ref, module, args, kwargs):
     if cache.get_seq_length() == 0:
         cache.token_log.root = cache.fingerprint(module)
         if tier is not None:
-            cache.attach_store()
+            tier.attach_layers(cache.layers)  # (groups change with `bind_config`)
             tier.bind(cache.token_log.root, module)
         logits_to_keep = kwargs.get("logits_to_keep", 0)
         reused = cache.reuse_prefix(input_ids, attention_mask, position_ids, logits_to_keep)

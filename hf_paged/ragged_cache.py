@@ -262,10 +262,7 @@ class RaggedCache(Cache):
         super().__init__(layers=[RaggedLayer(self, by_window[w], i) for i, w in enumerate(windows)])
         self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
         if self.store_tier is not None:
-            for group in self.groups:
-                layers = [layer for layer in self.layers if layer.group is group]
-                self.store_tier.attach(group.prefix, [layer.layer_idx for layer in layers],
-                                       [layer.sliding_window for layer in layers])
+            self.store_tier.attach_layers(self.layers)
         self.sequences: dict[int, SequencePages] = {}
         self.prefix_hits = 0  # pages new sequences shared from the cache instead of computing them
         self.user = None  # the run (`generate_many`) whose sequences the cache holds, while ``user.live``

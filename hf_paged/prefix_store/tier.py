@@ -142,11 +142,18 @@ class StoreTier(PrefixListener):
         self._forward: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, index, layers: list[int], windows: list) -> None:
-        """Listen to ``index``, whose pages hold ``layers`` (with these sliding windows)."""
-        if index not in self._groups:
-            index.add_listener(self)
-            self._groups[index] = _Group(layers, windows)
+    def attach_layers(self, layers) -> None:
+        """Listen to the prefix index of every layer group among a cache's ``layers`` (each with ``group.prefix``,
+        ``layer_idx`` and ``sliding_window``), knowing which layers (and windows) each index's pages hold."""
+        members: dict[int, list] = {}
+        for layer in layers:
+            members.setdefault(id(layer.group), []).append(layer)
+        for group_layers in members.values():
+            index = group_layers[0].group.prefix
+            if index not in self._groups:
+                index.add_listener(self)
+                self._groups[index] = _Group([m.layer_idx for m in group_layers],
+                                             [m.sliding_window for m in group_layers])
 
     def bind(self, root: bytes, model) -> None:
         """``model`` computes the pages from now on, their hashes chained from ``root``."""
