@@ -123,8 +123,8 @@ class RaggedGroup:
 
     def holds_window(self, hashes: list[bytes], pages: int) -> bool:
         """The pages this group needs after a prefix of ``pages`` full pages (``hashes``) are all cached here."""
-        first = self.first_needed(pages * self.span.page_size)  # (a prefix store may load the missing ones here)
-        return first >= pages or len(self.prefix.cached_run(hashes, pages, first)) == pages - first
+        return all(self.manager.lookup(h) is not None for h in hashes[self.first_needed(pages * self.span.page_size)
+                                                                         :pages])
 
     def step_pages(self, tables: list[list[int]], lengths: list[int],
                    counts: list[int]) -> list[tuple[int, int | None]]:
@@ -327,6 +327,8 @@ class RaggedCache(Cache):
         ``limit``) that every group holds what it needs of (a sliding window's group: the pages in its window)."""
         run = self.prefix.cached_run(hashes, limit)
         count = len(run)
+        for group in self.groups[1:]:  # one lookup through each index, where a prefix store may load missing pages
+            group.prefix.cached_run(hashes, count, group.first_needed(count * self.page_size))
         while count and not all(group.holds_window(hashes, count) for group in self.groups[1:]):
             count -= 1
         return run[:count]
