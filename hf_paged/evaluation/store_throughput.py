@@ -116,6 +116,7 @@ def summarize(runs: dict) -> dict:
             med, speedup=statistics.median(r["tokens_per_s"] / n["tokens_per_s"] for n, r in zip(runs["none"], rows)),
             cpu_ratio=statistics.median(n["cpu_s"] / r["cpu_s"] for n, r in zip(runs["none"], rows)),
             hit_rate=med["store_hits"] / looked_up if looked_up else None,
+            spread=(max(r["tokens_per_s"] for r in rows) - min(r["tokens_per_s"] for r in rows)) / med["tokens_per_s"],
             decisions=sorted({d for r in rows for d in r["decisions"]}),
             same_completions=all(r["completions"] == n["completions"] for n, r in zip(runs["none"], rows)))
     return out
@@ -130,20 +131,22 @@ def markdown_report(result: dict) -> str:
              f"--nproc_per_node {result['processes']}` (CPU, gloo, {result['rank_threads']} torch thread a process), "
              f"a new launch per run, {result['repeats']} rounds in a rotated order. Load average "
              f"{result['load_before']} before, {result['load_after']} after.", "",
-             "| mode | new tokens/s (median) | x none (median of rounds) | CPU s, all processes | less CPU than none | "
-             "store hit rate | pages read / written | MiB read / written | load s | loads skipped | "
+             "| mode | new tokens/s (median) | spread | x none (median of rounds) | CPU s, all processes | "
+             "less CPU than none | store hit rate | pages read / written | MiB read / written | load s | loads skipped | "
              "pool prefix hits | same completions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, m in modes.items():
         hit_rate = "-" if m["hit_rate"] is None else f"{100 * m['hit_rate']:.0f}%"
         lines.append(
-            f"| {mode} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['cpu_s']:.1f} | {m['cpu_ratio']:.2f}x | "
+            f"| {mode} | {m['tokens_per_s']:.1f} | {m['spread']:.0%} | {m['speedup']:.2f}x | {m['cpu_s']:.1f} | "
+            f"{m['cpu_ratio']:.2f}x | "
             f"{hit_rate} ({m['store_hits']:.0f} of {m['store_hits'] + m['store_misses']:.0f}) | "
             f"{m['store_pages_read']:.0f} / {m['store_pages_written']:.0f} | {mib(m['store_bytes_read'])} / "
             f"{mib(m['store_bytes_written'])} | {m['store_load_seconds']:.2f} | {m['store_recomputed']:.0f} | "
             f"{m['prefix_hits']:.0f} | {'yes' if m['same_completions'] else 'NO'} |")
     lines += ["", "Hit rate: pages a process's pool missed that the store supplied, of all pages it looked up "
-              "there (summed over processes; `warm` = after a restart). Load decisions: "
+              "there (summed over processes; `warm` = after a restart). Spread: (max - min) / median of a mode's "
+              "tokens/s over rounds (wall time follows the machine's load; CPU seconds much less). Load decisions: "
               + "; ".join(f"{mode}: {', '.join(m['decisions'])}" for mode, m in modes.items() if mode != "none")
               + "."]
     return "\n".join(lines) + "\n"
@@ -163,6 +166,7 @@ def plot(result: dict):
                 hits = "" if m["hit_rate"] is None else f"\n{100 * m['hit_rate']:.0f}% hits"
                 ax.annotate(f"{m[ratio]:.2f}x{hits}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=8)
+            ax.set_ylim(0, 1.2 * max(m[key] for m in modes.values()))  # (room for the labels)
             ax.set_xticks(range(len(modes)), list(modes), fontsize=8)
             ax.set_ylabel(label)
         axes[0].set_title(f"{result['processes']} torchrun processes, {result['prompts']} prompts, shared "
