@@ -399,7 +399,7 @@ class LayerGroups(dict):
                                    evictions=group.eviction.evictions if group.eviction else 0,
                                    prefix_hits=group.prefix_hits).items():
                 out[key] += value
-            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes()
+            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes() + group.store.residual_bytes()
             out["pool_bytes"] += group.store.pool_bytes()
         out["tokens_held"] = self.tokens_held()
         for index in {id(g.prefix): g.prefix for g in self.values()}.values():  # listeners' counters (a prefix store)

@@ -17,6 +17,8 @@ formats of `hf_paged.kv_formats`: `QuantizedPages`):
     kernel_operands() -> dict              keyword arguments of the paged kernels: k_pool, v_pool, k_scale,
                                            v_scale (None for float pages), kv_format
     page_bytes() -> int                    one page, keys + values (+ scales)
+    residual_bytes() -> int                float keys kept for partial pages (int4's per-page keys; else 0)
+    forget_residuals(pages [list])         the pages were overwritten as stored (a prefix store's copy)
 
 `make_layer_pages` builds one from a format name.
 """
@@ -106,6 +108,12 @@ class FloatPages:
 
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.keys, self.values))
+
+    def residual_bytes(self) -> int:
+        return 0  # a float page is its own full-precision copy
+
+    def forget_residuals(self, pages: list[int]) -> None:
+        pass
 
 
 @torch.library.custom_op("hf_paged::write_slots", mutates_args=("keys", "values"))
@@ -214,14 +222,25 @@ class PageStore:
             for name, tensor in _stored_tensors(layer).items():
                 source = tensors[name][:, j] if stacked else tensors[f"{name}.{i}"]
                 tensor[pages.to(tensor.device)] = source.to(tensor.device)
+            layer.forget_residuals(pages.tolist())
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over the layers (0 before the first write)."""
         return sum(pages.page_bytes() for pages in self.layers.values())
 
+    def residual_bytes(self) -> int:
+        """Bytes of the float copies every layer keeps of its partial pages (int4's keys; 0 for other formats)."""
+        return sum(pages.residual_bytes() for pages in self.layers.values())
+
     def pool_bytes(self) -> int:
-        """Bytes allocated for every layer's pages."""
-        return sum(pages.page_bytes() * pages.num_pages for pages in self.layers.values())
+        """Bytes allocated for every layer's pages (and residual copies)."""
+        return sum(pages.page_bytes() * pages.num_pages + _residual_pool_bytes(pages)
+                   for pages in self.layers.values())
+
+
+def _residual_pool_bytes(pages: FloatPages | QuantizedPages) -> int:
+    residual = getattr(pages, "k_residual", None)
+    return 0 if residual is None else residual.numel() * residual.element_size()
 
 
 def _stored_tensors(pages: FloatPages | QuantizedPages) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 import hf_paged
 from hf_paged.backends import layer_backend
 from hf_paged.errors import CacheUsageError
-from hf_paged.evaluation.quantized import Scheme, SimulatedPages, codec_roundtrip
+from hf_paged.evaluation.quantized import Scheme, SimulatedPages, codec_roundtrip, page_keys_roundtrip
 from hf_paged.kv_formats import page_format
 from hf_paged.page_store import PageStore, make_layer_pages
 from hf_paged.prefix_index import model_fingerprint
@@ -35,11 +35,14 @@ SAME = 2e-4  # logits of the paged cache and the reference holding the same dequ
 AGAINST_FLOAT = {"int8": 0.02, "int4": 0.3}  # largest logit change from float pages on these tiny models
 
 
-def reference(model, kv_format: str) -> SimulatedPages:
+def reference(model, kv_format: str, page_size: int = 4) -> SimulatedPages:
     """A DynamicCache holding what pages of ``kv_format`` hand back."""
     fmt = page_format(kv_format)
-    return SimulatedPages(Scheme(kv_format, codec_roundtrip(fmt.key), codec_roundtrip(fmt.value), 0),
-                          config=model.config)
+    if kv_format == "int4":  # keys per channel within pages of the cache's size
+        keys, page = page_keys_roundtrip(fmt.key, page_size), page_size
+    else:
+        keys, page = codec_roundtrip(fmt.key), 0
+    return SimulatedPages(Scheme(kv_format, keys, codec_roundtrip(fmt.value), 0, page_size=page), config=model.config)
 
 
 def paged_cache(model, kv_format: str, page_size: int = 4, **kwargs) -> hf_paged.PagedCache:
@@ -86,7 +89,7 @@ def test_the_triton_kernel_reads_the_same_pages(kv_format, monkeypatch):
     ref, paged = shared_pair("llama")
     batch = left_padded_batch((5, 3, 7))
     gen = dict(GEN, max_new_tokens=4)
-    want = ref.generate(**batch, **gen, cache=reference(ref, kv_format))
+    want = ref.generate(**batch, **gen, cache=reference(ref, kv_format, page_size=3))
     calls, original = [], kernel.paged_attention_triton
     monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(k["kv_format"]) or
                         original(*a, **k))
@@ -122,15 +125,20 @@ def test_a_bfloat16_model_decodes_int8_pages_in_the_c_kernel():
 
 # -------------------------------------------------------------------------------------------- bytes
 @pytest.mark.parametrize("kv_format,bytes_per_head", [("float", 2 * 4 * 16), ("int8", 2 * (16 + 2)),
-                                                      ("int4", (8 + 1 + 2) + (8 + 1 + 2))])
+                                                      ("int4", 8 + (8 + 1 + 2))])
 def test_kv_bytes_count_the_pages_scales_included(kv_format, bytes_per_head):
-    _, paged = shared_pair("qwen3")  # head dim 16: one int4 key group
+    """int4: codes per token and head (8 + 8 bytes at head dim 16, and a value's float16 scale and int8 zero),
+    48 bytes per page and head of key parameters (16 float16 minima, 16 float8 steps), and each row's partial
+    last page's float32 keys (4 tokens, 16 channels, a head)."""
+    _, paged = shared_pair("qwen3")
     cache = paged_cache(paged, kv_format)
-    paged.generate(**left_padded_batch((11, 6, 9)), **GEN, cache=cache)
+    paged.generate(**left_padded_batch((11, 6, 9)), **dict(GEN, max_new_tokens=9), cache=cache)  # rows of 19
     stats = cache.stats()
     layers, heads, S = paged.config.num_hidden_layers, paged.config.num_key_value_heads, cache.page_size
     used = stats["pages_used"] + stats["pages_cached"]
-    assert stats["kv_bytes"] == used * S * layers * heads * bytes_per_head > 0
+    per_page = S * bytes_per_head + (48 if kv_format == "int4" else 0)
+    residual = 3 * S * 16 * 4 if kv_format == "int4" else 0
+    assert stats["kv_bytes"] == (used * per_page + residual) * layers * heads > 0
 
 
 # --------------------------------------------------------------------------------- sharing, forks
