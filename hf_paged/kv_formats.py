@@ -1,38 +1,43 @@
 """Page formats: how one layer's keys and values are stored in its pages, and read back.
 
-A format is a pair of codecs (keys, values). Every quantized codec works per token: a token's vector of one
-KV head is encoded on its own, when it is written, with its scales beside it in the same slot. So a page
-needs no fill event and no full-precision residual, a write never changes another token's bytes, and a
-NaN or inf in one token cannot reach another token's scales.
+A format is a pair of codecs (keys, values). Most codecs work per token: a token's vector of one KV head is
+encoded on its own, when it is written, with its scales beside it in the same slot, so a write never changes
+another token's bytes and a NaN or inf in one token cannot reach another token's scales. int4's keys are
+encoded per channel within a page (`PageChannelCodec`, KIVI's keys): a page's codes depend on all its tokens,
+so the page being filled keeps a float copy of its keys (its residual) and is encoded again from it at every
+write, a last time when it fills (`QuantizedPages`).
 
 * ``"float"``: the model's dtype, unchanged (`hf_paged.page_store.FloatPages`).
 * ``"int8"``: symmetric, one float16 scale per token and KV head: ``x = scale * code``, codes in [-127, 127].
-* ``"int4"``: two codes a byte; asymmetric groups with a float16 scale and an int8 zero point each,
-  ``x = scale * (code - zero)``, codes in [0, 15]; keys in groups of 16 (`KEY_GROUP`), values one group a
-  head; both stored rotated by a fixed orthogonal block-Hadamard matrix (`rotation`), which spreads the
-  few large channels of a key over all of them. A kernel rotates the query the same way (scores are
-  unchanged: R is orthogonal) and rotates its output back (R is its own inverse).
+* ``"int4"``: two codes a byte. Keys: ``x = low + step * code`` per page, KV head and channel (a float16
+  minimum, a float8 e4m3 step), codes in [0, 15]. Values: per token, one asymmetric group a head with a
+  float16 scale and an int8 zero point, ``x = scale * (code - zero)``, stored rotated by a fixed orthogonal
+  block-Hadamard matrix (`rotation`; a kernel rotates its output back: R is its own inverse).
 * ``"fp8_e4m3"`` (CUDA, the Triton kernel): float8 e4m3 scaled into its range per token and KV head.
 
-Why per token, and these groups: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded
-text, paired 95% bootstrap intervals) and bytes of each choice on the embedded SmolLM2: int8 -0.03%
-[-0.17, +0.10] at 0.258x float32's bytes; int4 +1.99% [+0.81, +3.24] at 0.154x, where keys not rotated,
-key groups of 32 or one key group a head, or values not rotated all measure worse (+2.4 to +3.8%). KIVI's
-keys, per channel within each page, measure +1.00% [+0.24, +1.67] (half int4's KL divergence) at 0.162x,
-but need what a per-token format avoids: a full-precision residual for the page being filled and an
-event when it fills.
+Why these: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded text, paired 95% bootstrap
+intervals) and bytes of each choice on the embedded SmolLM2: int8 -0.03% [-0.17, +0.10] at 0.258x float32's
+bytes. For int4, keys carry the error (values alone: KL about 0.006); per-token keys (groups of 16, rotated)
+measured +1.99% [+0.81, +3.24] at 0.154x, their variants (not rotated, groups of 32 or one a head) +2.4 to
++3.8%. Keys per channel within pages of 16 measured +1.00% (KL 0.0137) with a float16 minimum and step
+(0.162x), +1.58% (KL 0.0150) with a float16 step and an int8 zero point (0.154x: a channel far from zero gets
+a coarse step), +0.56% [-0.24, +1.48] (KL 0.0152) with a float16 minimum and a float8 step rounded up (0.154x):
+the format. Its bytes depend on the page size (the parameters are per page): 0.154x in pages of 16, 0.22x in
+pages of 4.
 
-Non-finite inputs: scales come from a group's finite entries and +-inf saturate to the extreme codes; a
-group holding a NaN, or nothing finite, gets a NaN scale and reads back as NaN (as a float page would hold
+Non-finite inputs: per-token scales come from a group's finite entries and +-inf saturate to the extreme codes;
+a group holding a NaN, or nothing finite, gets a NaN scale and reads back as NaN (as a float page would hold
 it), while every other group and token keeps its own scales. (A rotated row with an inf is inf throughout
-its rotation block, so it reads back as NaN.)
+its rotation block, so it reads back as NaN.) int4 keys: a channel's range within a page comes from its finite
+entries; +inf reads back as its top, -inf and NaN as its bottom, a channel with nothing finite as 0.
 
 Layout of a quantized layer's tensors (``P`` pages of ``S`` slots, ``H`` KV heads, head dim ``D``):
 
-* codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4
-  (``W = D / 2 + G``: byte ``j < D / 2`` holds element ``2j`` in its low and ``2j + 1`` in its high nibble,
-  byte ``D / 2 + g`` the int8 zero point of group ``g``);
-* scales ``[P, S, H, G]`` float16, ``G`` groups of ``D / G`` consecutive elements (``G = 1`` but for int4 keys).
+* codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4 (byte ``j < D / 2``
+  holds element ``2j`` in its low and ``2j + 1`` in its high nibble; values: ``W = D / 2 + 1``, byte ``D / 2``
+  the int8 zero point; keys: ``W = D / 2``);
+* scales ``[P, S, H, 1]`` float16 (one group a token and head); int4 keys: a page's parameters ``[P, H, D + D / 2]``
+  float16, the D minima, then the D float8 steps' bytes two to a float16 slot.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from hf_paged.errors import CacheUsageError
 from hf_paged.kernels.arguments import check_paged_args
 from hf_paged.kv_formats import KV_FORMATS, QuantizedPages, check_kv_format, page_format, rotation
-from hf_paged.page_store import FloatPages, make_layer_pages
+from hf_paged.page_store import FloatPages, PageStore, make_layer_pages
 
 QUANTIZED = ("int8", "int4", "fp8_e4m3")
 S, H, D = 4, 3, 64  # page size, KV heads, head dim of most tests
@@ -246,3 +246,89 @@ def test_make_layer_pages_builds_each_format_empty():
         pages.grow_to(1)
         keys, values = pages.gather(torch.tensor([0]))
         assert keys.shape == (1, S, H, D) and values.shape == (1, S, H, 32)
+
+
+# ---------------------------------------------------------------------- int4: keys encoded per page
+def int4_pages(num_pages: int = 4, page_size: int = 8) -> QuantizedPages:
+    return pages_of("int4", num_pages=num_pages, page_size=page_size)
+
+
+def test_int4_a_page_written_token_by_token_ends_as_one_written_whole():
+    """While a page fills, its keys are encoded again at every write from its float residual, so once full it
+    holds the codes and parameters one write of all its tokens gives, bit for bit; the residual is held while
+    the page is partial and is gone once the page is full and the layer writes elsewhere."""
+    x, v = tokens(8, seed=4), tokens(8, seed=5)
+    whole, stepwise = int4_pages(), int4_pages()
+    whole.write(torch.arange(8, 16), x, v)  # page 1 in one write: no residual ever
+    assert whole.residual_bytes() == 0
+    for t in range(8):
+        stepwise.write(torch.tensor([8 + t]), x[t:t + 1], v[t:t + 1])
+        assert stepwise.residual_bytes() == 8 * H * D * 4  # partial, then just filled after holding tokens
+        partial = stepwise.gather(torch.tensor([1]))[0][0, :t + 1]
+        held = x[:t + 1]  # within half a step of the tokens it holds (and the float16 rounding of the minimum)
+        bound = (held.amax(0) - held.amin(0)) / 30 * 1.13 + held.abs().amax(0) * 2**-11 + 2**-10
+        assert ((partial - held).abs() <= bound).all()
+    stepwise.write(torch.tensor([16]), x[:1], v[:1])  # the next page: page 1's residual goes
+    assert stepwise.residual_bytes() == 8 * H * D * 4
+    for name in ("k_codes", "k_scale", "v_codes", "v_scale"):
+        assert torch.equal(getattr(stepwise, name)[1], getattr(whole, name)[1]), name
+
+
+def test_int4_rewriting_the_write_that_filled_a_page_gives_the_same_page():
+    """A rolled-back step that filled a page, retried: the page still has its residual, so the retry encodes it
+    from the exact keys, as if the step had run once."""
+    x, v = tokens(8, seed=6), tokens(8, seed=7)
+    once, twice = int4_pages(), int4_pages()
+    for pages in (once, twice):
+        pages.write(torch.arange(5), x[:5], v[:5])
+    twice.write(torch.arange(5, 8), x[5:] * 3, v[5:])  # the failed step, with other keys
+    for pages in (once, twice):
+        pages.write(torch.arange(5, 8), x[5:], v[5:])
+    for name in ("k_codes", "k_scale"):
+        assert torch.equal(getattr(once, name)[0], getattr(twice, name)[0]), name
+
+
+def test_int4_a_write_into_a_full_page_without_residual_requantizes_what_it_hands_back():
+    """A crop back into a page filled earlier: its remaining tokens are encoded again from what the page handed
+    back (within half a new step of it), the new token from its exact key."""
+    x, v = tokens(8, seed=8), tokens(8, seed=9)
+    pages = int4_pages()
+    pages.write(torch.arange(8), x, v)
+    before = pages.gather(torch.tensor([0]))[0][0]
+    new = tokens(1, seed=10)
+    pages.write(torch.tensor([5]), new, new)  # slots 0-4 kept, slot 5 rewritten
+    after = pages.gather(torch.tensor([0]))[0][0]
+    step = pages.k_scale[0, :, D:].contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float()
+    held = torch.cat([before[:5], new])
+    assert ((after[:6] - held).abs() <= 0.5 * step * (1 + 1e-6) + held.abs().amax(0) * 2**-11 + 1e-6).all()
+
+
+def test_int4_copied_pages_take_their_residual_along():
+    """Copy-on-write of a partial page: the copy continues as the original would (residual copied with the
+    codes), and writing the copy leaves the original's residual alone."""
+    x, v = tokens(8, seed=11), tokens(8, seed=12)
+    pages, want = int4_pages(), int4_pages()
+    pages.write(torch.arange(3), x[:3], v[:3])
+    pages.copy_pages(torch.tensor([0]), torch.tensor([2]))
+    pages.write(torch.arange(19, 24), x[3:], v[3:])  # the copy (page 2) fills
+    pages.write(torch.arange(3, 8), x[3:] * 2, v[3:])  # the original (page 0) fills otherwise
+    want.write(torch.arange(8), x, v)
+    for name in ("k_codes", "k_scale", "v_codes", "v_scale"):
+        assert torch.equal(getattr(pages, name)[2], getattr(want, name)[0]), name
+    want.write(torch.arange(8), torch.cat([x[:3], x[3:] * 2]), v)
+    assert torch.equal(pages.k_codes[0], want.k_codes[0]) and torch.equal(pages.k_scale[0], want.k_scale[0])
+
+
+def test_int4_a_page_written_from_a_prefix_store_drops_its_stale_residual():
+    """A page id that held a partial page (and its residual) takes a full page from a prefix store: the residual
+    is dropped (a later write into the page starts from what the stored page hands back, not the old tokens)."""
+    stores = [PageStore(page_size=S, kv_format="int4") for _ in range(2)]
+    layers = [store.create(0, torch.zeros(1, H, 1, D), torch.zeros(1, H, 1, D)) for store in stores]
+    for layer in layers:
+        layer.grow_to(2)
+    layers[0].write(torch.arange(2), tokens(2, seed=13), tokens(2, seed=14))  # page 0: partial, a residual
+    layers[1].write(torch.arange(S), tokens(S, seed=15), tokens(S, seed=16))  # page 0: full, as a store holds it
+    stores[0].write_pages(torch.tensor([0]), [0], stores[1].read_pages(torch.tensor([0]), [0]), num_pages=2)
+    assert stores[0].residual_bytes() == 0
+    for got, want in zip(layers[0].gather(torch.tensor([0])), layers[1].gather(torch.tensor([0]))):
+        assert torch.equal(got, want)

@@ -33,6 +33,8 @@ GEN = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False
            return_dict_in_generate=True)
 SAME = 2e-4  # logits of the paged cache and the reference holding the same dequantized keys and values
 AGAINST_FLOAT = {"int8": 0.02, "int4": 0.3}  # largest logit change from float pages on these tiny models
+CROP_INTO_FULL_PAGE = 1e-3  # int4 logits after a crop into a full page against exact keys: 5e-5 (zeros for the
+# tokens it held, instead of what it hands back: 0.006)
 
 
 def reference(model, kv_format: str, page_size: int = 4) -> SimulatedPages:
@@ -215,6 +217,24 @@ def test_crop_and_reorder_on_quantized_pages(kv_format):
     check_pages(caches["paged"])
 
 
+def test_crop_back_into_a_full_int4_page_requantizes_what_it_held():
+    """Crop to 6 tokens (pages of 4): the second page, filled by the prefill, holds 2 tokens and no residual; the
+    next forward writes on into it, from what it hands back (quantized a second time: `QuantizedPages`), so its
+    logits stay close to the reference that keeps exact keys."""
+    ref, paged = shared_pair("llama")
+    batch = left_padded_batch((11, 6, 9))
+    logits = {}
+    for kind, model, cache in (("ref", ref, reference(ref, "int4")), ("paged", paged, paged_cache(paged, "int4"))):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+            cache.crop(-5)
+            logits[kind] = model(input_ids=ids[:, 6:9], attention_mask=mask[:, :9], cache=cache).logits
+        if kind == "paged":
+            check_pages(cache)
+    assert (logits["ref"] - logits["paged"]).abs().max() < CROP_INTO_FULL_PAGE
+
+
 # ------------------------------------------------------------------------------------ prefix caching
 def test_prefix_pages_are_reused_within_a_format_and_never_across_formats():
     _, paged = make_pair("llama")  # binding installs a forward hook: a model of its own
@@ -296,15 +316,17 @@ def test_generate_many_equals_generate_on_the_same_pages(kv_format):
 
 
 # --------------------------------------------------------------------------------------- failed steps
-def test_a_failed_step_leaves_quantized_pages_as_they_were():
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("fail_at", [2, 3])  # the step writing position 11 fills a page of 4 (int4: its last write)
+def test_a_failed_step_leaves_quantized_pages_as_they_were(kv_format, fail_at):
     _, paged = shared_pair("llama")
     batch = left_padded_batch((10, 7))
     runs = {}
     for fail in (False, True):
-        cache = paged_cache(paged, "int8")
+        cache = paged_cache(paged, kv_format)
         ids, mask, logits = batch["input_ids"], batch["attention_mask"], []
         for step in range(6):
-            if fail and step == 3:
+            if fail and step == fail_at:
                 layer = paged.model.layers[1].mlp
                 handle = layer.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
                 with pytest.raises(RuntimeError, match="boom"):
