@@ -44,16 +44,18 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from .errors import CacheUsageError
 
-__all__ = ["KV_FORMATS", "KEY_GROUP", "PageChannelCodec", "PageFormat", "QuantizedPages", "check_kv_format", "page_format", "rotation",
+__all__ = ["KV_FORMATS", "KEY_GROUP", "PageChannelCodec", "PageFormat", "QuantizedPages", "check_kv_format",
+           "page_format", "rotation",
            "quantize", "dequantize"]
 
-KEY_GROUP = 16  # elements of an int4 key group (fewer when the head dim is not a multiple of it)
+KEY_GROUP = 16  # elements of a key group of per-token int4 keys (`Int4Codec`; int4 keys were, the study compares)
 _FP16_MAX = 65504.0
 _FP8_MAX = 448.0  # largest float8_e4m3fn
 _FP8_MAX_BITS = 0x7E  # its bits (0x7F is NaN)
@@ -196,13 +198,19 @@ class PageChannelCodec:
 
     def encode_pages(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``x [U, S, H, D]`` of U pages, ``valid [U, S]`` the slots holding tokens -> (codes uint8
-        ``[U, S, H, D / 2]``, parameters float16 ``[U, H, D + D / 2]``); slots not valid get codes of no meaning."""
-        keep = torch.isfinite(x) & valid[:, :, None, None]
-        low = torch.where(keep, x, math.inf).amin(1)
-        high = torch.where(keep, x, -math.inf).amax(1)
-        empty = ~keep.any(1)
-        low16 = torch.where(empty, 0.0, low).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
-        need = torch.where(empty, 0.0, (high - low16.float()) / 15).clamp(0.0, _FP8_MAX)
+        ``[U, S, H, D / 2]``, parameters float16 ``[U, H, D + D / 2]``); every page's slot 0 must be valid (a page
+        holds its first tokens), slots not valid get codes of no meaning."""
+        x = torch.where(valid[:, :, None, None], x, x[:, :1])  # slot 0 holds a token: no other range
+        if bool(torch.isfinite(x).all()):
+            low, high = x.amin(1), x.amax(1)
+        else:
+            keep = torch.isfinite(x)
+            low = torch.where(keep, x, math.inf).amin(1)
+            high = torch.where(keep, x, -math.inf).amax(1)
+            empty = ~keep.any(1)
+            low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
+        low16 = low.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        need = ((high - low16.float()) / 15).clamp(0.0, _FP8_MAX)
         bits = need.to(torch.float8_e4m3fn).view(torch.uint8)  # round to nearest, then up where that is short
         bits = torch.where((bits.view(torch.float8_e4m3fn).float() < need) & (bits < _FP8_MAX_BITS), bits + 1, bits)
         step = bits.view(torch.float8_e4m3fn).float()
@@ -212,7 +220,8 @@ class PageChannelCodec:
         return packed, torch.cat([low16, bits.contiguous().view(torch.float16)], -1)
 
     def decode_pages(self, codes: torch.Tensor, params: torch.Tensor, dim: int) -> torch.Tensor:
-        """float32 ``[..., S, H, dim]`` of pages' codes ``[..., S, H, dim / 2]`` and parameters ``[..., H, 3 dim / 2]``."""
+        """float32 ``[..., S, H, dim]`` of pages' codes ``[..., S, H, dim / 2]`` and parameters
+        ``[..., H, 3 dim / 2]``."""
         low = params[..., :dim].float()
         step = params[..., dim:].contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float()
         nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
@@ -382,32 +391,36 @@ class QuantizedPages:
     def _write_page_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Per-page keys: each page written gets its residual (or, holding tokens without one, its decoded keys)
         with the new keys in their slots, and is encoded again over the slots up to the write's last one."""
-        S = self.page_size
-        page_of, offset = slots // S, slots % S
-        pages, inverse = torch.unique(page_of, return_inverse=True)
-        first = torch.full_like(pages, S).scatter_reduce(0, inverse, offset, "amin")
-        filled = torch.zeros_like(pages).scatter_reduce(0, inverse, offset + 1, "amax")
-        page_list = pages.tolist()
-        self.forget_residuals([p for p in self._just_filled.difference(page_list)])
-        rows = torch.tensor([self._residual_row.get(p, -1) for p in page_list], device=self.device)
-        buffer = torch.zeros(len(page_list), S, *keys.shape[1:], device=self.device)
-        has = rows >= 0
-        buffer[has] = self.k_residual[rows[has]].float()
-        decode = ~has & (first > 0)
-        if bool(decode.any()):
-            buffer[decode] = self.format.key.decode_pages(self.k_codes[pages[decode]], self.k_scale[pages[decode]],
-                                                          self.head_dim)
-        buffer[inverse, offset] = keys.float()
-        valid = torch.arange(S, device=self.device) < filled[:, None]
-        self.k_codes[pages], self.k_scale[pages] = self.format.key.encode_pages(buffer, valid)
-        keep = ((filled < S) | (first > 0)).tolist()
-        self._just_filled = {p for p, k, f in zip(page_list, keep, (filled == S).tolist()) if k and f}
-        for i, page in enumerate(page_list):
-            if keep[i]:
-                row = self._residual_row_of(page)  # first: it may grow k_residual
-                self.k_residual[row] = buffer[i]
-            else:
-                self.forget_residuals([page])
+        S, device = self.page_size, self.device
+        slot_list = slots.tolist()
+        spans: dict[int, list[int]] = {}  # page -> [first slot written, last slot written + 1]
+        for slot in slot_list:
+            page, offset = divmod(slot, S)
+            span = spans.setdefault(page, [offset, offset + 1])
+            span[0], span[1] = min(span[0], offset), max(span[1], offset + 1)
+        page_list = list(spans)
+        self.forget_residuals(self._just_filled.difference(page_list))
+        index = {page: i for i, page in enumerate(page_list)}
+        rows = [self._residual_row.get(page, -1) for page in page_list]
+        pages = torch.tensor(page_list, device=device)
+        buffer = torch.zeros(len(page_list), S, *keys.shape[1:], device=device)
+        held = [i for i, row in enumerate(rows) if row >= 0]
+        if held:
+            buffer[held] = self.k_residual[[rows[i] for i in held]].float()
+        stale = [i for i, (page, row) in enumerate(zip(page_list, rows)) if row < 0 and spans[page][0] > 0]
+        if stale:
+            buffer[stale] = self.format.key.decode_pages(self.k_codes[pages[stale]], self.k_scale[pages[stale]],
+                                                         self.head_dim)
+        buffer[torch.tensor([index[slot // S] for slot in slot_list], device=device), slots % S] = keys.float()
+        filled = torch.tensor([spans[page][1] for page in page_list], device=device)
+        self.k_codes[pages], self.k_scale[pages] = self.format.key.encode_pages(
+            buffer, torch.arange(S, device=device) < filled[:, None])
+        keep = [i for i, page in enumerate(page_list) if spans[page][1] < S or spans[page][0] > 0]
+        self._just_filled = {page_list[i] for i in keep if spans[page_list[i]][1] == S}
+        self.forget_residuals(set(page_list).difference(page_list[i] for i in keep))
+        if keep:
+            rows = [self._residual_row_of(page_list[i]) for i in keep]  # first: it may grow k_residual
+            self.k_residual[rows] = buffer[keep].to(self.dtype)
 
     def _residual_row_of(self, page: int) -> int:
         """The residual row of ``page``, given one if it has none (k_residual grows by doubling)."""
@@ -419,12 +432,11 @@ class QuantizedPages:
             self._residual_row[page] = self._free_rows.pop()
         return self._residual_row[page]
 
-    def forget_residuals(self, pages: list[int]) -> None:
-        """``pages`` were overwritten as stored (a prefix store's full pages): a residual they had is stale."""
-        for page in pages:
+    def forget_residuals(self, pages: Collection[int]) -> None:
+        """Drop the residuals of ``pages`` (overwritten as stored, a prefix store's full pages; or free pages)."""
+        for page in [p for p in self._residual_row if p in pages]:
             self._just_filled.discard(page)
-            if page in self._residual_row:
-                self._free_rows.append(self._residual_row.pop(page))
+            self._free_rows.append(self._residual_row.pop(page))
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for name in self._TENSORS:
@@ -437,7 +449,7 @@ class QuantizedPages:
                 if s in self._just_filled:
                     self._just_filled.add(d)
             else:
-                self.forget_residuals([d])
+                self.forget_residuals((d,))
 
     def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[..., S, H, D]`` and values ``[..., S, H, Dv]`` of ``pages [...]``, dequantized to ``dtype``

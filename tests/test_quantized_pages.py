@@ -235,6 +235,31 @@ def test_crop_back_into_a_full_int4_page_requantizes_what_it_held():
     assert (logits["ref"] - logits["paged"]).abs().max() < CROP_INTO_FULL_PAGE
 
 
+def test_int4_residuals_are_held_for_live_pages_only():
+    """Forks that decode and end leave pages (with residuals) free; the next write drops those residuals, so
+    ``kv_bytes`` counts the float keys of the live rows' partial pages only (one page a row and layer here)."""
+    _, paged = shared_pair("llama")
+    batch = left_padded_batch((10, 7))  # 10 tokens: each row's third page of 4 is partial
+    cache = paged_cache(paged, "int4")
+    with torch.no_grad():
+        paged(**batch, cache=cache)
+    question = torch.tensor([[7, 8], [9, 10]])
+    longer = dict(input_ids=torch.cat([batch["input_ids"], question], 1),
+                  attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(question)], 1))
+    for _ in range(3):
+        fork = cache.fork()
+        paged.generate(**longer, **dict(GEN, max_new_tokens=6), cache=fork)
+        fork.reset()
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)
+    with torch.no_grad():
+        paged(input_ids=torch.tensor([[5], [6]]), attention_mask=mask, cache=cache)
+    config = paged.config
+    one = 4 * config.num_key_value_heads * config.head_dim * 4  # a page's float32 keys, one layer
+    residual = sum(layer.pages.residual_bytes() for layer in cache.layers)
+    assert residual == 2 * config.num_hidden_layers * one
+    check_pages(cache)
+
+
 # ------------------------------------------------------------------------------------ prefix caching
 def test_prefix_pages_are_reused_within_a_format_and_never_across_formats():
     _, paged = make_pair("llama")  # binding installs a forward hook: a model of its own

@@ -110,8 +110,9 @@ static inline float half_to_float(uint16_t h) {
 
 /* float8 e4m3 bits -> float (exact; the steps of int4 keys are never negative or NaN) */
 static inline float fp8_to_float(uint8_t b) {
-    const int exponent = (b >> 3) & 15, mantissa = b & 7;
-    const float f = exponent ? ldexpf(1.0f + mantissa * 0.125f, exponent - 7) : mantissa * 0x1p-9f;
+    const uint32_t exponent = (b >> 3) & 15, mantissa = b & 7;
+    union { uint32_t u; float f; } x = { .u = (exponent + 120) << 23 | mantissa << 20 }; /* 2^(e-7) * 1.m */
+    const float f = exponent ? x.f : (float)mantissa * 0x1p-9f; /* subnormal: m * 2^-9 */
     return b & 0x80 ? -f : f;
 }
 
@@ -403,7 +404,6 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                                                   v16 *partial, float *page_params,
                                                                   int64_t *page_at) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
-    const int64_t blocks_per_group = fmt == FMT_I4 ? 1 : a->k_group / 16;
     v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
@@ -418,7 +418,7 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                 page_parameters(a, ch->ks_off[c0 + j], page_params, page_at);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
                 const Row at = slot_row(a, ch, c0 + j, kvh, 0);
-                float after = 1.0f; /* one group a row: its scale multiplies the dot products instead */
+                float after = 1.0f; /* int8: the row's one scale multiplies the dot products instead */
                 if (fmt == FMT_I4) {
                     const float *step = page_params + kvh * 2 * D, *low = step + D;
                     for (int64_t b = 0; b < D / 16; b++) {
@@ -427,16 +427,9 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                         memcpy(&l, low + 16 * b, sizeof l);
                         key[b] = codes16(a, 0, at, 16 * b, fmt) * s + l;
                     }
-                } else if (fmt >= FMT_I8) {
-                    const float *scale = cs->k_scale + ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
-                    const float *zero = cs->k_zero + ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
-                    if (cs->k_groups == 1) after = scale[0];
-                    for (int64_t b = 0; b < D / 16; b++) {
-                        const int64_t g = b / blocks_per_group;
-                        const v16 codes = fmt == FMT_I4 ? codes16(a, 0, at, 16 * b, fmt) - zero[g]
-                                                         : codes16(a, 0, at, 16 * b, fmt);
-                        key[b] = cs->k_groups == 1 ? codes : codes * scale[g];
-                    }
+                } else if (fmt == FMT_I8) {
+                    after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
+                    for (int64_t b = 0; b < D / 16; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
                 }
                 for (int64_t i = 0; i < a->Q * G; i++) {
                     const int64_t r = (i / G) * Hq + kvh * G + i % G;
@@ -605,7 +598,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
         }
         if (!any) continue;
         if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &cs);
-        if (D % 16 == 0 && (fmt < FMT_I8 || fmt == FMT_I4 || a->k_group % 16 == 0)) /* loads inside a group */
+        if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel */
             chunk_scores16(a, ch, slot_used, allowed, q, &cs, score, fmt, (v16 *)partial16, page_params, &page_at);
         else
             chunk_scores(a, ch, slot_used, allowed, q, score, fmt, slot);
