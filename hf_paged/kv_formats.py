@@ -55,7 +55,7 @@ __all__ = ["KV_FORMATS", "KEY_GROUP", "PageChannelCodec", "PageFormat", "Quantiz
            "page_format", "rotation",
            "quantize", "dequantize"]
 
-KEY_GROUP = 16  # elements of a key group of per-token int4 keys (`Int4Codec`; int4 keys were, the study compares)
+KEY_GROUP = 16  # elements of a key group of per-token int4 keys (`Int4Codec`: what the study compares int4 with)
 _FP16_MAX = 65504.0
 _FP8_MAX = 448.0  # largest float8_e4m3fn
 _FP8_MAX_BITS = 0x7E  # its bits (0x7F is NaN)
@@ -393,6 +393,8 @@ class QuantizedPages:
         with the new keys in their slots, and is encoded again over the slots up to the write's last one."""
         S, device = self.page_size, self.device
         slot_list = slots.tolist()
+        if not slot_list:
+            return
         spans: dict[int, list[int]] = {}  # page -> [first slot written, last slot written + 1]
         for slot in slot_list:
             page, offset = divmod(slot, S)

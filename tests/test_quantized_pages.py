@@ -415,6 +415,21 @@ def test_a_run_of_quantized_pages_leaves_the_store_and_comes_back_byte_for_byte(
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
+def test_int4_pages_go_through_a_disk_prefix_store_as_codes(tmp_path):
+    """A fresh cache loads the full int4 pages a first cache wrote through to a disk store (codes and page
+    parameters as stored: every full page was encoded from its exact keys) and generates what the first did."""
+    _, paged = make_pair("llama")
+    prompt = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(4))  # 5 full pages of 4, then 2
+    gen = dict(GEN, max_new_tokens=6)
+    first = hf_paged.PagedCache(page_size=4, model=paged, kv_format="int4", prefix_store=str(tmp_path))
+    want = paged.generate(prompt, attention_mask=torch.ones_like(prompt), **gen, cache=first)
+    first.prefix_store.flush()
+    again = hf_paged.PagedCache(page_size=4, model=paged, kv_format="int4", prefix_store=str(tmp_path))
+    got = paged.generate(prompt, attention_mask=torch.ones_like(prompt), **gen, cache=again)
+    assert again.stats()["store_hits"] == 5
+    assert_same_run(got, want)
+
+
 def test_generate_many_takes_the_format_of_a_given_cache_and_refuses_another():
     _, paged = shared_pair("llama")
     cache = hf_paged.RaggedCache(paged.config, page_size=4, kv_format="int8")
