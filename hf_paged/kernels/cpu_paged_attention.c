@@ -386,10 +386,19 @@ static inline void page_parameters(const PagedArgs *a, int64_t off, float *param
         const uint16_t *row = a->k_scale + off + kvh * a->ks_stride[2];
         const uint8_t *steps = (const uint8_t *)(row + D);
         float *out = params + kvh * 2 * D;
-        for (int64_t d = 0; d < D; d++) {
-            out[d] = fp8_to_float(steps[d]);
-            out[D + d] = half_to_float(row[d]);
+        for (int64_t d = 0; d < D; d++) { /* fp8_to_float without branches (steps are never negative) */
+            const uint32_t exponent = (steps[d] >> 3) & 15, mantissa = steps[d] & 7;
+            const uint32_t bits = (exponent + 120) << 23 | mantissa << 20;
+            float normal;
+            memcpy(&normal, &bits, sizeof normal);
+            out[d] = exponent ? normal : (float)mantissa * 0x1p-9f;
         }
+        int64_t d = 0;
+#if defined(__F16C__)
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + D + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
+#endif
+        for (; d < D; d++) out[D + d] = half_to_float(row[d]);
     }
     *page_at = off;
 }
