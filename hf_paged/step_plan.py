@@ -53,6 +53,13 @@ class StepPlan:
     def kv_len(self) -> int:
         return self.num_tokens - self.first_pos
 
+    def but(self, **changes) -> "StepPlan":
+        """A copy with ``changes`` (`dataclasses.replace` without its per-field work: a decode step of a bounded
+        cache makes one per layer group)."""
+        plan = object.__new__(StepPlan)
+        plan.__dict__ = {**self.__dict__, **changes}
+        return plan
+
     def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) of the live pages (`page_tables.kernel_index`)."""
         return kernel_index(self._on_device, device, num_pages, self._kernel_rows)

@@ -592,19 +592,29 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
     """A recycled step picks its victims in the live table's columns: the same pages (by position) as the general
     path, which ranks each row in logical order, under the same attention (a function of each page's position
     and layer, least on the newest pages, which only their protection keeps, fewer of them in later layers; ties
-    among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage policy: a no-decay
-    "score" records their steps and picks their victims in one pass over all of them (`record_together`)."""
-    from hf_paged.eviction import GroupEviction
+    among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage
+    policy: their steps are planned together, one plan per step (`PlanStack`), and equal the steps each group
+    plans alone (`GroupEviction.recycle`) and the general path's; a no-decay "score" records their steps and picks
+    their victims in one pass over all of them (`record_together`)."""
+    from hf_paged.eviction import GroupEviction, PlanStack
+    from hf_paged.layer_groups import LayerGroups
 
-    recycled, general = [], GroupEviction.recycle
+    recycled, stacked, general, stack_recycle = [], [], GroupEviction.recycle, PlanStack.recycle
 
     def recycle(self, manager, rows, num_tokens, q_len, last):
         together = last is not None and last.victims is not None
         recycled.append((general(self, manager, rows, num_tokens, q_len, last), together))
         return recycled[-1][0]
 
-    def run(recycles: bool):
-        monkeypatch.setattr(GroupEviction, "recycle", recycle if recycles else lambda *a: None)
+    def recycle_stack(self, groups, q_len):
+        stacked.append((stack_recycle(self, groups, q_len), all(g.step.victims is not None for g in groups)))
+        return stacked[-1][0]
+
+    def run(path: str):
+        monkeypatch.setattr(GroupEviction, "recycle", recycle if path != "general" else lambda *a: None)
+        monkeypatch.setattr(PlanStack, "recycle", recycle_stack)
+        if path != "together":
+            monkeypatch.setattr(LayerGroups, "plan_together", lambda *a: None)
         name, decay = ("score", 0.5) if eviction == "score-decayed" else (eviction, None)
         cache = hf_paged.PagedCache(page_size=1, max_pages=96, eviction=name, sink_pages=4, recent_pages=2,
                                     score_decay=decay)
@@ -624,13 +634,16 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
                 kept.append([sorted(p for p, page in zip(row_pos, row) if page != EVICTED)
                              for row_pos, row in zip(positions.tolist(), pages.tolist())])
         monkeypatch.undo()
+        check_pages(cache)
         return kept, cache.stats()["evictions"]
 
-    assert run(recycles=True) == run(recycles=False)
+    together = run("together")
+    assert together == run("per group") == run("general")
     groups = 1 if eviction == "fifo" else 3
     assert sum(picks is not None for picks, _ in recycled) >= 100 * groups  # every step after the pool filled
-    together = sum(together for _, together in recycled)
-    assert together >= 100 * groups if eviction == "score" else together == 0
+    assert sum(done for done, _ in stacked) >= (0 if groups == 1 else 100)  # (planned together: no group recycled)
+    picked_together = sum(with_victims for _, with_victims in recycled + stacked)
+    assert picked_together >= 100 * groups if eviction == "score" else picked_together == 0
 
 
 def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
