@@ -206,8 +206,7 @@ class EvictionPolicy:
         -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
         pages = _ids(pages)
         shares = self.whole_shares(pages, mass)
-        if shares is not None:
-            self.fold_last_shares(history, pages, shares)
+        if shares is not None and self.fold_whole(history, pages, shares):
             return shares
         history.cover(pages)
         shares = mass.detach().cpu().numpy().astype(np.float64)
@@ -237,15 +236,28 @@ class EvictionPolicy:
         return self.name == "score" and self.decay == 0
 
     def whole_shares(self, pages: np.ndarray, mass: torch.Tensor) -> np.ndarray | None:
-        """`record`'s shares in one pass over the rows (the same numbers), when the policy `ranks_by_last_share` and
-        no row has holes; else None."""
-        if not self.ranks_by_last_share or not pages.size or (pages == EVICTED).any():
+        """`record`'s shares in one pass over the rows (the same numbers), for a "score" policy when no row has
+        holes; else None."""
+        if self.name != "score" or not pages.size or (pages == EVICTED).any():
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
         np.divide(shares, even, out=shares, where=even > 0)
         shares[~(even[:, 0] > 0)] = 0.0  # a row whose mass sums to nothing (or NaN), as `record`'s rows
         return shares
+
+    def fold_whole(self, history: PageHistory, pages: np.ndarray, shares: np.ndarray) -> bool:
+        """Fold whole rows' shares (`whole_shares`) into the pages' moving averages in one pass, as `record`'s
+        row loop does; False, changing nothing, when a decayed average would fold a page twice (rows share it)."""
+        if not self.decay:
+            self.fold_last_shares(history, pages, shares)
+            return True
+        if len(pages) > 1 and np.unique(pages).size != pages.size:
+            return False
+        history.cover(pages)
+        history.ema[pages] = self.decay * history.ema[pages] + (1 - self.decay) * shares
+        history.observed[pages] += 1
+        return True
 
     @staticmethod
     def fold_last_shares(history: PageHistory, pages: np.ndarray, shares: np.ndarray) -> None:
@@ -695,6 +707,22 @@ class PlanStack:
             self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], slots[l], q_len)
         return True
 
+    def advance(self, groups: list, q_len: int) -> bool:
+        """Plan the step of every group whose rows' ``q_len`` new tokens fit in their last pages (`continue_plan`):
+        only the slots move. -> True."""
+        S, past = self.plans[0].page_size, self.plans[0].num_tokens
+        last_pages = self.table[:, :, self.width - 1]
+        slots = (last_pages[..., None] * S + past % S + np.arange(q_len)).reshape(len(groups), -1)
+        for l, group in enumerate(groups):
+            self.plans[l] = group.begin_planned(self._continued, l, slots[l], q_len)
+        return True
+
+    def _continued(self, l: int, slots: np.ndarray, q_len: int):
+        last = self.plans[l]
+        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
+                        slots=torch.from_numpy(slots), copy_src=None, copy_dst=None, usage=None, shares=None,
+                        victims=None, _on_device={})
+
     def _recycled(self, l: int, group, entries: list[int], pages: list[int], slots: np.ndarray, q_len: int):
         """Group l's part of `recycle`: its rows' entries ``entries`` (pages ``pages``) are evicted and the pages
         appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan."""
@@ -713,35 +741,42 @@ class PlanStack:
                         usage=None, shares=None, victims=None, _on_device={}, _columns=None)
 
 
-def recycle_together(groups: list, stack: PlanStack | None, q_len: int) -> PlanStack | None:
+def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: bool) -> PlanStack | None:
     """Plan the step of every group in ``groups`` (per-layer groups of one cache, each able to begin a step that
-    keeps its rows' tables, its last step final) at once when each is a full pool's steady step
-    (`GroupEviction.recycles`): through ``stack`` when it made their plans, else a new one. -> the stack that
-    planned the step; None, changing nothing, when some group is not in that state (each plans its own)."""
+    keeps its rows' tables, its last step final) at once when they are all in one steady state: each row's new
+    tokens fit in its last page (``continuing``: `step_plan.continues` holds for every group), or each row of a
+    full pool recycles a victim (`GroupEviction.recycles`); through ``stack`` when it made their plans, else a new
+    one. -> the stack that planned the step; None, changing nothing, when the groups are not so (each then plans its
+    own)."""
     plans = [group.step for group in groups]
-    if not all(group.eviction.recycles(group.manager, group.rows, group.num_tokens, q_len, plan)
-               for group, plan in zip(groups, plans)):
+    if continuing and all(plan.read_table is not None for plan in plans):
+        step = PlanStack.advance
+    elif all(group.eviction.recycles(group.manager, group.rows, group.num_tokens, q_len, plan)
+             for group, plan in zip(groups, plans)):
+        step = PlanStack.recycle
+    else:
         return None
     if stack is None or not stack.holds(plans):
         if not PlanStack.fits(plans):
             return None
         stack = PlanStack(plans)
-    return stack if stack.recycle(groups, q_len) else None
+    return stack if step(stack, groups, q_len) else None
 
 
 def record_together(groups, stack: PlanStack | None = None) -> None:
-    """Record the step of every group that ranks its pages by their last share (per-layer "score" groups with
-    no decay, `EvictionPolicy.ranks_by_last_share`) and pick their next victims, in one pass over all their
-    live tables: a row's shares and victim depend on its row only. The victims are the live columns
-    `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one cache.)"""
-    picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.ranks_by_last_share
+    """Record the step of every group of a "score" policy in one pass over all their live tables (a row's shares
+    depend on its row only; each group folds them into its own history, `EvictionPolicy.fold_whole`), and, when the
+    policy ranks pages by their last share (no decay, `EvictionPolicy.ranks_by_last_share`), pick their next victims:
+    the live columns `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one
+    cache; ``stack``: the `PlanStack` that planned the step, whose tables are the plans' own, stacked.)"""
+    picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.name == "score"
                and g.step is not None and g.step.usage is not None]
     plans = [g.step for g in picking]
     if len(plans) < 2 or len({(p.read_table.shape, p.num_tokens, p.page_size, p.usage.device, g.policy)
                               for g, p in zip(picking, plans)}) > 1:
         return  # (each group records its own step when it commits)
     policy = picking[0].policy
-    together = stack is not None and stack.holds(plans)  # (its tables are the plans' live tables, stacked)
+    together = stack is not None and stack.holds(plans)
     tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
         [p.read_table.numpy() for p in plans])
     shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
@@ -749,8 +784,11 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
         return
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
     for l, (group, plan) in enumerate(zip(picking, plans)):
-        plan.usage, plan.shares = None, shares[l * rows:(l + 1) * rows]
-        policy.fold_last_shares(group.eviction.history, tables[l * rows:(l + 1) * rows], plan.shares)
+        part = shares[l * rows:(l + 1) * rows]
+        if policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
+            plan.usage, plan.shares = None, part if policy.ranks_by_last_share else None
+    if not policy.ranks_by_last_share:
+        return
     positions = stack.read_pos.reshape(tables.shape) if together else np.concatenate(
         [p.read_pos.numpy() for p in plans])
     columns = policy.victim_columns(None, positions, None, plans[0].page_size, plans[0].num_tokens, shares)

@@ -21,10 +21,10 @@ import weakref
 from .attention import PagedView
 from .block_manager import BlockManager
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy, GroupEviction, record_together, recycle_together
+from .eviction import EvictionPolicy, GroupEviction, plan_stacked, record_together
 from .page_store import PageStore
 from .page_tables import PageRows, StepUndo, copy_on_write, needs_copy
-from .step_plan import StepPlan, build_plan, continue_plan, place_rows, relocate_rows
+from .step_plan import StepPlan, build_plan, continue_plan, continues, place_rows, relocate_rows
 
 
 class Members:
@@ -173,7 +173,7 @@ class LayerGroup(PageRows):
 
     def begin_planned(self, plan_rows, *args) -> StepPlan | None:
         """Begin a step that keeps the rows' tables: ``plan_rows(*args)`` plans it, only appending pages to the rows
-        (a decode step's quick plans; `eviction.recycle_together` plans every group's at once), or returns None."""
+        (a decode step's quick plans; `eviction.plan_stacked` plans every group's at once), or returns None."""
         undo = self._step_undo(appends_only=True)  # (a recycled step's evictions are final: not undone)
         plan = plan_rows(*args)
         if plan is not None:
@@ -310,13 +310,14 @@ class LayerGroups(dict):
 
     def plan_together(self, batch_size: int, q_len: int) -> None:
         """Plan a new step of ``batch_size`` rows and ``q_len`` tokens for every group at once when they are per-layer
-        groups of full pools in their steady state (`eviction.recycle_together`: one plan per step, where each group
+        groups of bounded pools in a steady state (`eviction.plan_stacked`: one plan per step, where each group
         would plan its own as its first layer writes; every group then begins the step with the first layer)."""
         groups = list(self.values())
         together = len(groups) > 1 and all(
             g.eviction is not None and not g.step_open and len(g.rows) == batch_size and not g.manager.overdrawn
             and g.first_kept_page(g.num_tokens) == g.first_page for g in groups)
-        self.stack = recycle_together(groups, self.stack, q_len) if together else None
+        continuing = together and all(continues(g.step, g.rows, q_len, g.manager.ref) for g in groups)
+        self.stack = plan_stacked(groups, self.stack, q_len, continuing) if together else None
 
     @property
     def step_open(self) -> bool:

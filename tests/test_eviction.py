@@ -587,16 +587,19 @@ def test_decode_steps_edit_the_last_plan_as_a_full_plan_would_build_it(rows, tok
     check_pages(cache)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("eviction", ["score", "score-decayed", "lru", "fifo"])
-def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch):
+def test_recycled_steps_evict_what_the_general_path_evicts(eviction, page_size, monkeypatch):
     """A recycled step picks its victims in the live table's columns: the same pages (by position) as the general
     path, which ranks each row in logical order, under the same attention (a function of each page's position
     and layer, least on the newest pages, which only their protection keeps, fewer of them in later layers; ties
     among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage
-    policy: their steps are planned together, one plan per step (`PlanStack`), and equal the steps each group
-    plans alone (`GroupEviction.recycle`) and the general path's; a no-decay "score" records their steps and picks
-    their victims in one pass over all of them (`record_together`)."""
-    from hf_paged.eviction import GroupEviction, PlanStack
+    policy: their steps are planned together, one plan per step (`PlanStack`: recycled steps, and with pages of
+    several tokens the steps between), and equal the steps each group plans alone (`GroupEviction.recycle`) and the
+    general path's, where each group records its own usage row by row; "score" records their steps in one pass over
+    all of them (`record_together`), and without decay picks their victims in it too."""
+    from hf_paged import layer_groups
+    from hf_paged.eviction import EvictionPolicy, GroupEviction, PlanStack
     from hf_paged.layer_groups import LayerGroups
 
     recycled, stacked, general, stack_recycle = [], [], GroupEviction.recycle, PlanStack.recycle
@@ -615,9 +618,12 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
         monkeypatch.setattr(PlanStack, "recycle", recycle_stack)
         if path != "together":
             monkeypatch.setattr(LayerGroups, "plan_together", lambda *a: None)
+        if path == "general":
+            monkeypatch.setattr(layer_groups, "record_together", lambda *a: None)
+            monkeypatch.setattr(EvictionPolicy, "whole_shares", lambda *a: None)
         name, decay = ("score", 0.5) if eviction == "score-decayed" else (eviction, None)
-        cache = hf_paged.PagedCache(page_size=1, max_pages=96, eviction=name, sink_pages=4, recent_pages=2,
-                                    score_decay=decay)
+        cache = hf_paged.PagedCache(page_size=page_size, max_pages=96 // page_size, eviction=name,
+                                    sink_pages=4 // page_size, recent_pages=2, score_decay=decay)
         kept = []
         for i in range(120):
             k = torch.randn(2, 1, 40 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
@@ -639,11 +645,12 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
 
     together = run("together")
     assert together == run("per group") == run("general")
-    groups = 1 if eviction == "fifo" else 3
-    assert sum(picks is not None for picks, _ in recycled) >= 100 * groups  # every step after the pool filled
-    assert sum(done for done, _ in stacked) >= (0 if groups == 1 else 100)  # (planned together: no group recycled)
+    groups, recycling = (1 if eviction == "fifo" else 3), 100 // page_size  # steps after the pool filled
+    assert sum(picks is not None for picks, _ in recycled) >= recycling * groups
+    assert sum(done for done, _ in stacked) >= (0 if groups == 1 else recycling)  # (planned together: no group recycled)
     picked_together = sum(with_victims for _, with_victims in recycled + stacked)
-    assert picked_together >= 100 * groups if eviction == "score" else picked_together == 0
+    no_decay = eviction == "score" and page_size == 1  # (pages of several tokens decay their scores by default)
+    assert picked_together >= recycling * groups if no_decay else picked_together == 0
 
 
 def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
