@@ -653,6 +653,35 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, page_size, 
     assert picked_together >= recycling * groups if no_decay else picked_together == 0
 
 
+def test_a_step_planned_together_that_fails_is_rolled_back_at_the_first_question():
+    """Per-layer groups of a full pool plan a step together (every group begins it with the first layer): when a
+    forward fails after some layers wrote it, the next question about a layer that wrote it (``get_seq_length``, the
+    first thing a forward asks) rolls it back in every group, as when each group planned its own; the next step goes
+    on from there, planned together again."""
+    cache = hf_paged.PagedCache(page_size=1, max_pages=24, eviction="score", sink_pages=1)
+
+    def step(count, seed, layers=range(3)):
+        k = torch.randn(2, 1, count, 2, generator=torch.Generator().manual_seed(seed))
+        for layer in layers:
+            cache.update(k, k, layer)
+            plan = cache.layers[layer].group.step
+            plan.add_usage(torch.rand(plan.read_table.shape, generator=torch.Generator().manual_seed(seed + layer)))
+
+    step(12, 0)
+    for i in range(6):
+        step(1, i + 1)
+    assert cache.groups.stack is not None
+    held = cache.get_seq_length()
+    step(1, 50, layers=range(2))  # the last layer never writes the step
+    assert cache.get_seq_length() == held
+    assert [layer.get_seq_length() for layer in cache.layers] == [held] * 3
+    check_pages(cache)
+    for i in range(3):
+        step(1, 60 + i)
+    assert cache.get_seq_length() == held + 3 and cache.groups.stack is not None
+    check_pages(cache)
+
+
 def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
     """``PagedCache(eviction=EvictionPolicy(...))`` evicts as the same settings given as keywords; mixing both is
     refused, naming the keyword to move into the policy."""
