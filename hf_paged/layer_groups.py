@@ -364,6 +364,7 @@ class LayerGroups(dict):
             group.register_hashes(hashes, generated=group.step is not None and group.step.q_len == 1)
 
     def rollback(self) -> None:
+        self.stack = None  # (the next step begins group by group, as every group's rows lost their plan)
         for group in self.values():
             group.abort_step()
 

@@ -682,6 +682,33 @@ def test_a_step_planned_together_that_fails_is_rolled_back_at_the_first_question
     check_pages(cache)
 
 
+def test_after_a_failed_step_planned_together_groups_of_several_layers_plan_their_own():
+    """Groups of several layers each (a sliding window wider than the text, "fifo": one group per window) plan a step
+    together too; after one fails and is rolled back at the next step's first layer, that step is planned group by
+    group, and a group's first layer finding another group's step open (its later layers still to come) is no
+    failure."""
+    from tiny_models import hybrid_cache_config
+
+    layer_types = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+    cache = hf_paged.PagedCache(page_size=1, max_pages=24, eviction="fifo", sink_pages=1,
+                                config=hybrid_cache_config(64, layer_types))
+
+    def step(count, seed, layers=range(4)):
+        k = torch.randn(2, 1, count, 2, generator=torch.Generator().manual_seed(seed))
+        for layer in layers:
+            cache.update(k, k, layer)
+
+    step(12, 0)
+    for i in range(20):
+        step(1, i + 1)
+    assert len(cache.groups) == 2 and cache.groups.stack is not None
+    held = cache.get_seq_length()
+    step(1, 50, layers=range(3))  # the last layer never writes the step
+    step(1, 51)
+    assert [layer.get_seq_length() for layer in cache.layers] == [held + 1] * 4
+    check_pages(cache)
+
+
 def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
     """``PagedCache(eviction=EvictionPolicy(...))`` evicts as the same settings given as keywords; mixing both is
     refused, naming the keyword to move into the policy."""
