@@ -358,6 +358,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
             elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
                 _refuse_rewind(layer.get_seq_length(), key_states.shape[2], args, kwargs)
+                self.groups.plan_together(key_states.shape[0], key_states.shape[2])  # (per-layer groups of full pools)
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
         except Exception:

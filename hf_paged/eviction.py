@@ -206,8 +206,7 @@ class EvictionPolicy:
         -> the pages' shares ``[B, Nk]``, relative to an even share of their row (inf at holes)."""
         pages = _ids(pages)
         shares = self.whole_shares(pages, mass)
-        if shares is not None:
-            self.fold_last_shares(history, pages, shares)
+        if shares is not None and self.fold_whole(history, pages, shares):
             return shares
         history.cover(pages)
         shares = mass.detach().cpu().numpy().astype(np.float64)
@@ -237,15 +236,28 @@ class EvictionPolicy:
         return self.name == "score" and self.decay == 0
 
     def whole_shares(self, pages: np.ndarray, mass: torch.Tensor) -> np.ndarray | None:
-        """`record`'s shares in one pass over the rows (the same numbers), when the policy `ranks_by_last_share` and
-        no row has holes; else None."""
-        if not self.ranks_by_last_share or not pages.size or (pages == EVICTED).any():
+        """`record`'s shares in one pass over the rows (the same numbers), for a "score" policy when no row has
+        holes; else None."""
+        if self.name != "score" or not pages.size or (pages == EVICTED).any():
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
         np.divide(shares, even, out=shares, where=even > 0)
         shares[~(even[:, 0] > 0)] = 0.0  # a row whose mass sums to nothing (or NaN), as `record`'s rows
         return shares
+
+    def fold_whole(self, history: PageHistory, pages: np.ndarray, shares: np.ndarray) -> bool:
+        """Fold whole rows' shares (`whole_shares`) into the pages' moving averages in one pass, as `record`'s
+        row loop does; False, changing nothing, when a decayed average would fold a page twice (rows share it)."""
+        if not self.decay:
+            self.fold_last_shares(history, pages, shares)
+            return True
+        if len(pages) > 1 and np.unique(pages).size != pages.size:
+            return False
+        history.cover(pages)
+        history.ema[pages] = self.decay * history.ema[pages] + (1 - self.decay) * shares
+        history.observed[pages] += 1
+        return True
 
     @staticmethod
     def fold_last_shares(history: PageHistory, pages: np.ndarray, shares: np.ndarray) -> None:
@@ -433,11 +445,9 @@ class GroupEviction:
         nothing is released or allocated. Its victims are ``last.victims`` when they were picked with other groups'
         (`record_together`). -> (live columns, row entries, pages), one entry per row; None, changing nothing,
         when the step is not such a step or a victim is shared (the general path then evicts)."""
-        S = manager.page_size
-        if (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
-                or q_len > S or last is None or last.read_table is None or last.same_as is not None
-                or last.num_tokens != num_tokens or last.rows != rows):
+        if not self.recycles(manager, rows, num_tokens, q_len, last):
             return None
+        S = manager.page_size
         table, positions = last.read_table.numpy(), last.read_pos.numpy()
         columns = last.victims
         if columns is None:
@@ -455,6 +465,14 @@ class GroupEviction:
             manager.forget(page)  # (its content is about to change)
         self.evictions += len(rows)
         return columns, entries, pages
+
+    def recycles(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last) -> bool:
+        """The step after ``num_tokens`` tokens is a full pool's steady step that `recycle` plans from ``last``: each
+        row starts one new page and must evict one for it, and the rows are as ``last`` planned them."""
+        S = manager.page_size
+        return not (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
+                    or q_len > S or last is None or last.read_table is None or last.same_as is not None
+                    or last.num_tokens != num_tokens or last.rows != rows)
 
     def recycled_step(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last):
         """The plan of a full pool's steady step (`recycle`; None when it is not one): its victims hold the tokens."""
@@ -618,26 +636,161 @@ def recycle_plan(last, rows: list[list[int]], columns: list[int], entries: list[
                                _on_device={}, _columns=plan_columns)
 
 
-def record_together(groups) -> None:
-    """Record the step of every group that ranks its pages by their last share (per-layer "score" groups with
-    no decay, `EvictionPolicy.ranks_by_last_share`) and pick their next victims, in one pass over all their
-    live tables: a row's shares and victim depend on its row only. The victims are the live columns
-    `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one cache.)"""
-    picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.ranks_by_last_share
+class PlanStack:
+    """One plan per step for the per-layer page groups of a bounded cache, in a full pool's steady step (each row of
+    each group recycles its victim page, `GroupEviction.recycle`): the live tables of the L groups' plans as one
+    ``[L, B, Nk]`` array with their positions, and their logical tables as ``[L, B, capacity]``, so that one
+    vectorised pass finds every group's victims' pages, edits the tables and makes the slots; group l's `StepPlan`
+    views slice l. Each group's victims are its own (its last shares, or its history): the rows, pages, histories
+    and plans equal those of L separate `recycle` steps. Invariant: ``plans[l]`` is group l's plan made (or copied)
+    last; a step whose groups' plans are others is planned by a new stack, or group by group."""
+
+    def __init__(self, plans: list):
+        (L, (B, n)), live = (len(plans), plans[0].table.shape), plans[0].read_table.shape[1]
+        self.width = n
+        self.table = np.empty((L, B, max(2 * n, 64)), dtype=np.int64)
+        for l, plan in enumerate(plans):
+            self.table[l, :, :n] = plan.table.numpy()
+        self.read_table = np.stack([plan.read_table.numpy() for plan in plans]).reshape(L, B, live)
+        self.read_pos = np.stack([plan.read_pos.numpy() for plan in plans]).reshape(L, B, live)
+        self.live = [(torch.from_numpy(t), torch.from_numpy(p)) for t, p in zip(self.read_table, self.read_pos)]
+        self.plans = list(plans)
+
+    @staticmethod
+    def fits(plans: list) -> bool:
+        """The plans have one shape and step, and live tables without holes: one stack can hold them."""
+        key = lambda p: (p.table.shape, p.read_table.shape, p.num_tokens, p.first_pos, p.page_size)  # noqa: E731
+        return (all(key(plan) == key(plans[0]) for plan in plans)
+                and not any(bool((plan.read_table == EVICTED).any()) for plan in plans))
+
+    def holds(self, plans: list) -> bool:
+        """``plans`` are the plans this stack made last, in its order."""
+        return len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
+
+    def _victims(self, groups: list) -> np.ndarray | None:
+        """``[L, B]``: the live column each row of each group gives up (`recycle`'s choice); None when a row of some
+        group has every page protected."""
+        columns = np.empty(self.read_table.shape[:2], dtype=np.int64)
+        for l, (group, plan) in enumerate(zip(groups, self.plans)):
+            picked = plan.victims
+            if picked is None:
+                picked = group.policy.victim_columns(self.read_table[l], self.read_pos[l], group.eviction.history,
+                                                     plan.page_size, plan.num_tokens, plan.shares)
+            if picked is None:
+                return None
+            columns[l] = picked
+        return columns
+
+    def recycle(self, groups: list, q_len: int) -> bool:
+        """Plan the step of every group (`LayerGroup.begin_planned`): each row's victim page takes its ``q_len`` new
+        tokens. False, changing nothing, when some group cannot (a protected row, a shared victim)."""
+        columns = self._victims(groups)
+        if columns is None:
+            return False
+        L, B = columns.shape
+        at = (np.arange(L)[:, None], np.arange(B), columns)
+        pages = self.read_table[at]
+        page_rows = pages.tolist()
+        if any(group.manager.ref[page] != 1 for group, row in zip(groups, page_rows) for page in row):
+            return False
+        S, past, first_pos = self.plans[0].page_size, self.plans[0].num_tokens, self.plans[0].first_pos
+        entries = self.read_pos[at] // S - first_pos // S
+        self.read_pos[at] = past
+        n = self.width
+        if n == self.table.shape[2]:  # (capacity doubles, like a vector)
+            self.table = np.concatenate([self.table, np.empty_like(self.table)], axis=2)
+        self.table[np.arange(L)[:, None], np.arange(B), entries] = EVICTED
+        self.table[:, :, n] = pages
+        self.width = n + 1
+        slots = pages * S if q_len == 1 else (pages[..., None] * S + np.arange(q_len)).reshape(L, -1)
+        for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
+            self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], slots[l], q_len)
+        return True
+
+    def advance(self, groups: list, q_len: int) -> bool:
+        """Plan the step of every group whose rows' ``q_len`` new tokens fit in their last pages (`continue_plan`):
+        only the slots move. -> True."""
+        S, past = self.plans[0].page_size, self.plans[0].num_tokens
+        last_pages = self.table[:, :, self.width - 1]
+        slots = (last_pages[..., None] * S + past % S + np.arange(q_len)).reshape(len(groups), -1)
+        for l, group in enumerate(groups):
+            self.plans[l] = group.begin_planned(self._continued, l, slots[l], q_len)
+        return True
+
+    def _continued(self, l: int, slots: np.ndarray, q_len: int):
+        last = self.plans[l]
+        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
+                        slots=torch.from_numpy(slots), copy_src=None, copy_dst=None, usage=None, shares=None,
+                        victims=None, _on_device={})
+
+    def _recycled(self, l: int, group, entries: list[int], pages: list[int], slots: np.ndarray, q_len: int):
+        """Group l's part of `recycle`: its rows' entries ``entries`` (pages ``pages``) are evicted and the pages
+        appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan."""
+        eviction, manager, last = group.eviction, group.manager, self.plans[l]
+        eviction._evicting(manager.max_pages, last.num_tokens)
+        for row, planned, entry, page in zip(group.rows, last.rows, entries, pages):
+            row[entry] = planned[entry] = EVICTED
+            manager.forget(page)  # (its content is about to change)
+            row.append(page)
+            planned.append(page)
+        eviction.evictions += len(pages)
+        read_table, read_pos = self.live[l]
+        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
+                        table=torch.from_numpy(self.table[l, :, :self.width]), slots=torch.from_numpy(slots),
+                        copy_src=None, copy_dst=None, slab=None, same_as=None, read_table=read_table, read_pos=read_pos,
+                        usage=None, shares=None, victims=None, _on_device={}, _columns=None)
+
+
+def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: bool) -> PlanStack | None:
+    """Plan the step of every group in ``groups`` (per-layer groups of one cache, each able to begin a step that
+    keeps its rows' tables, its last step final) at once when they are all in one steady state: each row's new
+    tokens fit in its last page (``continuing``: `step_plan.continues` holds for every group), or each row of a
+    full pool recycles a victim (`GroupEviction.recycles`); through ``stack`` when it made their plans, else a new
+    one. -> the stack that planned the step; None, changing nothing, when the groups are not so (each then plans its
+    own)."""
+    plans = [group.step for group in groups]
+    if continuing and all(plan.read_table is not None for plan in plans):
+        step = PlanStack.advance
+    elif all(group.eviction.recycles(group.manager, group.rows, group.num_tokens, q_len, plan)
+             for group, plan in zip(groups, plans)):
+        step = PlanStack.recycle
+    else:
+        return None
+    if stack is None or not stack.holds(plans):
+        if not PlanStack.fits(plans):
+            return None
+        stack = PlanStack(plans)
+    return stack if step(stack, groups, q_len) else None
+
+
+def record_together(groups, stack: PlanStack | None = None) -> None:
+    """Record the step of every group of a "score" policy in one pass over all their live tables (a row's shares
+    depend on its row only; each group folds them into its own history, `EvictionPolicy.fold_whole`), and, when the
+    policy ranks pages by their last share (no decay, `EvictionPolicy.ranks_by_last_share`), pick their next victims:
+    the live columns `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one
+    cache; ``stack``: the `PlanStack` that planned the step, whose tables are the plans' own, stacked.)"""
+    picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.name == "score"
                and g.step is not None and g.step.usage is not None]
     plans = [g.step for g in picking]
     if len(plans) < 2 or len({(p.read_table.shape, p.num_tokens, p.page_size, p.usage.device, g.policy)
                               for g, p in zip(picking, plans)}) > 1:
         return  # (each group records its own step when it commits)
-    policy, tables = picking[0].policy, np.concatenate([p.read_table.numpy() for p in plans])
+    policy = picking[0].policy
+    together = stack is not None and stack.holds(plans)
+    tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
+        [p.read_table.numpy() for p in plans])
     shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
     if shares is None:
         return
-    for group, plan, pages, plan_shares in zip(picking, plans, np.split(tables, len(plans)),
-                                               np.split(shares, len(plans))):
-        policy.fold_last_shares(group.eviction.history, pages, plan_shares)
-        plan.usage, plan.shares = None, plan_shares
-    columns = policy.victim_columns(None, np.concatenate([p.read_pos.numpy() for p in plans]), None,
-                                    plans[0].page_size, plans[0].num_tokens, shares)
-    for plan, victims in zip(plans, np.split(columns, len(plans)) if columns is not None else ()):
-        plan.victims = victims
+    rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
+    for l, (group, plan) in enumerate(zip(picking, plans)):
+        part = shares[l * rows:(l + 1) * rows]
+        if policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
+            plan.usage, plan.shares = None, part if policy.ranks_by_last_share else None
+    if not policy.ranks_by_last_share:
+        return
+    positions = stack.read_pos.reshape(tables.shape) if together else np.concatenate(
+        [p.read_pos.numpy() for p in plans])
+    columns = policy.victim_columns(None, positions, None, plans[0].page_size, plans[0].num_tokens, shares)
+    for l, plan in enumerate(plans if columns is not None else ()):
+        plan.victims = columns[l * rows:(l + 1) * rows]

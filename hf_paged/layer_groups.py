@@ -21,10 +21,10 @@ import weakref
 from .attention import PagedView
 from .block_manager import BlockManager
 from .errors import CacheUsageError
-from .eviction import EvictionPolicy, GroupEviction, record_together
+from .eviction import EvictionPolicy, GroupEviction, plan_stacked, record_together
 from .page_store import PageStore
 from .page_tables import PageRows, StepUndo, copy_on_write, needs_copy
-from .step_plan import StepPlan, build_plan, continue_plan, place_rows, relocate_rows
+from .step_plan import StepPlan, build_plan, continue_plan, continues, place_rows, relocate_rows
 
 
 class Members:
@@ -74,10 +74,8 @@ class LayerGroup(PageRows):
         self.store = PageStore(manager.page_size, kv_format, manager)  # the K/V bytes of its page ids (forks share)
         self.prefix.store = self.prefix.store or self.store
 
-    def read_view(self, pages, backend: str) -> PagedView:
-        """What attention reads of a member (its `LayerPages`) in the current step."""
-        return PagedView(pages, self.step.on(pages.device), backend,
-                         None if self.eviction is None else self.eviction.probe(self.step))
+    def read_view(self, pages, backend: str) -> PagedView:  # what attention reads of a member's pages in this step
+        return PagedView(pages, self.step.on(pages.device), backend, self.eviction and self.eviction.probe(self.step))
 
     def __del__(self):  # a dropped cache (or fork) gives its pages back: unreferenced, then cached or free
         try:
@@ -139,12 +137,10 @@ class LayerGroup(PageRows):
             return self.begin_step(batch_size, q_len, identical_rows() if fresh_batch else None)
         if self.step is None or self.members[layer] + q_len != self.num_tokens or batch_size != self.step.batch_size:
             raise CacheUsageError(
-                f"layer {layer.layer_idx} received {q_len} token(s) for a batch of {batch_size}, but its group "
-                f"planned a step of {self.step.q_len if self.step else 0} token(s) for "
-                f"{self.batch_size} row(s): every layer must see the same tokens in the same step. (An "
-                "encoder-decoder model such as T5 or BART gives the cache its cross-attention keys too: PagedCache "
-                "supports decoder-only models only.)"
-            )
+                f"layer {layer.layer_idx} received {q_len} token(s) for a batch of {batch_size}, but its group planned "
+                f"a step of {self.step.q_len if self.step else 0} token(s) for {self.batch_size} row(s): every layer "
+                "must see the same tokens in the same step. (An encoder-decoder model such as T5 or BART gives the "
+                "cache its cross-attention keys too: PagedCache supports decoder-only models only.)")
         return self.step
 
     # ------------------------------------------------------------------ step
@@ -160,14 +156,8 @@ class LayerGroup(PageRows):
         self._finish_or_rollback()
         self.check_batch(batch_size)
         if self.first_kept_page(self.num_tokens) == self.first_page and not self.manager.overdrawn:
-            undo = self._step_undo(appends_only=True)  # (a recycled step's evictions are final: not undone)
-            quick = continue_plan(self.step, self.rows, q_len, self.manager.ref)  # the tables stay as they are
-            if quick is None and self.eviction is not None:
-                quick = self.eviction.recycled_step(self.manager, self.rows, self.num_tokens, q_len, self.step)
+            quick = self.begin_planned(self._quick_plan, q_len)
             if quick is not None:  # the common decode steps
-                self._undo, self.num_tokens, self.step = undo, quick.num_tokens, quick
-                if self.eviction is not None:
-                    self.eviction.planned(quick)
                 return quick
         S, past = self.page_size, self.num_tokens
         fresh = not self.rows
@@ -180,6 +170,22 @@ class LayerGroup(PageRows):
             self.eviction.reserve(self.manager, self.rows, self.first_page, past,
                                   len(owners) * new_per_row + len(cow_rows), fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
+
+    def begin_planned(self, plan_rows, *args) -> StepPlan | None:
+        """Begin a step that keeps the rows' tables: ``plan_rows(*args)`` plans it, only appending pages to the rows
+        (a decode step's quick plans; `eviction.plan_stacked` plans every group's at once), or returns None."""
+        undo = self._step_undo(appends_only=True)  # (a recycled step's evictions are final: not undone)
+        plan = plan_rows(*args)
+        if plan is not None:
+            self._undo, self.num_tokens, self.step = undo, plan.num_tokens, plan
+            if self.eviction is not None:
+                self.eviction.planned(plan)
+        return plan
+
+    def _quick_plan(self, q_len: int) -> StepPlan | None:
+        quick = continue_plan(self.step, self.rows, q_len, self.manager.ref)  # the tables stay as they are
+        return quick if quick is not None or self.eviction is None else self.eviction.recycled_step(
+            self.manager, self.rows, self.num_tokens, q_len, self.step)
 
     def _step_undo(self, appends_only: bool = False) -> StepUndo:  # the rows, their first page and length
         return StepUndo(self.rows, appends_only, (self.first_page, self.num_tokens))
@@ -251,12 +257,8 @@ class LayerGroup(PageRows):
 
     def _finish_or_rollback(self) -> None:
         """Commit the previous step, or roll it back if some layer of the group never wrote it."""
-        if self._undo is None:
-            return
-        if self.step_complete():
-            self.commit()
-        else:
-            self.abort_step()
+        if self._undo is not None:
+            (self.commit if self.step_complete() else self.abort_step)()
 
     def commit(self) -> None:
         """Make the current step final: release the pages it replaced or trimmed."""
@@ -282,7 +284,10 @@ class LayerGroup(PageRows):
 
 class LayerGroups(dict):
     """Every page group of a cache; a dict by sliding window (and layer, per-layer eviction), with the
-    operations that span them all."""
+    operations that span them all. ``stack``: the `eviction.PlanStack` that planned the open (or last) step of
+    every group at once, None when each group planned its own."""
+
+    stack = None
 
     def for_layer(self, sliding_window: int | None, layer_idx: int, page_size: int, max_pages: int | None,
                   policy: EvictionPolicy, per_layer: bool, kv_format: str = "float") -> LayerGroup:
@@ -303,6 +308,17 @@ class LayerGroups(dict):
         for group in self.values():
             group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format, group.manager)
 
+    def plan_together(self, batch_size: int, q_len: int) -> None:
+        """Plan a new step of ``batch_size`` rows and ``q_len`` tokens for every group at once when they are per-layer
+        groups of bounded pools in a steady state (`eviction.plan_stacked`: one plan per step, where each group
+        would plan its own as its first layer writes; every group then begins the step with the first layer)."""
+        groups = list(self.values())
+        together = len(groups) > 1 and all(
+            g.eviction is not None and not g.step_open and len(g.rows) == batch_size and not g.manager.overdrawn
+            and g.first_kept_page(g.num_tokens) == g.first_page for g in groups)
+        continuing = together and all(continues(g.step, g.rows, q_len, g.manager.ref) for g in groups)
+        self.stack = plan_stacked(groups, self.stack, q_len, continuing) if together else None
+
     @property
     def step_open(self) -> bool:
         """Some group planned a step that is not yet committed or rolled back."""
@@ -311,9 +327,11 @@ class LayerGroups(dict):
     def step_failed(self, group: LayerGroup | None = None) -> bool:
         """The last step never reached every layer: some group's layers did not all write it, or some group
         never began it (groups begin a step in layer order). With ``group``: as a layer of ``group`` about to
-        start new tokens sees it."""
+        start new tokens sees it (after a step planned together, every group began it: some group's layer did not
+        write it)."""
         if group is not None:
-            return (group.step_open and not group.step_complete()) or min(self.token_counts()) < group.num_tokens
+            return ((group.step_open and not group.step_complete()) or min(self.token_counts()) < group.num_tokens
+                    or (self.stack is not None and any(g.step_open and not g.step_complete() for g in self.values())))
         return len(self.token_counts()) > 1 or any(g.step_open and not g.step_complete() for g in self.values())
 
     def level_with(self, group: LayerGroup) -> bool:
@@ -335,7 +353,7 @@ class LayerGroups(dict):
         but not pages computed after an eviction in any group: every layer's later K/V differ from a full
         forward's."""
         if any(group.eviction is not None for group in self.values()):
-            record_together(self.values())
+            record_together(self.values(), self.stack)
         for group in self.values():
             group.commit()
         if row_hashes is None:
@@ -346,6 +364,7 @@ class LayerGroups(dict):
             group.register_hashes(hashes, generated=group.step is not None and group.step.q_len == 1)
 
     def rollback(self) -> None:
+        self.stack = None  # (the next step begins group by group, as every group's rows lost their plan)
         for group in self.values():
             group.abort_step()
 

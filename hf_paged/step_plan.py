@@ -53,6 +53,13 @@ class StepPlan:
     def kv_len(self) -> int:
         return self.num_tokens - self.first_pos
 
+    def but(self, **changes) -> "StepPlan":
+        """A copy with ``changes`` (`dataclasses.replace` without its per-field work: a decode step of a bounded
+        cache makes one per layer group)."""
+        plan = object.__new__(StepPlan)
+        plan.__dict__ = {**self.__dict__, **changes}
+        return plan
+
     def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(page_table [B, N], page_pos [B, N], q_pos [B, Q]) of the live pages (`page_tables.kernel_index`)."""
         return kernel_index(self._on_device, device, num_pages, self._kernel_rows)
@@ -183,15 +190,22 @@ def relocate_rows(manager: BlockManager, rows: list[list[int]], src: list[int], 
     return True
 
 
+def continues(last: StepPlan | None, rows: list[list[int]], q_len: int, ref: list[int]) -> bool:
+    """The next step only moves the slots of ``last``'s plan (`continue_plan`): the rows are those it planned, and
+    their ``q_len`` new tokens each fit in the row's last page, which no other row shares."""
+    if last is None or last.same_as is not None:
+        return False
+    S, past = last.page_size, last.num_tokens
+    return not (past % S == 0 or past % S + q_len > S or any(ref[r[-1]] != 1 for r in rows) or last.rows != rows)
+
+
 def continue_plan(last: StepPlan | None, rows: list[list[int]], q_len: int, ref: list[int]) -> StepPlan | None:
     """The plan of the next step from ``last`` when nothing but the slots changes: the rows are those ``last``
     planned, and their ``q_len`` new tokens each fit in the row's last page, which no other row shares (no
     allocation, copy-on-write or trim). None when that does not hold: the step is then planned in full."""
-    if last is None or last.same_as is not None:
+    if not continues(last, rows, q_len, ref):
         return None
     S, past = last.page_size, last.num_tokens
-    if past % S == 0 or past % S + q_len > S or any(ref[r[-1]] != 1 for r in rows) or last.rows != rows:
-        return None
     end, offsets = past + q_len, range(past % S, past % S + q_len)
     slots = torch.tensor([r[-1] * S + offset for r in rows for offset in offsets])
     read_pos = None if last.read_pos is None else last.read_pos.masked_fill(last.read_table == EVICTED, end)

@@ -587,27 +587,43 @@ def test_decode_steps_edit_the_last_plan_as_a_full_plan_would_build_it(rows, tok
     check_pages(cache)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("eviction", ["score", "score-decayed", "lru", "fifo"])
-def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch):
+def test_recycled_steps_evict_what_the_general_path_evicts(eviction, page_size, monkeypatch):
     """A recycled step picks its victims in the live table's columns: the same pages (by position) as the general
     path, which ranks each row in logical order, under the same attention (a function of each page's position
     and layer, least on the newest pages, which only their protection keeps, fewer of them in later layers; ties
-    among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage policy: a no-decay
-    "score" records their steps and picks their victims in one pass over all of them (`record_together`)."""
-    from hf_paged.eviction import GroupEviction
+    among the ranks, which "lru" makes common, go to the oldest page). Three layers, each its own group with a usage
+    policy: their steps are planned together, one plan per step (`PlanStack`: recycled steps, and with pages of
+    several tokens the steps between), and equal the steps each group plans alone (`GroupEviction.recycle`) and the
+    general path's, where each group records its own usage row by row; "score" records their steps in one pass over
+    all of them (`record_together`), and without decay picks their victims in it too."""
+    from hf_paged import layer_groups
+    from hf_paged.eviction import EvictionPolicy, GroupEviction, PlanStack
+    from hf_paged.layer_groups import LayerGroups
 
-    recycled, general = [], GroupEviction.recycle
+    recycled, stacked, general, stack_recycle = [], [], GroupEviction.recycle, PlanStack.recycle
 
     def recycle(self, manager, rows, num_tokens, q_len, last):
         together = last is not None and last.victims is not None
         recycled.append((general(self, manager, rows, num_tokens, q_len, last), together))
         return recycled[-1][0]
 
-    def run(recycles: bool):
-        monkeypatch.setattr(GroupEviction, "recycle", recycle if recycles else lambda *a: None)
+    def recycle_stack(self, groups, q_len):
+        stacked.append((stack_recycle(self, groups, q_len), all(g.step.victims is not None for g in groups)))
+        return stacked[-1][0]
+
+    def run(path: str):
+        monkeypatch.setattr(GroupEviction, "recycle", recycle if path != "general" else lambda *a: None)
+        monkeypatch.setattr(PlanStack, "recycle", recycle_stack)
+        if path != "together":
+            monkeypatch.setattr(LayerGroups, "plan_together", lambda *a: None)
+        if path == "general":
+            monkeypatch.setattr(layer_groups, "record_together", lambda *a: None)
+            monkeypatch.setattr(EvictionPolicy, "whole_shares", lambda *a: None)
         name, decay = ("score", 0.5) if eviction == "score-decayed" else (eviction, None)
-        cache = hf_paged.PagedCache(page_size=1, max_pages=96, eviction=name, sink_pages=4, recent_pages=2,
-                                    score_decay=decay)
+        cache = hf_paged.PagedCache(page_size=page_size, max_pages=96 // page_size, eviction=name,
+                                    sink_pages=4 // page_size, recent_pages=2, score_decay=decay)
         kept = []
         for i in range(120):
             k = torch.randn(2, 1, 40 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
@@ -624,13 +640,73 @@ def test_recycled_steps_evict_what_the_general_path_evicts(eviction, monkeypatch
                 kept.append([sorted(p for p, page in zip(row_pos, row) if page != EVICTED)
                              for row_pos, row in zip(positions.tolist(), pages.tolist())])
         monkeypatch.undo()
+        check_pages(cache)
         return kept, cache.stats()["evictions"]
 
-    assert run(recycles=True) == run(recycles=False)
-    groups = 1 if eviction == "fifo" else 3
-    assert sum(picks is not None for picks, _ in recycled) >= 100 * groups  # every step after the pool filled
-    together = sum(together for _, together in recycled)
-    assert together >= 100 * groups if eviction == "score" else together == 0
+    together = run("together")
+    assert together == run("per group") == run("general")
+    groups, recycling = (1 if eviction == "fifo" else 3), 100 // page_size  # steps after the pool filled
+    assert sum(picks is not None for picks, _ in recycled) >= recycling * groups
+    assert sum(done for done, _ in stacked) >= (0 if groups == 1 else recycling)  # (planned together: no group recycled)
+    picked_together = sum(with_victims for _, with_victims in recycled + stacked)
+    no_decay = eviction == "score" and page_size == 1  # (pages of several tokens decay their scores by default)
+    assert picked_together >= recycling * groups if no_decay else picked_together == 0
+
+
+def test_a_step_planned_together_that_fails_is_rolled_back_at_the_first_question():
+    """Per-layer groups of a full pool plan a step together (every group begins it with the first layer): when a
+    forward fails after some layers wrote it, the next question about a layer that wrote it (``get_seq_length``, the
+    first thing a forward asks) rolls it back in every group, as when each group planned its own; the next step goes
+    on from there, planned together again."""
+    cache = hf_paged.PagedCache(page_size=1, max_pages=24, eviction="score", sink_pages=1)
+
+    def step(count, seed, layers=range(3)):
+        k = torch.randn(2, 1, count, 2, generator=torch.Generator().manual_seed(seed))
+        for layer in layers:
+            cache.update(k, k, layer)
+            plan = cache.layers[layer].group.step
+            plan.add_usage(torch.rand(plan.read_table.shape, generator=torch.Generator().manual_seed(seed + layer)))
+
+    step(12, 0)
+    for i in range(6):
+        step(1, i + 1)
+    assert cache.groups.stack is not None
+    held = cache.get_seq_length()
+    step(1, 50, layers=range(2))  # the last layer never writes the step
+    assert cache.get_seq_length() == held
+    assert [layer.get_seq_length() for layer in cache.layers] == [held] * 3
+    check_pages(cache)
+    for i in range(3):
+        step(1, 60 + i)
+    assert cache.get_seq_length() == held + 3 and cache.groups.stack is not None
+    check_pages(cache)
+
+
+def test_after_a_failed_step_planned_together_groups_of_several_layers_plan_their_own():
+    """Groups of several layers each (a sliding window wider than the text, "fifo": one group per window) plan a step
+    together too; after one fails and is rolled back at the next step's first layer, that step is planned group by
+    group, and a group's first layer finding another group's step open (its later layers still to come) is no
+    failure."""
+    from tiny_models import hybrid_cache_config
+
+    layer_types = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+    cache = hf_paged.PagedCache(page_size=1, max_pages=24, eviction="fifo", sink_pages=1,
+                                config=hybrid_cache_config(64, layer_types))
+
+    def step(count, seed, layers=range(4)):
+        k = torch.randn(2, 1, count, 2, generator=torch.Generator().manual_seed(seed))
+        for layer in layers:
+            cache.update(k, k, layer)
+
+    step(12, 0)
+    for i in range(20):
+        step(1, i + 1)
+    assert len(cache.groups) == 2 and cache.groups.stack is not None
+    held = cache.get_seq_length()
+    step(1, 50, layers=range(3))  # the last layer never writes the step
+    step(1, 51)
+    assert [layer.get_seq_length() for layer in cache.layers] == [held + 1] * 4
+    check_pages(cache)
 
 
 def test_a_whole_eviction_policy_stands_for_the_flat_keywords():

@@ -191,7 +191,8 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
 
     Each cache is prefilled with ``inputs``, then decodes ``new_tokens - 1`` steps of its own greedy tokens
     (what ``generate`` decodes), one model step each in turn, the order swapped every step. Every step
-    is timed (forward and arg-max); load that drifts over seconds hits both caches' steps of a pair
+    is timed (forward and arg-max) in CPU-seconds on the CPU (`time.process_time`: other processes' load on a shared
+    machine does not count), wall seconds on CUDA; load that drifts over seconds hits both caches' steps of a pair
     alike, so their ratios are far tighter than those of whole runs. -> per cache: step times (s) and
     the new tokens ``[rows, new_tokens]``.
     """
@@ -209,6 +210,7 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     tokens = {kind: [] for kind in kinds}
     times = {kind: [] for kind in kinds}
+    clock = time.process_time if ids.device.type == "cpu" else time.perf_counter
     with torch.inference_mode():
         for kind in kinds:
             logits = model(input_ids=ids, use_cache=True, **{hf_paged.CACHE_KWARG: caches[kind]}, **last_only).logits
@@ -217,12 +219,12 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
             position = torch.full((rows, 1), context + step, dtype=torch.long, device=ids.device)
             for kind in kinds if step % 2 == 0 else kinds[::-1]:
                 sync()
-                start = time.perf_counter()
+                start = clock()
                 logits = model(input_ids=tokens[kind][-1], position_ids=position, use_cache=True,
                                **{hf_paged.CACHE_KWARG: caches[kind]}).logits
                 tokens[kind].append(logits[:, -1:].argmax(-1))
                 sync()
-                times[kind].append(time.perf_counter() - start)
+                times[kind].append(clock() - start)
     add_store_counters(caches.values(), budget_options)
     return {kind: dict(step_s=times[kind], tokens=torch.cat(tokens[kind], dim=1).cpu()) for kind in kinds}
 
@@ -421,8 +423,9 @@ def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None
     if measured:
         same = "yes" if all(m["unbounded_equals_generate"] for m in measured) else "NO"
         lines += ["", "steps alternated: the two caches decode greedily taking turns token by token, one round per "
-                  "repeat (`alternate_decode_steps`); per step the unbounded step's time over the bounded one's, the "
-                  "median and quartiles of those pairs. Unlike whole runs, the pairs share the machine's load. The "
+                  "repeat (`alternate_decode_steps`); per step the unbounded step's time (CPU-seconds on the CPU) over "
+                  "the bounded one's, the median and quartiles of those pairs. Unlike whole runs, the pairs share the "
+                  "machine's load. The "
                   f"unbounded cache's tokens in every round equal its `generate` run's: {same}."]
     return "\n".join(lines)
 
