@@ -192,9 +192,9 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
             try:
                 with torch.no_grad(), active_cache(cache):
                     logits = forward(input_ids=torch.tensor([tokens], device=device),
-                                   position_ids=torch.tensor([positions], device=device),
-                                   logits_to_keep=torch.tensor(last, dtype=torch.long, device=device), use_cache=True,
-                                   **{CACHE_KWARG: cache}).logits[0]
+                                     position_ids=torch.tensor([positions], device=device),
+                                     logits_to_keep=torch.tensor(last, dtype=torch.long, device=device),
+                                     use_cache=True, **{CACHE_KWARG: cache}).logits[0]
             except BaseException:
                 cache.abort_step()
                 raise
