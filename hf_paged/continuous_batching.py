@@ -187,13 +187,16 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
                     emitting.append(seq)
                     last.append(start - 1)
             scheduler.plan(step)
+            # a compiled forward keeps a row's logits even when no row emits (they are not read): with none, inductor
+            # finds the output empty and drops the whole forward, the slot writes (an opaque op) with it
+            keep = last if last or compiled is None else [len(tokens) - 1]
             prefill = sum(n for _, n in step if n > 1)
             began = time.perf_counter()
             try:
                 with torch.no_grad(), active_cache(cache):
                     logits = forward(input_ids=torch.tensor([tokens], device=device),
                                      position_ids=torch.tensor([positions], device=device),
-                                     logits_to_keep=torch.tensor(last, dtype=torch.long, device=device),
+                                     logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                                      use_cache=True, **{CACHE_KWARG: cache}).logits[0]
             except BaseException:
                 cache.abort_step()

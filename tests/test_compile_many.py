@@ -24,14 +24,15 @@ def many(model, prompts, news, **kwargs):
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_compiled_steps_give_generate_tokens_without_breaks_or_recompiles(fresh_dynamo, name, backend):
-    """A run whose steps mix prefill chunks, decode rows and one-row steps: DynamicCache's greedy tokens, no graph
+    """A run whose steps mix prefill chunks, decode rows and one-row steps (the first one a prefill chunk that emits
+    no token: inductor then dropped the whole forward, the slot writes with it, until such steps kept a row): DynamicCache's greedy tokens, no graph
     break, at most three graphs (one-token steps, one emitting row, several; one more for steps at least as long as
     a sliding window, a guard of transformers' mask, built and not read); a second run on a new cache with
     shared prompt prefixes recompiles nothing (an error) and gives the same tokens."""
     ref, model = make_pair(name)
     prompts = random_prompts()
-    prompts += [prompts[1] + [5, 6, 7]]  # shares the second prompt's pages
-    news = list(NEW) + [4]
+    prompts = [prompts[4], *prompts, prompts[1] + [5, 6, 7]]  # the first step emits nothing; the last shares pages
+    news = [3, *NEW, 4]
     want = generate_each(ref, prompts, news)
     hf_paged.compile_many_steps(model, backend=backend)
     assert many(model, prompts, news) == want
