@@ -13,6 +13,7 @@ from .attention import paged_attention_forward, register
 from .block_manager import BlockManager
 from .cache import PagedCache
 from .compiled import plan_compiled_steps
+from .compiled_many import compile_many_steps
 from .continuous_batching import generate_many, stream_many
 from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_linear_weights
 from .errors import CacheUsageError, PagePoolExhausted
@@ -34,6 +35,7 @@ __all__ = [
     "PagePoolExhausted",
     "PagedCache",
     "plan_compiled_steps",
+    "compile_many_steps",
     "RaggedCache",
     "generate_many",
     "open_store",

@@ -29,6 +29,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 from transformers.utils import logging
 
+from .compiled_many import RaggedRead
 from .errors import CacheUsageError
 from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
@@ -408,6 +409,8 @@ def paged_attention_forward(
         raise NotImplementedError("hf_paged attention is for inference: dropout is not supported.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if isinstance(key, RaggedRead):
+        return key.attend(query, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, CompiledRead):
         return key.attend(query, attention_mask, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):

@@ -19,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessorList
 
-from .cpu_weights import packed_linear_weights
+from .compiled_many import active_cache, compile_many_steps
+from .cpu_weights import is_packed, packed_linear_weights
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .kv_formats import check_kv_format
@@ -84,8 +85,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
                 bad_words_ids: Sequence[Sequence[int]] | None = None, attention_mask: torch.Tensor | None = None,
                 page_size: int | None = None, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True, stats: GenerationStats | None = None,
-                pack_weights: bool = False, kv_format: str | None = None, prefix_store=None,
-                **generate_kwargs) -> Iterator[tuple[int, int]]:
+                pack_weights: bool = False, compile: bool = False, kv_format: str | None = None,
+                prefix_store=None, **generate_kwargs) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every sequence released,
@@ -107,6 +108,9 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
             raise CacheUsageError("give max_new_tokens (one int, or one per prompt), or set it in generation_config: "
                                   "generate_many does not take max_length (its prompts have different lengths).")
     max_new = per_prompt("max_new_tokens", max_new_tokens, len(prompts))
+    if compile and (pack_weights or any(is_packed(m) for m in model.modules())):
+        raise CacheUsageError("compile=True packs the linear weights itself (inductor's freezing): drop "
+                              "pack_weights=True, or unpack the model first (hf_paged.unpack_linear_weights(model)).")
     if as_int("max_batch_tokens", max_batch_tokens) < 1:
         raise CacheUsageError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}.")
     n = options.num_return_sequences
@@ -129,7 +133,8 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     lengths = [len(p) for p in prompts for _ in range(n)]
     run = _Run()
     stream = _stream(run, model, cache, scheduler, options, options.needs_scores(requests), generators,
-                     GenerationStats() if stats is None else stats, lengths, progress, pack_weights, own_store)
+                     GenerationStats() if stats is None else stats, lengths, progress, pack_weights, own_store,
+                     compile_many_steps(model) if compile else None)
     run.generator = weakref.ref(stream)
     return stream
 
@@ -152,14 +157,16 @@ def _queued(scheduler: Scheduler) -> int:
 
 def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options: GenerationOptions, scores: bool,
             generators, stats: GenerationStats, prompt_lengths: list[int], progress: bool,
-            pack_weights: bool, own_store: bool = False) -> Iterator[tuple[int, int]]:
+            pack_weights: bool, own_store: bool = False, compiled=None) -> Iterator[tuple[int, int]]:
     """The steps of a run; the cache is taken when iteration starts and given back (every sequence it still holds
     released) when the generator ends, raises or is closed; weights packed for the run are unpacked then too.
     ``stats`` starts when iteration starts. With a prefix store, prefill steps are timed (the rate loads are weighed
-    against), its counters end on the bar, and a store opened for this run is closed."""
+    against), its counters end on the bar, and a store opened for this run is closed. ``compiled``: the model's
+    compiled forward (`hf_paged.compiled_many`), run with the cache active."""
     cache.claim(run)
     stats.start(prompt_lengths)
     device = model.device
+    forward = model if compiled is None else compiled
     packing = contextlib.ExitStack()  # weights packed for this call are unpacked when it ends
     bar = tqdm(total=len(stats.outputs), unit="seq", disable=not progress, desc="generate_many")
     try:
@@ -180,14 +187,17 @@ def _stream(run: _Run, model, cache: RaggedCache, scheduler: Scheduler, options:
                     emitting.append(seq)
                     last.append(start - 1)
             scheduler.plan(step)
+            # a compiled forward keeps a row's logits even when no row emits (they are not read): with none, inductor
+            # finds the output empty and drops the whole forward, the slot writes (an opaque op) with it
+            keep = last if last or compiled is None else [len(tokens) - 1]
             prefill = sum(n for _, n in step if n > 1)
             began = time.perf_counter()
             try:
-                with torch.no_grad():
-                    logits = model(input_ids=torch.tensor([tokens], device=device),
-                                   position_ids=torch.tensor([positions], device=device),
-                                   logits_to_keep=torch.tensor(last, dtype=torch.long, device=device), use_cache=True,
-                                   **{CACHE_KWARG: cache}).logits[0]
+                with torch.no_grad(), active_cache(cache):
+                    logits = forward(input_ids=torch.tensor([tokens], device=device),
+                                     position_ids=torch.tensor([positions], device=device),
+                                     logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                                     use_cache=True, **{CACHE_KWARG: cache}).logits[0]
             except BaseException:
                 cache.abort_step()
                 raise
@@ -271,6 +281,9 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None 
             ``cache=``, give the store to the `RaggedCache` instead.
         pack_weights: pack the model's float32 CPU linear weights for this call (`hf_paged.cpu_weights`; the
             packing is undone at the end). To pack once for many calls, use `pack_linear_weights` instead.
+        compile: run the steps through the model's forward compiled by `hf_paged.compile_many_steps` (inductor,
+            weights frozen and packed, q/k/v and gate/up merged, elementwise work fused; compiled on the first call,
+            kept on the model; weights changed later need ``compile_many_steps(model, recompile=True)``).
     """
     if decode and tokenizer is None:
         raise CacheUsageError("decode=True needs tokenizer=.")

@@ -33,9 +33,10 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import PagedKV, PagedView
+from .attention import PagedKV, PagedView, paged_attention_forward
 from .backends import check_backend, layer_backend
 from .block_manager import EVICTED, MAX_PAGE_SIZE, BlockManager
+from .compiled_many import RaggedRead
 from .errors import CacheUsageError, check_positive_int
 from .kv_formats import check_kv_format
 from .model_config import head_dim, layer_windows
@@ -200,6 +201,8 @@ class RaggedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():  # (a compiled forward: its attention op writes and reads the step)
+            return RaggedRead(self.layer_idx, key_states, value_states), None
         step = self.group.step
         if step is None or key_states.shape[0] != 1 or key_states.shape[2] != step.slots.numel():
             raise CacheUsageError(
@@ -214,6 +217,14 @@ class RaggedLayer(CacheLayerMixin):
                                move(step.copy_dst))
         view = PagedView(self.pages, step, self.resolved_backend)
         return PagedKV(view, "k", tuple(key_states.shape)), PagedKV(view, "v", tuple(value_states.shape))
+
+    def write_and_attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                         sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+        """The eager step of a compiled forward's attention op (``hf_paged::ragged_attention``): write the step's
+        ``keys``/``values`` into their slots, then attend ``query`` over the pages; returns ``[1, T, Hq, Dv]``."""
+        paged_keys, paged_values = self.update(keys, values)
+        return paged_attention_forward(None, query, paged_keys, paged_values, None, scale,
+                                       sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)[0]
 
     def get_seq_length(self) -> int:
         return 0  # a packed step has no common past: positions come with the tokens

@@ -16,11 +16,15 @@ alternately (order rotated every repeat), medians over ``--repeats``:
 * ``generate_many``: `hf_paged.generate_many` (``--max-batch-tokens`` per step);
 * ``generate_many packed``: the same on a copy of the model whose linear weights are packed once
   (`hf_paged.pack_linear_weights`);
+* ``generate_many compiled`` (``--compile``): `generate_many(compile=True)` (`hf_paged.compile_many_steps`: inductor,
+  weights frozen and packed, q/k/v and gate/up merged, elementwise work fused) on its own copy of the model, after
+  an untimed pass that compiles it;
 * ``vLLM CPU`` (``--vllm``; when ``.venv-vllm`` exists, made by ``scripts/make_vllm_env.sh``): vLLM's engine on
   the same token ids and weights (float32, greedy, the same threads, its default steps) in its own process
   (scripts/vllm_runner.py); otherwise its row reads "not run".
 
-Reported: tokens/s over wanted tokens (and the ratio to ``dynamic``), CPU-seconds per pass, mean time to first
+``--systems`` runs a subset (the first named is the reference). Reported: tokens/s over wanted tokens (and the
+ratio to ``dynamic``), CPU-seconds per pass, mean time to first
 token over prompts, peak RSS growth (`hf_paged.evaluation.memory.MemoryMeter`), prefix pages reused, and whether every
 prompt's tokens equal the ``dynamic`` run's. Spread = (max - min) / median of a system's repeats; over 20%
 marks a noisy row. Outputs: many_prompts.md / .json / .png in ``--out``. The study is
@@ -51,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="transformers CB's tokens per step")
     p.add_argument("--vllm", default=None, help="'auto' (.venv-vllm if present; the default, 'off' with --quick), "
                    "'off', or a python with vllm")
+    p.add_argument("--systems", default=",".join(study.SYSTEMS), help="the systems to run, comma separated (the "
+                   "first is the reference of 'vs' and 'tokens equal'); vLLM CPU joins them when present")
+    p.add_argument("--compile", action="store_true", help="add generate_many(compile=True) (its compile pass untimed)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefix-store", default=None, help="generate_many's prefix store (a folder, file:///dir or "
                    "redis://host:port/db); from the second repeat on it holds every prompt")
@@ -59,6 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/many_prompts")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.systems = [name.strip() for name in args.systems.split(",") if name.strip()]
+    unknown = sorted(set(args.systems) - set(study.SYSTEMS))
+    if unknown or not args.systems:
+        p.error(f"--systems: unknown {unknown} (known: {', '.join(study.SYSTEMS)})" if unknown else
+                "--systems: name at least one system")
     args.vllm = args.vllm or ("off" if args.quick else "auto")  # a smoke test does not wait for vLLM's compile
     if args.quick:
         args.num_prompts, args.max_len, args.short_new, args.long_new, args.repeats = 4, 48, 4, 8, 1

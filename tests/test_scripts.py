@@ -181,6 +181,16 @@ def test_perplexity_defaults_are_the_stored_studys_and_quick_shortens_them():
     assert ppl.parse_args(["--quick", "--max-tokens", "512"]).max_tokens == 512  # a given flag wins
 
 
+def test_many_prompts_systems_default_to_all_and_unknown_names_are_refused(capsys):
+    many = load_script("many_prompts")
+    assert many.parse_args([]).systems == list(many.study.SYSTEMS) and not many.parse_args([]).compile
+    assert many.parse_args(["--systems", "generate_many packed, dynamic"]).systems == ["generate_many packed",
+                                                                                        "dynamic"]
+    with pytest.raises(SystemExit):
+        many.parse_args(["--systems", "dynamic,vllm"])
+    assert "unknown ['vllm']" in capsys.readouterr().err
+
+
 def _config(dynamic: list[float], paged: list[float]) -> dict:
     """A benchmark configuration entry with these decode speeds per repetition (other fields constant)."""
     runs = lambda speeds: [dict(decode_tok_s=v, prefill_tok_s=100.0) for v in speeds]  # noqa: E731

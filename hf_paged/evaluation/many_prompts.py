@@ -28,6 +28,7 @@ from .run_info import load_average
 from .vllm_peer import VllmPeer
 
 SYSTEMS = ("dynamic", "paged", "transformers CB", "generate_many", "generate_many packed")
+COMPILED = "generate_many compiled"  # (with --compile) generate_many(compile=True), compiled before the timed passes
 
 
 def workload(tokenizer, args) -> tuple[list[list[int]], list[int]]:
@@ -100,14 +101,16 @@ def run_transformers_cb(model, prompts, wanted, args):
     return outputs, first_times, elapsed, 0
 
 
-def run_generate_many(model, prompts, wanted, args, store: StudyStore):
+def run_generate_many(model, prompts, wanted, args, store: StudyStore, compile: bool = False):
     """`stream_many` on a fresh cache (on ``store``'s prefix store, if any); a packed model
-    (`hf_paged.pack_linear_weights`) runs packed."""
+    (`hf_paged.pack_linear_weights`) runs packed; ``compile``: through the model's compiled forward
+    (`hf_paged.compile_many_steps`)."""
     cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format, prefix_store=store.store)
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
     for index, token in hf_paged.stream_many(model, prompts, max_new_tokens=wanted, eos_token_id=[], cache=cache,
-                                             max_batch_tokens=args.max_batch_tokens, progress=False):
+                                             max_batch_tokens=args.max_batch_tokens, progress=False,
+                                             compile=compile):
         first_times[index] = first_times[index] or time.perf_counter() - start
         outputs[index].append(token)
     elapsed = time.perf_counter() - start
@@ -135,16 +138,27 @@ def measure(args) -> dict:
     hf_paged.pack_linear_weights(models["packed"])  # once, as a user serving many calls would
     prompts, wanted = workload(tokenizer, args)
     store = StudyStore(getattr(args, "prefix_store", None))
+    systems = tuple(getattr(args, "systems", SYSTEMS))
+    compile_s = None
+    if getattr(args, "compile", False):
+        systems += (COMPILED,)
+        models["compiled"], _ = assets.load_model_and_tokenizer(args.model, attn_implementation="hf_paged")
+        models["compiled"].generation_config.eos_token_id = None
+        hf_paged.compile_many_steps(models["compiled"])
+        began = time.perf_counter()  # an untimed pass compiles the forward's graphs (and checks them once)
+        run_generate_many(models["compiled"], prompts, wanted, args, StudyStore(None), compile=True)
+        compile_s = time.perf_counter() - began
     runners = {
         "dynamic": lambda: run_generate(models["sdpa"], prompts, wanted, args, paged=False),
         "paged": lambda: run_generate(models["hf_paged"], prompts, wanted, args, paged=True),
         "transformers CB": lambda: run_transformers_cb(models["sdpa"], prompts, wanted, args),
         "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args, store),
         "generate_many packed": lambda: run_generate_many(models["packed"], prompts, wanted, args, store),
+        COMPILED: lambda: run_generate_many(models.get("compiled"), prompts, wanted, args, store, compile=True),
     }
     peer, vllm_status = VllmPeer.start(args.vllm, assets.resolve_model_path(args.model), prompts, wanted,
                                        torch.get_num_threads())
-    systems = SYSTEMS + (("vLLM CPU",) if peer else ())
+    systems += ("vLLM CPU",) if peer else ()
     if peer:
         runners["vLLM CPU"] = lambda: run_vllm(peer)
     meter = MemoryMeter(torch.device("cpu"))
@@ -167,7 +181,7 @@ def measure(args) -> dict:
         if peer:
             peer.close()
         store_totals = store.close("generate_many")
-    reference = runs["dynamic"][0]["outputs"]
+    reference = runs[systems[0]][0]["outputs"]
     total = sum(wanted)
     rows = []
     for name in systems:
@@ -181,25 +195,27 @@ def measure(args) -> dict:
             prefix_hits=runs[name][-1]["prefix_hits"],
             equal_prompts=min(sum(a == b for a, b in zip(r["outputs"], reference)) for r in runs[name])))
     for row in rows:
-        row["vs_dynamic"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row["vs_dynamic"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]  # (vs the first system run)
     return dict(settings=vars(args), prompt_lengths=[len(p) for p in prompts], wanted=wanted,
                 threads=torch.get_num_threads(), load_average=load_average(), rows=rows, vllm=vllm_status,
-                prefix_store=store_totals)
+                prefix_store=store_totals, compile_s=compile_s)
 
 
 def markdown(result: dict) -> str:
-    s = result["settings"]
+    s, first = result["settings"], result["rows"][0]["system"]
     lines = [f"{s['num_prompts']} prompts of {s['min_len']}-{s['max_len']} tokens"
              + (f" after a shared {s['system_prompt']}-token system prompt" if s["system_prompt"] else "")
              + f", {s['short_new']} or {s['long_new']} new tokens each, greedy; "
              + (f"{s['kv_format']} pages; " if s.get("kv_format", "float") != "float" else "")
              + f"{result['threads']} thread(s), "
              f"load average {result['load_average']}, median of {s['repeats']}"
+             + (f"; the compiled forward's untimed first pass took {result['compile_s']:.0f} s"
+                if result.get("compile_s") else "")
              + (". Smoke test (--quick): checks that everything runs; its numbers are not results"
                 if s["quick"] else ""),
              "",
-             "| system | tokens/s | vs dynamic | spread | CPU s / pass | time to first token | peak RSS growth | "
-             "prefix pages reused | tokens equal to dynamic |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| system | tokens/s | vs {first} | spread | CPU s / pass | time to first token | peak RSS growth | "
+             f"prefix pages reused | tokens equal to {first} |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratio = f"{r['vs_dynamic']:.2f}x" + (" (noisy)" if r["spread"] > 0.2 else "")  # the spread column says how
         lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} | {ratio} | "
@@ -221,7 +237,7 @@ def plot(result: dict, path: Path) -> None:
     names = [r["system"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, key, title in zip(axes, ("vs_dynamic", "ttft_s", "peak_mib"),
-                              ("tokens/s vs generate + DynamicCache (higher is better)",
+                              (f"tokens/s vs {names[0]} (higher is better)",
                                "mean time to first token, s (lower is better)",
                                "peak RSS growth, MiB (lower is better)")):
         values = [r[key] for r in rows]
