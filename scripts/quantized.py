@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-bits", type=int_list, default=None,
                    help=f"cache, decode: bit widths of transformers' QuantizedCache rows, of 4 and 2 (default "
                         f"{DEFAULTS['peer_bits']})")
+    p.add_argument("--peer-residual", type=int, default=None,
+                   help=f"cache, decode: QuantizedCache's residual_length, the newest tokens it keeps in float "
+                        f"(default {DEFAULTS['peer_residual']}, transformers' own)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"cache: prompts of the many-prompts workload, 0: none (default {DEFAULTS['num_prompts']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
@@ -112,7 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {','.join(args.parts)!r}")
     if set(args.peer_bits) - {4, 2}:
         p.error(f"--peer-bits takes 4 and/or 2 (quanto's widths), got {args.peer_bits}")
-    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads", "decode_tokens"):
+    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads", "decode_tokens",
+                 "peer_residual"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.num_prompts < 0:

@@ -38,9 +38,10 @@ LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
 TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
 DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20,
                 cache_tokens="2048,8192", decode_contexts="1024,4096,16384", decode_batches="1,8", decode_tokens=16,
-                num_prompts=16, peer_bits="4,2")
+                num_prompts=16, peer_bits="4,2", peer_residual=128)
 QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3, cache_tokens="256",
-             decode_contexts="128,256", decode_batches="1,2", decode_tokens=4, num_prompts=4, peer_bits="4,2")
+             decode_contexts="128,256", decode_batches="1,2", decode_tokens=4, num_prompts=4, peer_bits="4,2",
+             peer_residual=128)
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -314,8 +315,9 @@ def cache_part(args, progress) -> dict:
         sizes[kv_format] = _bytes_per_token(model, tokens, args.page_size, kv_format)
     peer_sizes = {}
     for nbits in bits:
-        peer_sizes[peer.name(nbits)] = peer.bytes_per_token(sdpa, tokens, nbits)
-        sizes[peer.name(nbits)] = peer_sizes[peer.name(nbits)]["prefilled"]
+        name = peer.name(nbits, args.peer_residual)
+        peer_sizes[name] = peer.bytes_per_token(sdpa, tokens, nbits, args.peer_residual)
+        sizes[name] = peer_sizes[name]["prefilled"]
     bar.update(1)
     # perplexity at each length: float pages (the reference), bfloat16 keys and values (simulated), int8 and int4
     # pages in one forward, QuantizedCache in chunks of its residual (each token's decoding view)
@@ -345,7 +347,7 @@ def cache_part(args, progress) -> dict:
                 add("bfloat16", log_probs(sdpa, text, bf16_scheme))
         for nbits in bits:
             t0 = time.perf_counter()
-            add(peer.name(nbits), peer.log_probs(sdpa, text, nbits))
+            add(peer.name(nbits, args.peer_residual), peer.log_probs(sdpa, text, nbits, args.peer_residual))
         perplexity.append(dict(tokens=length, rows=rows))
         del reference
     # greedy agreement with float pages: generate_many over the many-prompts workload (none: --num-prompts 0)
@@ -399,7 +401,7 @@ def decode_part(args, progress) -> dict:
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
     model.generation_config.eos_token_id = None
     sdpa, bits, peer_skipped = _peer_models(args)
-    entries = list(CACHE_FORMATS) + [peer.name(nbits) for nbits in bits]
+    entries = list(CACHE_FORMATS) + [peer.name(nbits, args.peer_residual) for nbits in bits]
     configs = list(itertools.product(args.decode_contexts, args.decode_batches))
     bar = progress(total=len(configs) * (1 + args.repeats), desc="decode through the caches")
     results = []
@@ -410,7 +412,9 @@ def decode_part(args, progress) -> dict:
             caches = {kv_format: _filled(hf_paged.PagedCache(page_size=args.page_size, config=model.config,
                                                              kv_format=kv_format), kv, batch)
                       for kv_format in CACHE_FORMATS}
-            caches.update({peer.name(nbits): _filled(peer.make_cache(sdpa.config, nbits), kv, batch) for nbits in bits})
+            caches.update({peer.name(nbits, args.peer_residual): _filled(peer.make_cache(sdpa.config, nbits,
+                                                                                         args.peer_residual), kv, batch)
+                           for nbits in bits})
             kv_bytes = {name: (cache.stats()["kv_bytes"] if name in CACHE_FORMATS else peer.kv_bytes(cache))
                         for name, cache in caches.items()}
             bar.update(1)

@@ -22,12 +22,12 @@ import torch
 
 from ..model_config import CACHE_KWARG
 
-BITS = (4, 2)
 RESIDUAL = 128  # transformers' default residual_length
 
 
-def name(nbits: int) -> str:
-    return f"QuantizedCache int{nbits} (quanto)"
+def name(nbits: int, residual_length: int = RESIDUAL) -> str:
+    residual = "" if residual_length == RESIDUAL else f", residual {residual_length}"
+    return f"QuantizedCache int{nbits} (quanto{residual})"
 
 
 def unavailable_reason() -> str | None:
@@ -107,5 +107,5 @@ def bytes_per_token(model, ids: torch.Tensor, nbits: int, residual_length: int =
                 residual_bytes_per_token=per_float_token)
 
 
-__all__ = ["BITS", "RESIDUAL", "bytes_per_token", "fork", "kv_bytes", "log_probs", "make_cache", "name",
+__all__ = ["RESIDUAL", "bytes_per_token", "fork", "kv_bytes", "log_probs", "make_cache", "name",
            "unavailable_reason"]
