@@ -644,7 +644,8 @@ def main(args) -> int:
     def progress(**kw):
         return tqdm(disable=args.no_progress, dynamic_ncols=True, **kw)
 
-    environment = dict(load_avg_start=load_average(), **versions(("torch", "transformers", "hf_paged")),
+    packages = ("torch", "transformers", "hf_paged", "optimum-quanto")
+    environment = dict(load_avg_start=load_average(), **versions(packages),
                        cpu=platform.processor() or platform.machine(), threads=args.threads)
     report = dict(settings={k: v for k, v in vars(args).items() if k != "no_progress"}, environment=environment)
     t0 = time.perf_counter()
