@@ -10,6 +10,7 @@ per token from ``stats()``, perplexity, greedy agreement with float pages over t
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import platform
@@ -379,15 +380,14 @@ def _prefilled_kv(model, prompt: torch.Tensor, chunk: int = 2048) -> list[tuple[
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int, chunk: int = 2048):
-    """``cache`` holding ``kv`` in ``batch`` rows, written layer by layer in steps of ``chunk`` tokens as a forward
-    would; row r is offset by r/1000 so that rows differ (a cache may share identical rows' pages)."""
+def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
+    """``cache`` holding ``kv`` in ``batch`` rows, written as one prefill writes them (each layer once, in order; a
+    QuantizedCache quantizes them once, as its first update does); row r is offset by r/1000 so that rows differ (a
+    cache may share identical rows' pages)."""
     offsets = (torch.arange(batch, dtype=kv[0][0].dtype) / 1000).view(batch, 1, 1, 1)
     with torch.no_grad():
-        for start in range(0, kv[0][0].shape[2], chunk):
-            for layer_idx, (keys, values) in enumerate(kv):
-                cache.update(keys[..., start:start + chunk, :] + offsets, values[..., start:start + chunk, :] + offsets,
-                             layer_idx)
+        for layer_idx, (keys, values) in enumerate(kv):
+            cache.update(keys + offsets, values + offsets, layer_idx)
     return cache
 
 
@@ -435,6 +435,7 @@ def decode_part(args, progress) -> dict:
                     times[name].append(((time.process_time() - cpu) / args.decode_tokens,
                                         (time.perf_counter() - wall) / args.decode_tokens))
                     del kwargs
+                    gc.collect()  # a fork's pages and tensors go now, not at some later round's collection
                 bar.update(1)
             for name in entries:
                 q1, median, q3 = quartiles([c / f for (c, _), (f, _) in zip(times[name], times["float"])])
