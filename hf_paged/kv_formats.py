@@ -1,56 +1,64 @@
 """Page formats: how one layer's keys and values are stored in its pages, and read back.
 
-A format is a pair of codecs (keys, values). Every quantized codec works per token: a token's vector of one
-KV head is encoded on its own, when it is written, with its scales beside it in the same slot. So a page
-needs no fill event and no full-precision residual, a write never changes another token's bytes, and a
-NaN or inf in one token cannot reach another token's scales.
+A format is a pair of codecs (keys, values). Most codecs work per token: a token's vector of one KV head is
+encoded on its own, when it is written, with its scales beside it in the same slot, so a write never changes
+another token's bytes and a NaN or inf in one token cannot reach another token's scales. int4's keys are
+encoded per channel within a page (`PageChannelCodec`, KIVI's keys): a page's codes depend on all its tokens,
+so the page being filled keeps a float copy of its keys (its residual) and is encoded again from it at every
+write, a last time when it fills (`QuantizedPages`).
 
 * ``"float"``: the model's dtype, unchanged (`hf_paged.page_store.FloatPages`).
 * ``"int8"``: symmetric, one float16 scale per token and KV head: ``x = scale * code``, codes in [-127, 127].
-* ``"int4"``: two codes a byte; asymmetric groups with a float16 scale and an int8 zero point each,
-  ``x = scale * (code - zero)``, codes in [0, 15]; keys in groups of 16 (`KEY_GROUP`), values one group a
-  head; both stored rotated by a fixed orthogonal block-Hadamard matrix (`rotation`), which spreads the
-  few large channels of a key over all of them. A kernel rotates the query the same way (scores are
-  unchanged: R is orthogonal) and rotates its output back (R is its own inverse).
+* ``"int4"``: two codes a byte. Keys: ``x = low + step * code`` per page, KV head and channel (a float16
+  minimum, a float8 e4m3 step), codes in [0, 15]. Values: per token, one asymmetric group a head with a
+  float16 scale and an int8 zero point, ``x = scale * (code - zero)``, stored rotated by a fixed orthogonal
+  block-Hadamard matrix (`rotation`; a kernel rotates its output back: R is its own inverse).
 * ``"fp8_e4m3"`` (CUDA, the Triton kernel): float8 e4m3 scaled into its range per token and KV head.
 
-Why per token, and these groups: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded
-text, paired 95% bootstrap intervals) and bytes of each choice on the embedded SmolLM2: int8 -0.03%
-[-0.17, +0.10] at 0.258x float32's bytes; int4 +1.99% [+0.81, +3.24] at 0.154x, where keys not rotated,
-key groups of 32 or one key group a head, or values not rotated all measure worse (+2.4 to +3.8%). KIVI's
-keys, per channel within each page, measure +1.00% [+0.24, +1.67] (half int4's KL divergence) at 0.162x,
-but need what a per-token format avoids: a full-precision residual for the page being filled and an
-event when it fills.
+Why these: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded text, paired 95% bootstrap
+intervals) and bytes of each choice on the embedded SmolLM2: int8 -0.03% [-0.17, +0.10] at 0.258x float32's
+bytes. For int4, keys carry the error (values alone: KL about 0.006); per-token keys (groups of 16, rotated)
+measured +1.99% [+0.81, +3.24] at 0.154x, their variants (not rotated, groups of 32 or one a head) +2.4 to
++3.8%. Keys per channel within pages of 16 measured +1.00% (KL 0.0137) with a float16 minimum and step
+(0.162x), +1.58% (KL 0.0150) with a float16 step and an int8 zero point (0.154x: a channel far from zero gets
+a coarse step), +0.56% [-0.24, +1.48] (KL 0.0152) with a float16 minimum and a float8 step rounded up (0.154x):
+the format. Its bytes depend on the page size (the parameters are per page): 0.154x in pages of 16, 0.22x in
+pages of 4.
 
-Non-finite inputs: scales come from a group's finite entries and +-inf saturate to the extreme codes; a
-group holding a NaN, or nothing finite, gets a NaN scale and reads back as NaN (as a float page would hold
+Non-finite inputs: per-token scales come from a group's finite entries and +-inf saturate to the extreme codes;
+a group holding a NaN, or nothing finite, gets a NaN scale and reads back as NaN (as a float page would hold
 it), while every other group and token keeps its own scales. (A rotated row with an inf is inf throughout
-its rotation block, so it reads back as NaN.)
+its rotation block, so it reads back as NaN.) int4 keys: a channel's range within a page comes from its finite
+entries; +inf reads back as its top, -inf and NaN as its bottom, a channel with nothing finite as 0.
 
 Layout of a quantized layer's tensors (``P`` pages of ``S`` slots, ``H`` KV heads, head dim ``D``):
 
-* codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4
-  (``W = D / 2 + G``: byte ``j < D / 2`` holds element ``2j`` in its low and ``2j + 1`` in its high nibble,
-  byte ``D / 2 + g`` the int8 zero point of group ``g``);
-* scales ``[P, S, H, G]`` float16, ``G`` groups of ``D / G`` consecutive elements (``G = 1`` but for int4 keys).
+* codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4 (byte ``j < D / 2``
+  holds element ``2j`` in its low and ``2j + 1`` in its high nibble; values: ``W = D / 2 + 1``, byte ``D / 2``
+  the int8 zero point; keys: ``W = D / 2``);
+* scales ``[P, S, H, 1]`` float16 (one group a token and head); int4 keys: a page's parameters ``[P, H, D + D / 2]``
+  float16, the D minima, then the D float8 steps' bytes two to a float16 slot.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from .errors import CacheUsageError
 
-__all__ = ["KV_FORMATS", "KEY_GROUP", "PageFormat", "QuantizedPages", "check_kv_format", "page_format", "rotation",
+__all__ = ["KV_FORMATS", "KEY_GROUP", "PageChannelCodec", "PageFormat", "QuantizedPages", "check_kv_format",
+           "page_format", "rotation",
            "quantize", "dequantize"]
 
-KEY_GROUP = 16  # elements of an int4 key group (fewer when the head dim is not a multiple of it)
+KEY_GROUP = 16  # elements of a key group of per-token int4 keys (`Int4Codec`: what the study compares int4 with)
 _FP16_MAX = 65504.0
 _FP8_MAX = 448.0  # largest float8_e4m3fn
+_FP8_MAX_BITS = 0x7E  # its bits (0x7F is NaN)
 
 
 # ------------------------------------------------------------------------------------------ codecs
@@ -164,11 +172,68 @@ class Int4Codec:
 
 
 @dataclass(frozen=True)
+class PageChannelCodec:
+    """KIVI's keys: 4-bit codes per channel within a page, ``x = low + step * code`` (codes in [0, 15]) with a
+    float16 ``low`` and a float8_e4m3fn ``step`` per page, KV head and channel (the step rounded up, so a
+    channel's range always fits). Two codes a byte as `Int4Codec` packs them; a page's parameters
+    ``[H, D + D / 2]`` float16: the D minima, then the D steps' bytes two to a float16 slot.
+
+    Encoded over a whole page (`encode_pages`), never a token alone: a page's codes depend on every token it
+    holds. Non-finite entries are left out of their channel's range (+inf reads back as its top, -inf and NaN
+    as its bottom), so they never reach the other tokens' codes; a channel with nothing finite reads 0.
+    """
+
+    rotated = False
+    dtype = torch.uint8
+    per_page = True
+
+    def width(self, dim: int) -> int:
+        return dim // 2
+
+    def group_size(self, dim: int) -> int:
+        return 1  # a step and a minimum per channel
+
+    def params_width(self, dim: int) -> int:
+        return dim + dim // 2
+
+    def encode_pages(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``x [U, S, H, D]`` of U pages, ``valid [U, S]`` the slots holding tokens -> (codes uint8
+        ``[U, S, H, D / 2]``, parameters float16 ``[U, H, D + D / 2]``); every page's slot 0 must be valid (a page
+        holds its first tokens), slots not valid get codes of no meaning."""
+        x = torch.where(valid[:, :, None, None], x, x[:, :1])  # slot 0 holds a token: no other range
+        if bool(torch.isfinite(x).all()):
+            low, high = x.amin(1), x.amax(1)
+        else:
+            keep = torch.isfinite(x)
+            low = torch.where(keep, x, math.inf).amin(1)
+            high = torch.where(keep, x, -math.inf).amax(1)
+            empty = ~keep.any(1)
+            low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
+        low16 = low.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        need = ((high - low16.float()) / 15).clamp(0.0, _FP8_MAX)
+        bits = need.to(torch.float8_e4m3fn).view(torch.uint8)  # round to nearest, then up where that is short
+        bits = torch.where((bits.view(torch.float8_e4m3fn).float() < need) & (bits < _FP8_MAX_BITS), bits + 1, bits)
+        step = bits.view(torch.float8_e4m3fn).float()
+        scaled = torch.where(step[:, None] > 0, (x - low16.float()[:, None]) / step[:, None], 0.0)
+        codes = scaled.nan_to_num(0.0, 15.0, 0.0).round().clamp(0, 15).to(torch.uint8)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return packed, torch.cat([low16, bits.contiguous().view(torch.float16)], -1)
+
+    def decode_pages(self, codes: torch.Tensor, params: torch.Tensor, dim: int) -> torch.Tensor:
+        """float32 ``[..., S, H, dim]`` of pages' codes ``[..., S, H, dim / 2]`` and parameters
+        ``[..., H, 3 dim / 2]``."""
+        low = params[..., :dim].float()
+        step = params[..., dim:].contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float()
+        nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
+        return nibbles * step.unsqueeze(-3) + low.unsqueeze(-3)
+
+
+@dataclass(frozen=True)
 class PageFormat:
     """A page format: the codecs of keys and values (None: float), and the device types it can be read on."""
 
     name: str
-    key: SymmetricCodec | Int4Codec | None
+    key: SymmetricCodec | Int4Codec | PageChannelCodec | None
     value: SymmetricCodec | Int4Codec | None
     devices: tuple[str, ...] | None  # None: any
     even_dims: bool = False  # two values a byte: head dims must be even
@@ -181,7 +246,7 @@ class PageFormat:
 _FORMATS = {
     "float": PageFormat("float", None, None, None),
     "int8": PageFormat("int8", SymmetricCodec(torch.int8, 127.0), SymmetricCodec(torch.int8, 127.0), ("cpu", "cuda")),
-    "int4": PageFormat("int4", Int4Codec(KEY_GROUP), Int4Codec(None), ("cpu", "cuda"), even_dims=True),
+    "int4": PageFormat("int4", PageChannelCodec(), Int4Codec(None), ("cpu", "cuda"), even_dims=True),
     "fp8_e4m3": PageFormat("fp8_e4m3", SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX),
                            SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX), ("cuda",)),
 }
@@ -226,11 +291,22 @@ def _check_device(kv_format: str, device: torch.device) -> None:
                               f"{torch.cuda.get_device_capability(device)}; choose 'int8' or 'int4'")
 
 
-def dequantize(codec: SymmetricCodec | Int4Codec, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+def dequantize(codec: SymmetricCodec | Int4Codec | PageChannelCodec, codes: torch.Tensor, scale: torch.Tensor,
+               dim: int) -> torch.Tensor:
     """float32 ``[..., dim]`` values of ``codes``/``scale`` in the model's basis (a rotated codec's rotation
-    undone)."""
+    undone; a per-page codec's ``codes [..., S, H, W]`` with their pages' parameters ``scale [..., H, W']``)."""
+    if getattr(codec, "per_page", False):
+        return codec.decode_pages(codes, scale, dim)
     values = codec.decode(codes, scale, dim)
     return values @ rotation(dim, values.device) if codec.rotated else values
+
+
+def slot_scale_strides(codec: SymmetricCodec | Int4Codec | PageChannelCodec, scale: torch.Tensor) -> tuple[int, ...]:
+    """Element strides (page, slot, head) by which a kernel finds a slot's scales in ``scale``: a per-page codec's
+    parameters ``[P, H, W']`` are every slot's of their page (slot stride 0)."""
+    if getattr(codec, "per_page", False):
+        return scale.stride(0), 0, scale.stride(1)
+    return tuple(scale.stride()[:3])
 
 
 def quantize(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +322,22 @@ class QuantizedPages:
     """A layer's pages in a quantized `PageFormat`: codes and float16 scales of keys and values (layout in
     the module docstring); reads dequantize to ``dtype``.
 
+    Keys of a per-page codec (int4's, `PageChannelCodec`) are encoded over their page: a page's parameters
+    ``k_scale [P, H, W']`` and the codes of all its tokens are made again at every write into it, from a float
+    copy of its keys in ``dtype`` (the residual, `residual_bytes`) that the page keeps while it is partial.
+    The write that fills a page encodes it a last time; a full page is then stored only as codes. A page filled
+    by one write needs no residual; one that held tokens before the write that filled it keeps its residual
+    until the layer's next write that leaves it alone, so the retry of a rolled-back step (or a write after
+    a crop back into it) re-encodes it from the exact keys, as if the step had never run. A write into a
+    page holding tokens but no residual (a crop further back, into a page filled earlier; a page copied in
+    from a prefix store) starts the page's residual from what the page hands back (its decoded keys): those
+    tokens are then quantized a second time, from values already on their first grid.
+    A write's slots of one page are the page's last tokens (a row writes its positions in order from the
+    first slot of a page), so the slots before a write's last one in each page hold its tokens.
+
     Invariants: the four tensors always have the same number of pages; a slot's codes and scales are written,
-    copied and grown together, so they always encode the same token; pages never written decode to zeros.
+    copied and grown together, so they always encode the same token (a per-page codec's codes, parameters
+    and residual: the same page); pages never written decode to zeros.
     """
 
     def __init__(self, fmt: PageFormat, page_size: int, heads: int, head_dim: int, value_dim: int,
@@ -259,8 +349,13 @@ class QuantizedPages:
         for name, (codec, dim) in shapes.items():
             setattr(self, f"{name}_codes", torch.zeros(0, page_size, heads, codec.width(dim), dtype=codec.dtype,
                                                        device=self.device))
-            setattr(self, f"{name}_scale", torch.zeros(0, page_size, heads, codec.groups(dim), dtype=torch.float16,
-                                                       device=self.device))
+            scale = ((0, heads, codec.params_width(dim)) if getattr(codec, "per_page", False)
+                     else (0, page_size, heads, codec.groups(dim)))
+            setattr(self, f"{name}_scale", torch.zeros(scale, dtype=torch.float16, device=self.device))
+        self.k_residual = torch.zeros(0, page_size, heads, head_dim, dtype=dtype, device=self.device)
+        self._residual_row: dict[int, int] = {}  # page -> its row of k_residual (partial pages of a per-page codec)
+        self._free_rows: list[int] = []
+        self._just_filled: set[int] = set()  # pages the last write filled that keep their residual until the next
 
     _TENSORS = ("k_codes", "k_scale", "v_codes", "v_scale")
 
@@ -281,7 +376,10 @@ class QuantizedPages:
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode ``keys [T, H, D]``/``values [T, H, Dv]`` into the flat slots ``slots [T]`` (page * S + slot)."""
         fmt, heads = self.format, keys.shape[1]
-        if fmt.key == fmt.value and self.head_dim == self.value_dim:  # one codec: keys and values in one call
+        if getattr(fmt.key, "per_page", False):
+            self._write_page_keys(slots, keys)
+            encoded = (("v", *quantize(fmt.value, values)),)
+        elif fmt.key == fmt.value and self.head_dim == self.value_dim:  # one codec: keys and values in one call
             codes, scale = quantize(fmt.key, torch.cat([keys, values], 1))
             encoded = (("k", codes[:, :heads], scale[:, :heads]), ("v", codes[:, heads:], scale[:, heads:]))
         else:
@@ -290,10 +388,70 @@ class QuantizedPages:
             getattr(self, f"{prefix}_codes").flatten(0, 1)[slots] = codes
             getattr(self, f"{prefix}_scale").flatten(0, 1)[slots] = scale
 
+    def _write_page_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Per-page keys: each page written gets its residual (or, holding tokens without one, its decoded keys)
+        with the new keys in their slots, and is encoded again over the slots up to the write's last one."""
+        S, device = self.page_size, self.device
+        slot_list = slots.tolist()
+        if not slot_list:
+            return
+        spans: dict[int, list[int]] = {}  # page -> [first slot written, last slot written + 1]
+        for slot in slot_list:
+            page, offset = divmod(slot, S)
+            span = spans.setdefault(page, [offset, offset + 1])
+            span[0], span[1] = min(span[0], offset), max(span[1], offset + 1)
+        page_list = list(spans)
+        self.forget_residuals(self._just_filled.difference(page_list))
+        index = {page: i for i, page in enumerate(page_list)}
+        rows = [self._residual_row.get(page, -1) for page in page_list]
+        pages = torch.tensor(page_list, device=device)
+        buffer = torch.zeros(len(page_list), S, *keys.shape[1:], device=device)
+        held = [i for i, row in enumerate(rows) if row >= 0]
+        if held:
+            buffer[held] = self.k_residual[[rows[i] for i in held]].float()
+        stale = [i for i, (page, row) in enumerate(zip(page_list, rows)) if row < 0 and spans[page][0] > 0]
+        if stale:
+            buffer[stale] = self.format.key.decode_pages(self.k_codes[pages[stale]], self.k_scale[pages[stale]],
+                                                         self.head_dim)
+        buffer[torch.tensor([index[slot // S] for slot in slot_list], device=device), slots % S] = keys.float()
+        filled = torch.tensor([spans[page][1] for page in page_list], device=device)
+        self.k_codes[pages], self.k_scale[pages] = self.format.key.encode_pages(
+            buffer, torch.arange(S, device=device) < filled[:, None])
+        keep = [i for i, page in enumerate(page_list) if spans[page][1] < S or spans[page][0] > 0]
+        self._just_filled = {page_list[i] for i in keep if spans[page_list[i]][1] == S}
+        self.forget_residuals(set(page_list).difference(page_list[i] for i in keep))
+        if keep:
+            rows = [self._residual_row_of(page_list[i]) for i in keep]  # first: it may grow k_residual
+            self.k_residual[rows] = buffer[keep].to(self.dtype)
+
+    def _residual_row_of(self, page: int) -> int:
+        """The residual row of ``page``, given one if it has none (k_residual grows by doubling)."""
+        if page not in self._residual_row:
+            if not self._free_rows:
+                have = self.k_residual.shape[0]
+                self.k_residual = _grown(self.k_residual, max(4, 2 * have))
+                self._free_rows = list(range(self.k_residual.shape[0] - 1, have - 1, -1))
+            self._residual_row[page] = self._free_rows.pop()
+        return self._residual_row[page]
+
+    def forget_residuals(self, pages: Collection[int]) -> None:
+        """Drop the residuals of ``pages`` (overwritten as stored, a prefix store's full pages; or free pages)."""
+        for page in [p for p in self._residual_row if p in pages]:
+            self._just_filled.discard(page)
+            self._free_rows.append(self._residual_row.pop(page))
+
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for name in self._TENSORS:
             tensor = getattr(self, name)
             tensor[dst] = tensor[src]
+        for s, d in zip(src.tolist(), dst.tolist()):  # a partial page's residual travels with its codes
+            if s in self._residual_row:
+                row = self._residual_row_of(d)  # first: it may grow k_residual
+                self.k_residual[row] = self.k_residual[self._residual_row[s]]
+                if s in self._just_filled:
+                    self._just_filled.add(d)
+            else:
+                self.forget_residuals((d,))
 
     def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[..., S, H, D]`` and values ``[..., S, H, Dv]`` of ``pages [...]``, dequantized to ``dtype``
@@ -308,6 +466,10 @@ class QuantizedPages:
 
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (getattr(self, n) for n in self._TENSORS))
+
+    def residual_bytes(self) -> int:
+        """Bytes of the float keys held for partial pages (a per-page codec's; 0 otherwise)."""
+        return len(self._residual_row) * self.k_residual[0:1].numel() * self.k_residual.element_size()
 
 
 def _grown(tensor: torch.Tensor, num_pages: int) -> torch.Tensor:

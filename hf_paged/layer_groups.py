@@ -71,7 +71,7 @@ class LayerGroup(PageRows):
         self.step: StepPlan | None = None
         self._undo: StepUndo | None = None  # set while a step is open
         self.members = Members()
-        self.store = PageStore(manager.page_size, kv_format)  # the K/V bytes of the group's page ids (shared by forks)
+        self.store = PageStore(manager.page_size, kv_format, manager)  # the K/V bytes of its page ids (forks share)
         self.prefix.store = self.prefix.store or self.store
 
     def read_view(self, pages, backend: str) -> PagedView:
@@ -301,7 +301,7 @@ class LayerGroups(dict):
         for key in [k for k, g in self.items() if id(g) not in groups]:
             del self[key]
         for group in self.values():
-            group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format)
+            group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format, group.manager)
 
     @property
     def step_open(self) -> bool:
@@ -399,7 +399,7 @@ class LayerGroups(dict):
                                    evictions=group.eviction.evictions if group.eviction else 0,
                                    prefix_hits=group.prefix_hits).items():
                 out[key] += value
-            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes()
+            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes() + group.store.residual_bytes()
             out["pool_bytes"] += group.store.pool_bytes()
         out["tokens_held"] = self.tokens_held()
         for index in {id(g.prefix): g.prefix for g in self.values()}.values():  # listeners' counters (a prefix store)

@@ -17,11 +17,15 @@ formats of `hf_paged.kv_formats`: `QuantizedPages`):
     kernel_operands() -> dict              keyword arguments of the paged kernels: k_pool, v_pool, k_scale,
                                            v_scale (None for float pages), kv_format
     page_bytes() -> int                    one page, keys + values (+ scales)
+    residual_bytes() -> int                float keys kept for partial pages (int4's per-page keys; else 0)
+    forget_residuals(pages [collection])   drop the residuals of these pages (overwritten as stored, or free)
 
 `make_layer_pages` builds one from a format name.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -107,6 +111,12 @@ class FloatPages:
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.keys, self.values))
 
+    def residual_bytes(self) -> int:
+        return 0  # a float page is its own full-precision copy
+
+    def forget_residuals(self, pages: Collection[int]) -> None:
+        pass
+
 
 @torch.library.custom_op("hf_paged::write_slots", mutates_args=("keys", "values"))
 def write_slots(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, new_keys: torch.Tensor,
@@ -138,11 +148,13 @@ class PageStore:
     `RaggedCache`), in one format. A layer's pages are made on its first write, on the device and dtype
     of its first keys (so ``device_map`` puts each layer's pages on its device); forks share the store.
 
-    Invariant: every layer's pages are grown to the manager's ``num_pages`` before a step writes them.
+    Invariant: every layer's pages are grown to the manager's ``num_pages`` before a step writes them; a write
+    drops the residuals (int4's float keys of partial pages) of the ``manager``'s free pages (a row that ended,
+    or was cropped or rolled back, left them), so they are held for live pages only.
     """
 
-    def __init__(self, page_size: int, kv_format: str = "float"):
-        self.page_size, self.kv_format = page_size, kv_format
+    def __init__(self, page_size: int, kv_format: str = "float", manager=None):
+        self.page_size, self.kv_format, self.manager = page_size, kv_format, manager
         self.layers: dict[int, FloatPages] = {}
 
     def layer(self, layer_idx: int) -> FloatPages | None:
@@ -162,6 +174,8 @@ class PageStore:
         """A step of one layer: grow to the manager's ``num_pages``, copy ``copy_src`` onto ``copy_dst``
         (copy-on-write, before any write), then write the tokens ``[T, H, D]`` into ``slots``."""
         self.prepare(pages, num_pages, copy_src, copy_dst)
+        if self.manager is not None:
+            pages.forget_residuals(self.manager.free)
         pages.write(slots, keys, values)
 
     @staticmethod
@@ -214,14 +228,25 @@ class PageStore:
             for name, tensor in _stored_tensors(layer).items():
                 source = tensors[name][:, j] if stacked else tensors[f"{name}.{i}"]
                 tensor[pages.to(tensor.device)] = source.to(tensor.device)
+            layer.forget_residuals(set(pages.tolist()))
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over the layers (0 before the first write)."""
         return sum(pages.page_bytes() for pages in self.layers.values())
 
+    def residual_bytes(self) -> int:
+        """Bytes of the float copies every layer keeps of its partial pages (int4's keys; 0 for other formats)."""
+        return sum(pages.residual_bytes() for pages in self.layers.values())
+
     def pool_bytes(self) -> int:
-        """Bytes allocated for every layer's pages."""
-        return sum(pages.page_bytes() * pages.num_pages for pages in self.layers.values())
+        """Bytes allocated for every layer's pages (and residual copies)."""
+        return sum(pages.page_bytes() * pages.num_pages + _residual_pool_bytes(pages)
+                   for pages in self.layers.values())
+
+
+def _residual_pool_bytes(pages: FloatPages | QuantizedPages) -> int:
+    residual = getattr(pages, "k_residual", None)
+    return 0 if residual is None else residual.numel() * residual.element_size()
 
 
 def _stored_tensors(pages: FloatPages | QuantizedPages) -> dict[str, torch.Tensor]:

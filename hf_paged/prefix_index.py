@@ -78,10 +78,11 @@ class PrefixListener:
         holds no page: left a sliding window, or evicted). ``generated``: decode steps filled them (a prompt's
         prefill did not)."""
 
-    def lookup_missed(self, index: "PrefixIndex", hashes: list[bytes], start: int) -> None:
-        """No page holds ``hashes[start]`` (``hashes``: the sequence's chain from page 0 to the end of the run looked
-        up). A listener that has pages ``start ..`` may `PrefixIndex.load_run` them now; the lookup then goes on
-        with what was loaded."""
+    def lookup_missed(self, index: "PrefixIndex", hashes: list[bytes], start: int, end: int) -> None:
+        """No page holds ``hashes[start]``; the lookup wants pages ``start .. end - 1`` (``hashes``: the sequence's
+        chain from page 0 over every full page it knows, which may go past ``end``: a listener that keeps runs of
+        pages finds one that ends there). A listener that has pages ``start ..`` may `PrefixIndex.load_run` them
+        now; the lookup then goes on with what was loaded."""
 
     def stats(self) -> dict:
         """Counters this listener adds to its cache's ``stats()`` (summed over indexes)."""
@@ -146,7 +147,7 @@ class PrefixIndex:
             if page is None and self.listeners and not told:
                 told = True
                 for listener in self.listeners:
-                    listener.lookup_missed(self, hashes[:end], first + len(pages))
+                    listener.lookup_missed(self, hashes, first + len(pages), end)
                 pages = []  # (loading may have evicted cached pages of the run: look it up again)
                 continue
             if page is None:

@@ -112,7 +112,7 @@ class RaggedGroup:
         self.sliding_window = sliding_window
         self.span = attention_span(sliding_window, page_size)
         self.manager = BlockManager(page_size, max_pages)
-        self.store = PageStore(page_size, kv_format)
+        self.store = PageStore(page_size, kv_format, self.manager)
         self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         self.step: RaggedStep | None = None
         self.undo: StepUndo | None = None

@@ -94,6 +94,10 @@ def parse_args(argv=None):
     p.add_argument("--kv-format", default="float", choices=KV_FORMATS,
                    help="page format of every PagedCache (hf_paged.kv_formats): float (the model's dtype), int8, int4, "
                         "fp8_e4m3 (CUDA)")
+    p.add_argument("--prefix-store", default=None, help="a prefix store under every PagedCache (a folder, file:///dir "
+                   "or redis://host:port/db; docs/prefix_store.md), shared by the runs: a run after the first of a "
+                   "configuration loads its prompt from the store, so prefill figures then measure the store; the "
+                   "store counters of all runs are printed at the end and recorded in benchmark.json")
     p.add_argument("--full", action="store_true", help="cross product of all axis lists")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens generated per row (default {DEFAULTS['new_tokens']}; --quick {QUICK['new_tokens']})")

@@ -16,7 +16,8 @@
 #                    perplexity.md, many_prompts.md, ...)
 #     --no-install   skip scripts/install.sh and use the `python` on PATH as it is
 #     --prefix-store also time the first token of a 2k-token prompt in fresh processes, computed or loaded from a
-#                    folder or Redis prefix store (scripts/prefix_store.py, about 10 minutes; --quick: 3 minutes)
+#                    folder or Redis prefix store, and generate_many in 2 torchrun processes sharing one
+#                    (scripts/prefix_store.py, about 15 minutes; --quick: 4 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=() THREADS="" OUT="" INSTALL=1 STORE=""

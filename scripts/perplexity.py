@@ -75,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-format", default="float", choices=KV_FORMATS,
                    help="page format of every PagedCache (hf_paged.kv_formats): float (the model's dtype), int8, int4, "
                         "fp8_e4m3 (CUDA)")
+    p.add_argument("--prefix-store", default=None, help="a prefix store under every PagedCache (a folder, file:///dir "
+                   "or redis://host:port/db; docs/prefix_store.md): each cache writes its full pages to it; a forward "
+                   "that scores every token reuses none, so perplexity is unchanged; the store counters are printed "
+                   "and recorded in perplexity.json")
     p.add_argument("--window", type=int, default=512, help="strided: tokens per window")
     p.add_argument("--stride", type=int, default=256, help="strided: window step (the scored tokens per window)")
     p.add_argument("--chunk", type=int, default=None, help="streaming: tokens per forward; none: one page")

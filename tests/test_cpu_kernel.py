@@ -54,8 +54,7 @@ def test_quantized_pages_match_reference(kv_format, name, splits):
 @pytest.mark.parametrize("kv_format", ["int8", "int4"])
 @pytest.mark.parametrize("D", [8, 24, 48, 80])
 def test_quantized_head_dims(kv_format, D):
-    """Head dims a multiple of 16 read 16 lanes at a time (int4 key groups of 16), others element by element
-    (int4 key groups of 8)."""
+    """Head dims a multiple of 16 read 16 lanes at a time, others element by element."""
     case = make_case(B=2, Hq=6, Hkv=3, D=D, S=20, Q=2, lengths=[75, 41], pad=[3, 0], seed=D)
     check(quantize_case(case, kv_format), num_splits=2)
 

@@ -11,18 +11,18 @@ import torch
 from hf_paged.errors import CacheUsageError
 from hf_paged.kernels.arguments import check_paged_args
 from hf_paged.kv_formats import KV_FORMATS, QuantizedPages, check_kv_format, page_format, rotation
-from hf_paged.page_store import FloatPages, make_layer_pages
+from hf_paged.page_store import FloatPages, PageStore, make_layer_pages
 
 QUANTIZED = ("int8", "int4", "fp8_e4m3")
 S, H, D = 4, 3, 64  # page size, KV heads, head dim of most tests
 
 
-def pages_of(kv_format: str, dtype=torch.float32, head_dim=D, value_dim=D, num_pages=6):
+def pages_of(kv_format: str, dtype=torch.float32, head_dim=D, value_dim=D, num_pages=6, page_size=S):
     """Pages of any format on the CPU (fp8 too: the CPU cannot read it in a kernel, but stores it)."""
     fmt = page_format(kv_format)
     cls = QuantizedPages if fmt.quantized else None
-    pages = (cls(fmt, S, H, head_dim, value_dim, dtype, "cpu") if cls
-             else FloatPages(S, H, head_dim, value_dim, dtype, "cpu"))
+    pages = (cls(fmt, page_size, H, head_dim, value_dim, dtype, "cpu") if cls
+             else FloatPages(page_size, H, head_dim, value_dim, dtype, "cpu"))
     pages.grow_to(num_pages)
     return pages
 
@@ -54,20 +54,28 @@ def test_int8_error_is_at_most_half_a_step():
 
 
 @pytest.mark.parametrize("dim", [64, 24, 2])
-def test_int4_error_is_bounded_by_its_groups_steps(dim):
-    """In the rotated basis each element is off by at most one step of its group (rounding, and the zero point's
-    rounding); rotated back, the error's norm is at most the norm of those steps. Keys groups: 16 (8 for head
-    dim 24, 2 for 2); values: one group."""
+def test_int4_error_is_bounded_by_its_steps(dim):
+    """Keys, per channel within a page: each element is off by at most half its page and channel's step (plus the
+    float16 rounding of the page's minimum), and the step is the channel's range / 15, rounded up to a float8
+    (at most 1/8 more, or the smallest float8 step). Values, one rotated group a token: in the rotated basis each
+    element is off by at most one step (rounding, and the zero point's rounding); rotated back, the error's
+    norm is at most the norm of those steps."""
     x, v = tokens(40, dim), tokens(40, dim, seed=1)
     keys, values = roundtrip("int4", x, v)
-    fmt = page_format("int4")
-    for codec, original, back in ((fmt.key, x, keys), (fmt.value, v, values)):
-        groups = (original @ rotation(dim)).unflatten(-1, (codec.groups(dim), codec.group_size(dim)))
-        spread = groups.amax(-1) - groups.amin(-1)
-        step = torch.maximum(spread / 15, groups.amin(-1).abs() / 120) * (1 + 2**-10)
-        bound = (step.square() * codec.group_size(dim)).sum(-1).sqrt()
-        assert ((back - original).norm(dim=-1) <= bound + 1e-5).all()
-    assert codec.group_size(dim) == dim and fmt.key.group_size(dim) == math.gcd(dim, 16)
+    pages = x.unflatten(0, (-1, S))
+    spread = pages.amax(1) - pages.amin(1)
+    params = pages_of("int4", head_dim=dim, value_dim=dim, num_pages=10)
+    params.write(torch.arange(40), x, v)
+    low, step = params.k_scale[..., :dim].float(), params.k_scale[..., dim:].contiguous().view(torch.uint8)
+    step = step.view(torch.float8_e4m3fn).float()
+    assert (step <= torch.maximum(spread / 15 * 1.125, torch.tensor(2.0**-9)) * (1 + 1e-6)).all()
+    bound = 0.5 * step[:, None] * (1 + 1e-6) + low.abs()[:, None] * 2**-11 + 1e-6
+    assert ((keys - x).unflatten(0, (-1, S)).abs() <= bound).all()
+    codec = page_format("int4").value
+    groups = (v @ rotation(dim))[..., None, :]
+    step = torch.maximum((groups.amax(-1) - groups.amin(-1)) / 15, groups.amin(-1).abs() / 120) * (1 + 2**-10)
+    assert ((values - v).norm(dim=-1) <= (step.square() * dim).sum(-1).sqrt() + 1e-5).all()
+    assert codec.group_size(dim) == dim
 
 
 def test_fp8_error_is_relative():
@@ -136,20 +144,22 @@ def test_kernel_operands_meet_the_kernels_argument_contract(kv_format):
 
 def test_page_bytes_meet_the_targets_against_float32():
     """Per token of a SmolLM2 head (D = 64), scales included: int8 and fp8 at most 0.27x float32, int4 at most
-    0.16x; the bytes are those of the tensors."""
-    float32 = pages_of("float").page_bytes()
-    assert float32 == S * H * 2 * D * 4
-    for kv_format, limit in (("int8", 0.27), ("fp8_e4m3", 0.27), ("int4", 0.16)):
-        pages = pages_of(kv_format)
-        tensors = (pages.k_codes, pages.k_scale, pages.v_codes, pages.v_scale)
-        assert pages.page_bytes() == sum(t.nbytes for t in tensors) // pages.num_pages
-        assert pages.page_bytes() / float32 <= limit, (kv_format, pages.page_bytes() / float32)
-    assert pages_of("float", dtype=torch.bfloat16).page_bytes() == float32 // 2
+    0.16x in pages of 16 (its keys' parameters are per page: 0.22x in pages of 4); the bytes are those of the
+    tensors."""
+    for page_size in (S, 16):
+        float32 = pages_of("float", page_size=page_size).page_bytes()
+        assert float32 == page_size * H * 2 * D * 4
+        for kv_format, limit in (("int8", 0.27), ("fp8_e4m3", 0.27), ("int4", 0.16 if page_size == 16 else 0.23)):
+            pages = pages_of(kv_format, page_size=page_size)
+            tensors = (pages.k_codes, pages.k_scale, pages.v_codes, pages.v_scale)
+            assert pages.page_bytes() == sum(t.nbytes for t in tensors) // pages.num_pages
+            assert pages.page_bytes() / float32 <= limit, (kv_format, pages.page_bytes() / float32)
+    assert pages_of("float", dtype=torch.bfloat16, page_size=16).page_bytes() == float32 // 2
 
 
 # ------------------------------------------------------------------------------------- non-finite
 @pytest.mark.parametrize("kv_format", QUANTIZED)
-def test_nan_and_inf_stay_in_their_own_group(kv_format):
+def test_nan_and_inf_stay_in_their_own_group(kv_format):  # int4's keys: the next test
     """A NaN key and an inf value in one page: the other tokens (and the other heads of those tokens) read back
     bit for bit as written without them; the NaN group reads NaN; the inf token's finite entries keep their
     scale (the inf saturates to the largest code), except in a rotated format (int4), where the inf spreads
@@ -161,10 +171,14 @@ def test_nan_and_inf_stay_in_their_own_group(kv_format):
     bad_v[2, 1, 7] = float("inf")
     keys, values = roundtrip(kv_format, bad_x, bad_v)
     others = [0, 3]
+    if kv_format == "int4":  # keys per channel within the page: the NaN's channel is the next test's
+        keys, clean = keys.clone(), (clean[0].clone(), clean[1])
+        keys[:, 0, 5] = clean[0][:, 0, 5] = 0
     assert torch.equal(keys[others], clean[0][others]) and torch.equal(values[others], clean[1][others])
     assert torch.equal(keys[2], clean[0][2]) and torch.equal(values[1], clean[1][1])
     assert torch.equal(keys[1, 1:], clean[0][1, 1:]) and torch.equal(values[2, [0, 2]], clean[1][2, [0, 2]])
-    assert keys[1, 0].isnan().any()
+    if kv_format != "int4":
+        assert keys[1, 0].isnan().any()
     inf_row = values[2, 1]
     if kv_format == "int4":
         assert inf_row.isnan().all()
@@ -176,7 +190,25 @@ def test_nan_and_inf_stay_in_their_own_group(kv_format):
     assert inf_row[7] == inf_row.abs().max()  # saturated at the scale of the finite entries
 
 
-@pytest.mark.parametrize("kv_format", QUANTIZED)
+def test_int4_keys_leave_non_finite_entries_out_of_their_channels_range():
+    """A key channel's range within a page comes from its finite entries: a NaN, inf or -inf there leaves the
+    page's other tokens as they would be without it (within half a step of what was written: they never read
+    NaN or inf); +inf reads back as the range's top, -inf and NaN as its bottom; a channel with nothing finite
+    reads 0."""
+    x = tokens(S)
+    bad = x.clone()
+    bad[1, 0, 5], bad[2, 0, 5], bad[3, 0, 5] = float("nan"), float("inf"), float("-inf")
+    bad[:, 1, 7] = float("nan")
+    keys, _ = roundtrip("int4", bad)
+    assert torch.isfinite(keys).all()
+    assert (keys[0, 0, 5] - x[0, 0, 5]).abs() < 1e-3  # the only finite entry of its channel: a range of one value
+    assert keys[2, 0, 5] == keys[0, 0, 5] == keys[1, 0, 5] == keys[3, 0, 5]  # nothing else to span
+    assert (keys[:, 1, 7] == 0).all()
+    fine = torch.isfinite(bad)
+    assert ((keys - x).abs()[fine] <= 0.05 * x.abs().amax()).all()
+
+
+@pytest.mark.parametrize("kv_format", ("int8", "fp8_e4m3"))
 def test_a_token_with_nothing_finite_reads_nan_and_zeros_read_zero(kv_format):
     x = tokens(3)
     x[0, 2] = float("-inf")
@@ -214,3 +246,89 @@ def test_make_layer_pages_builds_each_format_empty():
         pages.grow_to(1)
         keys, values = pages.gather(torch.tensor([0]))
         assert keys.shape == (1, S, H, D) and values.shape == (1, S, H, 32)
+
+
+# ---------------------------------------------------------------------- int4: keys encoded per page
+def int4_pages(num_pages: int = 4, page_size: int = 8) -> QuantizedPages:
+    return pages_of("int4", num_pages=num_pages, page_size=page_size)
+
+
+def test_int4_a_page_written_token_by_token_ends_as_one_written_whole():
+    """While a page fills, its keys are encoded again at every write from its float residual, so once full it
+    holds the codes and parameters one write of all its tokens gives, bit for bit; the residual is held while
+    the page is partial and is gone once the page is full and the layer writes elsewhere."""
+    x, v = tokens(8, seed=4), tokens(8, seed=5)
+    whole, stepwise = int4_pages(), int4_pages()
+    whole.write(torch.arange(8, 16), x, v)  # page 1 in one write: no residual ever
+    assert whole.residual_bytes() == 0
+    for t in range(8):
+        stepwise.write(torch.tensor([8 + t]), x[t:t + 1], v[t:t + 1])
+        assert stepwise.residual_bytes() == 8 * H * D * 4  # partial, then just filled after holding tokens
+        partial = stepwise.gather(torch.tensor([1]))[0][0, :t + 1]
+        held = x[:t + 1]  # within half a step of the tokens it holds (and the float16 rounding of the minimum)
+        bound = (held.amax(0) - held.amin(0)) / 30 * 1.13 + held.abs().amax(0) * 2**-11 + 2**-10
+        assert ((partial - held).abs() <= bound).all()
+    stepwise.write(torch.tensor([16]), x[:1], v[:1])  # the next page: page 1's residual goes
+    assert stepwise.residual_bytes() == 8 * H * D * 4
+    for name in ("k_codes", "k_scale", "v_codes", "v_scale"):
+        assert torch.equal(getattr(stepwise, name)[1], getattr(whole, name)[1]), name
+
+
+def test_int4_rewriting_the_write_that_filled_a_page_gives_the_same_page():
+    """A rolled-back step that filled a page, retried: the page still has its residual, so the retry encodes it
+    from the exact keys, as if the step had run once."""
+    x, v = tokens(8, seed=6), tokens(8, seed=7)
+    once, twice = int4_pages(), int4_pages()
+    for pages in (once, twice):
+        pages.write(torch.arange(5), x[:5], v[:5])
+    twice.write(torch.arange(5, 8), x[5:] * 3, v[5:])  # the failed step, with other keys
+    for pages in (once, twice):
+        pages.write(torch.arange(5, 8), x[5:], v[5:])
+    for name in ("k_codes", "k_scale"):
+        assert torch.equal(getattr(once, name)[0], getattr(twice, name)[0]), name
+
+
+def test_int4_a_write_into_a_full_page_without_residual_requantizes_what_it_hands_back():
+    """A crop back into a page filled earlier: its remaining tokens are encoded again from what the page handed
+    back (within half a new step of it), the new token from its exact key."""
+    x, v = tokens(8, seed=8), tokens(8, seed=9)
+    pages = int4_pages()
+    pages.write(torch.arange(8), x, v)
+    before = pages.gather(torch.tensor([0]))[0][0]
+    new = tokens(1, seed=10)
+    pages.write(torch.tensor([5]), new, new)  # slots 0-4 kept, slot 5 rewritten
+    after = pages.gather(torch.tensor([0]))[0][0]
+    step = pages.k_scale[0, :, D:].contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float()
+    held = torch.cat([before[:5], new])
+    assert ((after[:6] - held).abs() <= 0.5 * step * (1 + 1e-6) + held.abs().amax(0) * 2**-11 + 1e-6).all()
+
+
+def test_int4_copied_pages_take_their_residual_along():
+    """Copy-on-write of a partial page: the copy continues as the original would (residual copied with the
+    codes), and writing the copy leaves the original's residual alone."""
+    x, v = tokens(8, seed=11), tokens(8, seed=12)
+    pages, want = int4_pages(), int4_pages()
+    pages.write(torch.arange(3), x[:3], v[:3])
+    pages.copy_pages(torch.tensor([0]), torch.tensor([2]))
+    pages.write(torch.arange(19, 24), x[3:], v[3:])  # the copy (page 2) fills
+    pages.write(torch.arange(3, 8), x[3:] * 2, v[3:])  # the original (page 0) fills otherwise
+    want.write(torch.arange(8), x, v)
+    for name in ("k_codes", "k_scale", "v_codes", "v_scale"):
+        assert torch.equal(getattr(pages, name)[2], getattr(want, name)[0]), name
+    want.write(torch.arange(8), torch.cat([x[:3], x[3:] * 2]), v)
+    assert torch.equal(pages.k_codes[0], want.k_codes[0]) and torch.equal(pages.k_scale[0], want.k_scale[0])
+
+
+def test_int4_a_page_written_from_a_prefix_store_drops_its_stale_residual():
+    """A page id that held a partial page (and its residual) takes a full page from a prefix store: the residual
+    is dropped (a later write into the page starts from what the stored page hands back, not the old tokens)."""
+    stores = [PageStore(page_size=S, kv_format="int4") for _ in range(2)]
+    layers = [store.create(0, torch.zeros(1, H, 1, D), torch.zeros(1, H, 1, D)) for store in stores]
+    for layer in layers:
+        layer.grow_to(2)
+    layers[0].write(torch.arange(2), tokens(2, seed=13), tokens(2, seed=14))  # page 0: partial, a residual
+    layers[1].write(torch.arange(S), tokens(S, seed=15), tokens(S, seed=16))  # page 0: full, as a store holds it
+    stores[0].write_pages(torch.tensor([0]), [0], stores[1].read_pages(torch.tensor([0]), [0]), num_pages=2)
+    assert stores[0].residual_bytes() == 0
+    for got, want in zip(layers[0].gather(torch.tensor([0])), layers[1].gather(torch.tensor([0]))):
+        assert torch.equal(got, want)

@@ -30,8 +30,8 @@ class Recorder(PrefixListener):
     def run_hashed(self, index, pages, hashes, start, generated):
         self.events.append(("run", list(pages), start))
 
-    def lookup_missed(self, index, hashes, start):
-        self.events.append(("missed", len(hashes) - start))
+    def lookup_missed(self, index, hashes, start, end):
+        self.events.append(("missed", end - start))
 
 
 def test_events_follow_a_page_from_its_hash_to_its_eviction():
@@ -59,9 +59,9 @@ def test_a_listener_supplies_the_pages_a_lookup_misses():
     class Tier(PrefixListener):
         calls = 0
 
-        def lookup_missed(self, index, hashes, start):
+        def lookup_missed(self, index, hashes, start, end):
             Tier.calls += 1
-            run = [h for h in hashes[start:] if h in tier]
+            run = [h for h in hashes[start:end] if h in tier]
 
             def write(rows, pages):
                 index.store.layers[0].grow_to(manager.num_pages)

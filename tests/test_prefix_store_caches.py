@@ -61,6 +61,20 @@ def test_paged_cache_writes_through_and_a_fresh_cache_loads_every_page(model, tm
     assert stats["prefix_hits"] == 5 and stats["store_bytes_read"] > 0 and stats["store_load_seconds"] > 0
 
 
+def test_a_prompt_of_whole_pages_loads_all_but_its_last_page_from_an_entry_that_ends_there(model, tmp_path):
+    """A forward computes at least one token, so a 48-token prompt (6 pages of 8) reuses 5 pages; its entry (64 pages
+    an entry: one run of 6 pages) is keyed by page 6's hash. The lookup must find it and load pages 1-5 from it, and
+    the cache must not write the entry again."""
+    prompt = PROMPT + [5, 9, 13]
+    want = reference(model, prompt)
+    assert generate(model, PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path)), prompt) == want
+    again = PagedCache(page_size=PAGE, model=model, prefix_store=str(tmp_path))
+    assert generate(model, again, prompt) == want
+    stats = stored(again)
+    assert stats["store_hits"] == stats["store_pages_read"] == 5 and stats["store_misses"] == 0
+    assert stats["store_pages_written"] == 0
+
+
 @pytest.mark.parametrize("name, options, pages", [
     ("gemma3", {}, 6),  # two groups: the full-attention layer's 5 pages, the sliding layers' last one
     ("llama", dict(max_pages=12, eviction="score"), 5 * 3),  # every layer its own group (per-layer eviction)

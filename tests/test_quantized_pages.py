@@ -19,7 +19,7 @@ import torch
 import hf_paged
 from hf_paged.backends import layer_backend
 from hf_paged.errors import CacheUsageError
-from hf_paged.evaluation.quantized import Scheme, SimulatedPages, codec_roundtrip
+from hf_paged.evaluation.quantized import Scheme, SimulatedPages, codec_roundtrip, page_keys_roundtrip
 from hf_paged.kv_formats import page_format
 from hf_paged.page_store import PageStore, make_layer_pages
 from hf_paged.prefix_index import model_fingerprint
@@ -33,13 +33,18 @@ GEN = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False
            return_dict_in_generate=True)
 SAME = 2e-4  # logits of the paged cache and the reference holding the same dequantized keys and values
 AGAINST_FLOAT = {"int8": 0.02, "int4": 0.3}  # largest logit change from float pages on these tiny models
+CROP_INTO_FULL_PAGE = 1e-3  # int4 logits after a crop into a full page against exact keys: 5e-5 (zeros for the
+# tokens it held, instead of what it hands back: 0.006)
 
 
-def reference(model, kv_format: str) -> SimulatedPages:
+def reference(model, kv_format: str, page_size: int = 4) -> SimulatedPages:
     """A DynamicCache holding what pages of ``kv_format`` hand back."""
     fmt = page_format(kv_format)
-    return SimulatedPages(Scheme(kv_format, codec_roundtrip(fmt.key), codec_roundtrip(fmt.value), 0),
-                          config=model.config)
+    if kv_format == "int4":  # keys per channel within pages of the cache's size
+        keys, page = page_keys_roundtrip(fmt.key, page_size), page_size
+    else:
+        keys, page = codec_roundtrip(fmt.key), 0
+    return SimulatedPages(Scheme(kv_format, keys, codec_roundtrip(fmt.value), 0, page_size=page), config=model.config)
 
 
 def paged_cache(model, kv_format: str, page_size: int = 4, **kwargs) -> hf_paged.PagedCache:
@@ -86,7 +91,7 @@ def test_the_triton_kernel_reads_the_same_pages(kv_format, monkeypatch):
     ref, paged = shared_pair("llama")
     batch = left_padded_batch((5, 3, 7))
     gen = dict(GEN, max_new_tokens=4)
-    want = ref.generate(**batch, **gen, cache=reference(ref, kv_format))
+    want = ref.generate(**batch, **gen, cache=reference(ref, kv_format, page_size=3))
     calls, original = [], kernel.paged_attention_triton
     monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(k["kv_format"]) or
                         original(*a, **k))
@@ -122,15 +127,20 @@ def test_a_bfloat16_model_decodes_int8_pages_in_the_c_kernel():
 
 # -------------------------------------------------------------------------------------------- bytes
 @pytest.mark.parametrize("kv_format,bytes_per_head", [("float", 2 * 4 * 16), ("int8", 2 * (16 + 2)),
-                                                      ("int4", (8 + 1 + 2) + (8 + 1 + 2))])
+                                                      ("int4", 8 + (8 + 1 + 2))])
 def test_kv_bytes_count_the_pages_scales_included(kv_format, bytes_per_head):
-    _, paged = shared_pair("qwen3")  # head dim 16: one int4 key group
+    """int4: codes per token and head (8 + 8 bytes at head dim 16, and a value's float16 scale and int8 zero),
+    48 bytes per page and head of key parameters (16 float16 minima, 16 float8 steps), and each row's partial
+    last page's float32 keys (4 tokens, 16 channels, a head)."""
+    _, paged = shared_pair("qwen3")
     cache = paged_cache(paged, kv_format)
-    paged.generate(**left_padded_batch((11, 6, 9)), **GEN, cache=cache)
+    paged.generate(**left_padded_batch((11, 6, 9)), **dict(GEN, max_new_tokens=9), cache=cache)  # rows of 19
     stats = cache.stats()
     layers, heads, S = paged.config.num_hidden_layers, paged.config.num_key_value_heads, cache.page_size
     used = stats["pages_used"] + stats["pages_cached"]
-    assert stats["kv_bytes"] == used * S * layers * heads * bytes_per_head > 0
+    per_page = S * bytes_per_head + (48 if kv_format == "int4" else 0)
+    residual = 3 * S * 16 * 4 if kv_format == "int4" else 0
+    assert stats["kv_bytes"] == (used * per_page + residual) * layers * heads > 0
 
 
 # --------------------------------------------------------------------------------- sharing, forks
@@ -205,6 +215,49 @@ def test_crop_and_reorder_on_quantized_pages(kv_format):
             logits[kind] = model(input_ids=ids, attention_mask=mask, cache=cache).logits
     assert (logits["ref"] - logits["paged"]).abs().max() < SAME
     check_pages(caches["paged"])
+
+
+def test_crop_back_into_a_full_int4_page_requantizes_what_it_held():
+    """Crop to 6 tokens (pages of 4): the second page, filled by the prefill, holds 2 tokens and no residual; the
+    next forward writes on into it, from what it hands back (quantized a second time: `QuantizedPages`), so its
+    logits stay close to the reference that keeps exact keys."""
+    ref, paged = shared_pair("llama")
+    batch = left_padded_batch((11, 6, 9))
+    logits = {}
+    for kind, model, cache in (("ref", ref, reference(ref, "int4")), ("paged", paged, paged_cache(paged, "int4"))):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+            cache.crop(-5)
+            logits[kind] = model(input_ids=ids[:, 6:9], attention_mask=mask[:, :9], cache=cache).logits
+        if kind == "paged":
+            check_pages(cache)
+    assert (logits["ref"] - logits["paged"]).abs().max() < CROP_INTO_FULL_PAGE
+
+
+def test_int4_residuals_are_held_for_live_pages_only():
+    """Forks that decode and end leave pages (with residuals) free; the next write drops those residuals, so
+    ``kv_bytes`` counts the float keys of the live rows' partial pages only (one page a row and layer here)."""
+    _, paged = shared_pair("llama")
+    batch = left_padded_batch((10, 7))  # 10 tokens: each row's third page of 4 is partial
+    cache = paged_cache(paged, "int4")
+    with torch.no_grad():
+        paged(**batch, cache=cache)
+    question = torch.tensor([[7, 8], [9, 10]])
+    longer = dict(input_ids=torch.cat([batch["input_ids"], question], 1),
+                  attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(question)], 1))
+    for _ in range(3):
+        fork = cache.fork()
+        paged.generate(**longer, **dict(GEN, max_new_tokens=6), cache=fork)
+        fork.reset()
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)
+    with torch.no_grad():
+        paged(input_ids=torch.tensor([[5], [6]]), attention_mask=mask, cache=cache)
+    config = paged.config
+    one = 4 * config.num_key_value_heads * config.head_dim * 4  # a page's float32 keys, one layer
+    residual = sum(layer.pages.residual_bytes() for layer in cache.layers)
+    assert residual == 2 * config.num_hidden_layers * one
+    check_pages(cache)
 
 
 # ------------------------------------------------------------------------------------ prefix caching
@@ -288,15 +341,17 @@ def test_generate_many_equals_generate_on_the_same_pages(kv_format):
 
 
 # --------------------------------------------------------------------------------------- failed steps
-def test_a_failed_step_leaves_quantized_pages_as_they_were():
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("fail_at", [2, 3])  # the step writing position 11 fills a page of 4 (int4: its last write)
+def test_a_failed_step_leaves_quantized_pages_as_they_were(kv_format, fail_at):
     _, paged = shared_pair("llama")
     batch = left_padded_batch((10, 7))
     runs = {}
     for fail in (False, True):
-        cache = paged_cache(paged, "int8")
+        cache = paged_cache(paged, kv_format)
         ids, mask, logits = batch["input_ids"], batch["attention_mask"], []
         for step in range(6):
-            if fail and step == 3:
+            if fail and step == fail_at:
                 layer = paged.model.layers[1].mlp
                 handle = layer.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
                 with pytest.raises(RuntimeError, match="boom"):
@@ -358,6 +413,21 @@ def test_a_run_of_quantized_pages_leaves_the_store_and_comes_back_byte_for_byte(
     keys, values = pages.gather(torch.tensor([1, 0]))
     want_keys, want_values = stores[0].layers[0].gather(torch.tensor([2, 0]))
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_int4_pages_go_through_a_disk_prefix_store_as_codes(tmp_path):
+    """A fresh cache loads the full int4 pages a first cache wrote through to a disk store (codes and page
+    parameters as stored: every full page was encoded from its exact keys) and generates what the first did."""
+    _, paged = make_pair("llama")
+    prompt = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(4))  # 5 full pages of 4, then 2
+    gen = dict(GEN, max_new_tokens=6)
+    first = hf_paged.PagedCache(page_size=4, model=paged, kv_format="int4", prefix_store=str(tmp_path))
+    want = paged.generate(prompt, attention_mask=torch.ones_like(prompt), **gen, cache=first)
+    first.prefix_store.flush()
+    again = hf_paged.PagedCache(page_size=4, model=paged, kv_format="int4", prefix_store=str(tmp_path))
+    got = paged.generate(prompt, attention_mask=torch.ones_like(prompt), **gen, cache=again)
+    assert again.stats()["store_hits"] == 5
+    assert_same_run(got, want)
 
 
 def test_generate_many_takes_the_format_of_a_given_cache_and_refuses_another():

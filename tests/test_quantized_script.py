@@ -18,8 +18,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # (main sets torch's threads
 
 def test_format_schemes_hand_back_what_the_pages_store_and_count_their_bytes():
     """The simulation of "int8" and "int4" is the pages' own write-then-gather, and their bytes per token are
-    the pages' bytes (scales included); float32 and bfloat16 count 4 and 2 bytes an element."""
-    S, H, D = 4, 3, 64
+    the pages' bytes (scales included); float32 and bfloat16 count 4 and 2 bytes an element. Pages of 16 (int4's
+    keys keep their parameters per page: its bytes depend on the page size)."""
+    S, H, D = 16, 3, 64
     schemes = {s.name: s for s in quantized.schemes(D, S)}
     assert schemes["float32"].bytes_per_head == 2 * 4 * D and schemes["bfloat16"].bytes_per_head == 2 * 2 * D
     g = torch.Generator().manual_seed(0)

@@ -162,7 +162,7 @@ def test_quantized_pages_match_reference(kv_format, name):
 @pytest.mark.parametrize("kv_format", ["int4", "fp8_e4m3"])
 def test_quantized_split_k_and_head_dim_24(kv_format):
     """Split partials of quantized pools (int4: the output rotated back after the splits are merged); head dim
-    24 (int4 key groups of 8, a tile wider than the head)."""
+    24 (int4 keys: a step per channel; a tile wider than the head)."""
     case = quantize_case(make_case(B=2, Hq=4, Hkv=2, D=24, S=5, Q=2, lengths=[70, 23], sink=True, seed=9), kv_format)
     for splits in (1, 3):
         check_against_reference(case, num_splits=splits)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import assets
-from .caches import ATTN, kv_bytes, make_cache, use_attention
+from .caches import ATTN, StudyStore, kv_bytes, make_cache, store_text, use_attention
 from .formats import mib, pyplot, write_report
 from .memory import MemoryMeter
 from .run_info import load_average, source_fingerprint, versions
@@ -169,12 +169,20 @@ def fresh_cache(model, kind: str, cfg: Config, budget: int | None = None, budget
     configuration decodes; a longer prompt is cut to it after prefill)."""
     options = dict(budget_options or {})
     kv_format = options.pop("kv_format", "float")  # of every PagedCache (a DynamicCache ignores it)
+    store = options.pop("store", None)  # every PagedCache's prefix store (a StudyStore)
     if kind != "bounded":
-        return make_cache(kind, model, cfg.page_size, kv_format=kv_format)
+        return make_cache(kind, model, cfg.page_size, store, kv_format=kv_format)
     page_size = budget_page_size or cfg.page_size
     rows = cfg.batch * parse_mode(cfg.mode)["rows_per_prompt"]
-    return make_cache("paged", model, page_size, max_pages=rows * (budget // page_size), compress_prompt=True,
+    return make_cache("paged", model, page_size, store, max_pages=rows * (budget // page_size), compress_prompt=True,
                       kv_format=kv_format, **options)
+
+
+def add_store_counters(caches, budget_options: dict | None) -> None:
+    """Add the store counters of ``caches`` (PagedCaches) to the totals of the options' prefix store, if any."""
+    store = (budget_options or {}).get("store")
+    for cache in caches if store is not None else ():
+        store.add(cache)
 
 
 def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, budget: int,
@@ -215,6 +223,7 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
                 tokens[kind].append(logits[:, -1:].argmax(-1))
                 sync()
                 times[kind].append(time.perf_counter() - start)
+    add_store_counters(caches.values(), budget_options)
     return {kind: dict(step_s=times[kind], tokens=torch.cat(tokens[kind], dim=1).cpu()) for kind in kinds}
 
 
@@ -274,6 +283,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     result["attn_implementation"] = model.config._attn_implementation
     result["cache_class"] = type(cache).__name__
     if kind != "dynamic":
+        add_store_counters([cache], budget_options)
         result["stats_end"] = cache.stats()
     if kind == "bounded":  # what the flags made of it
         result["eviction"] = dict(policy=cache.policy.name, score_signal=cache.policy.signal)
@@ -443,6 +453,7 @@ def markdown_report(result: dict) -> str:
         f"spread = (max - min) / median over the repeats; a ratio whose repeats spread more than {100 * NOISE:.0f}% "
         "(either cache) is marked \"noisy\": rerun on a quieter machine or with --threads 1.",
         f"peak mem growth: {e['memory_method']}.",
+        *([f"Prefix store {store_text(result['prefix_store'])}."] if result.get("prefix_store") else []),
         "",
     ])
 
@@ -575,10 +586,13 @@ def main(args, argv: list[str]) -> dict:
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
                     seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
                     budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
-                    budget_score_signal=args.budget_score_signal, kv_format=args.kv_format, argv=list(argv),
+                    budget_score_signal=args.budget_score_signal, kv_format=args.kv_format,
+                    prefix_store=args.prefix_store, argv=list(argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
-    budget_options = {"kv_format": args.kv_format}  # PagedCache arguments: every one's format, the bounded one's flags
+    store = StudyStore(args.prefix_store)
+    # PagedCache arguments: every one's format and prefix store, the bounded one's flags
+    budget_options = {"kv_format": args.kv_format, "store": store}
     if args.budget_eviction:
         budget_options["eviction"] = args.budget_eviction
     if args.budget_per_layer:
@@ -646,7 +660,7 @@ def main(args, argv: list[str]) -> dict:
 
     environment["load_avg_end"] = load_average()
     result = dict(settings=settings, environment=environment, configs=results,
-                  wall_s=time.perf_counter() - wall_start)
+                  wall_s=time.perf_counter() - wall_start, prefix_store=store.close("benchmark PagedCache"))
     out = Path(args.out)
     report = write_outputs(result, out)
     print(report)

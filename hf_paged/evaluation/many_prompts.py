@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 import hf_paged
 
 from .. import assets
+from .caches import StudyStore
 from .formats import pyplot, write_report
 from .memory import MemoryMeter
 from .run_info import load_average
@@ -99,20 +100,21 @@ def run_transformers_cb(model, prompts, wanted, args):
     return outputs, first_times, elapsed, 0
 
 
-def run_generate_many(model, prompts, wanted, args):
-    """`stream_many` on a fresh cache; a packed model (`hf_paged.pack_linear_weights`) runs packed."""
-    cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format,
-                                 prefix_store=getattr(args, "prefix_store", None))
+def run_generate_many(model, prompts, wanted, args, store: StudyStore):
+    """`stream_many` on a fresh cache (on ``store``'s prefix store, if any); a packed model
+    (`hf_paged.pack_linear_weights`) runs packed."""
+    cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format, prefix_store=store.store)
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
     for index, token in hf_paged.stream_many(model, prompts, max_new_tokens=wanted, eos_token_id=[], cache=cache,
                                              max_batch_tokens=args.max_batch_tokens, progress=False):
         first_times[index] = first_times[index] or time.perf_counter() - start
         outputs[index].append(token)
-    if cache.prefix_store is not None:
-        cache.prefix_store.flush()
-        print("generate_many prefix store:", {k: v for k, v in cache.stats().items() if k.startswith("store_")})
-    return outputs, first_times, time.perf_counter() - start, cache.prefix_hits
+    elapsed = time.perf_counter() - start
+    counters = store.add(cache)
+    if counters:
+        print("generate_many prefix store:", counters)
+    return outputs, first_times, elapsed, cache.prefix_hits
 
 
 def run_vllm(peer: VllmPeer):
@@ -132,12 +134,13 @@ def measure(args) -> dict:
     models["packed"].generation_config.eos_token_id = None
     hf_paged.pack_linear_weights(models["packed"])  # once, as a user serving many calls would
     prompts, wanted = workload(tokenizer, args)
+    store = StudyStore(getattr(args, "prefix_store", None))
     runners = {
         "dynamic": lambda: run_generate(models["sdpa"], prompts, wanted, args, paged=False),
         "paged": lambda: run_generate(models["hf_paged"], prompts, wanted, args, paged=True),
         "transformers CB": lambda: run_transformers_cb(models["sdpa"], prompts, wanted, args),
-        "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args),
-        "generate_many packed": lambda: run_generate_many(models["packed"], prompts, wanted, args),
+        "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args, store),
+        "generate_many packed": lambda: run_generate_many(models["packed"], prompts, wanted, args, store),
     }
     peer, vllm_status = VllmPeer.start(args.vllm, assets.resolve_model_path(args.model), prompts, wanted,
                                        torch.get_num_threads())
@@ -163,6 +166,7 @@ def measure(args) -> dict:
         bar.close()
         if peer:
             peer.close()
+        store_totals = store.close("generate_many")
     reference = runs["dynamic"][0]["outputs"]
     total = sum(wanted)
     rows = []
@@ -179,7 +183,8 @@ def measure(args) -> dict:
     for row in rows:
         row["vs_dynamic"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return dict(settings=vars(args), prompt_lengths=[len(p) for p in prompts], wanted=wanted,
-                threads=torch.get_num_threads(), load_average=load_average(), rows=rows, vllm=vllm_status)
+                threads=torch.get_num_threads(), load_average=load_average(), rows=rows, vllm=vllm_status,
+                prefix_store=store_totals)
 
 
 def markdown(result: dict) -> str:

@@ -34,7 +34,7 @@ import hf_paged
 
 from .. import assets
 from ..eviction import default_sink_pages
-from .caches import make_cache, tokens_held
+from .caches import StudyStore, make_cache, store_text, tokens_held
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
 from .nll import CacheStream, token_nll
@@ -80,7 +80,7 @@ def window_nll(model, cache, ids: torch.Tensor, begin: int, end: int, target_len
     return float(token_nll(logits[keep], targets[keep]).sum()), int(keep.sum())
 
 
-def run_strided(args, state, models, ids, progress) -> dict:
+def run_strided(args, state, models, ids, progress, store: StudyStore) -> dict:
     from accelerate.utils import gather_object
 
     from ..distributed import deal
@@ -95,8 +95,10 @@ def run_strided(args, state, models, ids, progress) -> dict:
             for kind in ("dynamic", "paged"):
                 model = models[kind]
                 t0 = time.perf_counter()
-                cache = make_cache(kind, model, args.page_size, kv_format=args.kv_format)
+                cache = make_cache(kind, model, args.page_size, store, kv_format=args.kv_format)
                 nll, count = window_nll(model, cache, ids, begin, end, trg, state.device)
+                if kind == "paged":
+                    store.add(cache)
                 rec[f"{kind}_nll_sum"], rec["tokens"] = nll, count
                 rec[f"{kind}_wall_s"] = time.perf_counter() - t0
             records.append(rec)
@@ -139,7 +141,7 @@ def streaming_configs(args) -> list[dict]:
     return configs
 
 
-def run_streaming(args, state, models, ids, progress) -> dict:
+def run_streaming(args, state, models, ids, progress, store: StudyStore) -> dict:
     from accelerate.utils import gather_object
 
     from ..distributed import deal
@@ -156,7 +158,7 @@ def run_streaming(args, state, models, ids, progress) -> dict:
                 paged = cfg["kind"] == "paged"
                 paged_kwargs = (dict(max_pages=cfg["max_pages"], kv_format=args.kv_format, **cfg["policy_kwargs"])
                                 if paged else {})
-                cache = make_cache(cfg["kind"], model, args.page_size, **paged_kwargs)
+                cache = make_cache(cfg["kind"], model, args.page_size, store, **paged_kwargs)
                 nll = CacheStream(model, cache, hf_paged.CACHE_KWARG).score(ids[None], args.chunk, bar)[0]
             except Exception as exc:  # noqa: BLE001  a row that fails is reported, the others still run
                 res["error"] = f"{type(exc).__name__}: {exc}"
@@ -169,6 +171,7 @@ def run_streaming(args, state, models, ids, progress) -> dict:
                                    for s in range(0, len(nll), seg)]
                 res["block_nll"] = [math.fsum(nll[s:s + args.block].tolist()) for s in range(0, len(nll), args.block)]
                 if isinstance(cache, hf_paged.PagedCache):
+                    store.add(cache)
                     res["stats"] = cache.stats()
                 res["tokens_held"] = tokens_held(cache)
             res["wall_s"] = time.perf_counter() - t0
@@ -295,6 +298,8 @@ def markdown(report: dict) -> str:
     p = r["parity"]
     lines += ["", f"Parity, {p['compare']}: relative difference {p['relative_diff']:.3e} "
                   f"(tolerance {p['tolerance']:g}): {'OK' if p['ok'] else 'MISMATCH'}."]
+    for rank, totals in enumerate(r.get("prefix_store") or []):
+        lines += ["", f"Prefix store of the PagedCaches (rank {rank}) {store_text(totals)}."]
     if r.get("segment_comparison"):
         lines += ["", *segment_table(r["segment_comparison"], s["segment"], s["tolerance"])]
     if r.get("paired_intervals"):
@@ -439,7 +444,12 @@ def main(args) -> int:
     if len(ids) < 2:
         raise SystemExit(f"the text has {len(ids)} token(s): nothing to score")
     run = run_strided if args.mode == "strided" else run_streaming
-    result = run(args, state, models, ids, progress)
+    store = StudyStore(args.prefix_store)  # (each process opens it)
+    result = run(args, state, models, ids, progress, store)
+    if store.store is not None:
+        from accelerate.utils import gather_object
+
+        result["prefix_store"] = gather_object([store.close(f"perplexity (rank {state.process_index})")])
     settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     settings.update(num_processes=state.num_processes, device=str(state.device),
                     torch_threads=torch.get_num_threads())

@@ -69,30 +69,39 @@ def run_child(args, tokens: int, uri: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def measure_length(args, tokens: int, server, folder: Path, tqdm) -> dict:
-    """``args.repeats`` rounds of every mode for a prompt of ``tokens`` tokens."""
+def store_uri(mode: str, server, folder: Path) -> str:
+    """The store a mode's run is given ("" for ``none``); a cold mode empties its store first."""
     import redis
 
+    if mode == "none":
+        return ""
+    if mode.startswith("disk"):
+        if mode == "disk cold":
+            shutil.rmtree(folder, ignore_errors=True)
+        return str(folder)
+    if mode == "redis cold":
+        redis.Redis.from_url(server.url).flushdb()
+    return server.url
+
+
+def rotated_rounds(repeats: int, run, server, folder: Path, bar) -> dict:
+    """``repeats`` rounds of ``run(uri)`` for every mode, the groups' order rotated every round (a warm run right
+    after its cold one): per mode, the runs' results in round order. ``bar`` (tqdm) advances once a run."""
     runs = {mode: [] for mode in MODES}
-    bar = tqdm(total=args.repeats * len(MODES), desc=f"{tokens} tokens", disable=args.no_progress)
-    for round_ in range(args.repeats):
+    for round_ in range(repeats):
         shift = round_ % len(GROUPS)
         for group in GROUPS[shift:] + GROUPS[:shift]:
             for mode in group:
-                if mode == "none":
-                    uri = ""
-                elif mode.startswith("disk"):
-                    if mode == "disk cold":
-                        shutil.rmtree(folder, ignore_errors=True)
-                    uri = str(folder)
-                else:
-                    if mode == "redis cold":
-                        redis.Redis.from_url(server.url).flushdb()
-                    uri = server.url
-                runs[mode].append(run_child(args, tokens, uri))
+                runs[mode].append(run(store_uri(mode, server, folder)))
                 bar.update()
     bar.close()
     return runs
+
+
+def measure_length(args, tokens: int, server, folder: Path, tqdm) -> dict:
+    """``args.repeats`` rounds of every mode for a prompt of ``tokens`` tokens."""
+    bar = tqdm(total=args.repeats * len(MODES), desc=f"{tokens} tokens", disable=args.no_progress)
+    return rotated_rounds(args.repeats, lambda uri: run_child(args, tokens, uri), server, folder, bar)
 
 
 def summarize(runs: dict) -> dict:
@@ -165,27 +174,35 @@ def plot(result: dict):
     return draw
 
 
+def ttft_part(args, server, folder: Path, tqdm) -> dict:
+    """The time-to-first-token study for every ``args.tokens`` length; prefix_store.md / .json / .png in ``--out``
+    (rewritten after each length: a long run keeps what it measured)."""
+    result = dict(model=args.model, page_size=args.page_size, threads=args.threads, repeats=args.repeats,
+                  load_before=load_average(), versions=versions(), lengths={}, runs={})
+    started = time.perf_counter()
+    for tokens in args.tokens:
+        runs = measure_length(args, tokens, server, folder, tqdm)
+        result["runs"][str(tokens)] = runs
+        result["lengths"][str(tokens)] = summarize(runs)
+        result["seconds"], result["load_after"] = time.perf_counter() - started, load_average()
+        write_report(Path(args.out), "prefix_store", markdown_report(result), result, plot(result))
+    print(markdown_report(result))
+    return result
+
+
 def main(args) -> dict:
+    """Every part of ``args.parts`` (``ttft``: this module; ``torchrun``: `store_throughput`) on one local Redis
+    server and one folder; -> {part: result}."""
     from tqdm.auto import tqdm
 
     from ..prefix_store import LocalRedisServer
+    from . import store_throughput
 
-    load_before = load_average()
-    result = dict(model=args.model, page_size=args.page_size, threads=args.threads, repeats=args.repeats,
-                  load_before=load_before, versions=versions(), lengths={}, runs={})
+    parts = {"ttft": ttft_part, "torchrun": store_throughput.main}
     server = LocalRedisServer(maxmemory="2gb").start()
     folder = Path(tempfile.mkdtemp(prefix="hf_paged-prefix-store-"))
-    started = time.perf_counter()
     try:
-        for tokens in args.tokens:  # (the report is written after each length: a long run keeps what it measured)
-            runs = measure_length(args, tokens, server, folder / "store", tqdm)
-            result["runs"][str(tokens)] = runs
-            result["lengths"][str(tokens)] = summarize(runs)
-            result["seconds"], result["load_after"] = time.perf_counter() - started, load_average()
-            markdown = markdown_report(result)
-            write_report(Path(args.out), "prefix_store", markdown, result, plot(result))
+        return {part: parts[part](args, server, folder / "store", tqdm) for part in args.parts}
     finally:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    print(markdown)
-    return result

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import assets
-from ..kv_formats import Int4Codec, QuantizedPages, dequantize, page_format, quantize
+from ..kv_formats import KEY_GROUP, Int4Codec, QuantizedPages, dequantize, page_format, quantize
 from ..model_config import CACHE_KWARG
 from ..page_store import FloatPages
 from .formats import pyplot, write_report
@@ -56,6 +56,7 @@ class Scheme:
     values: Callable[[torch.Tensor], torch.Tensor]
     bytes_per_head: float
     note: str = ""
+    page_size: int = 0  # > 0: ``keys`` maps a layer's whole key history (pages of this size), not new keys alone
 
 
 def codec_roundtrip(codec) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -66,6 +67,20 @@ def codec_roundtrip(codec) -> Callable[[torch.Tensor], torch.Tensor]:
 def codec_bytes(codec, dim: int) -> int:
     """Bytes of one token's row of one head in ``codec``: codes, then float16 scales."""
     return codec.width(dim) * torch.empty((), dtype=codec.dtype).element_size() + 2 * codec.groups(dim)
+
+
+def page_keys_roundtrip(codec, page_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What pages of a per-page key codec (int4's) hand back of a layer's keys ``[B, H, T, D]``: pages of
+    ``page_size`` positions from position 0, each encoded over the tokens it holds (the last, partial page too)."""
+    def roundtrip(x: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = x.shape
+        pages = -(-T // page_size)
+        padded = torch.nn.functional.pad(x.float(), (0, 0, 0, pages * page_size - T))
+        slots = padded.unflatten(2, (pages, page_size)).permute(0, 2, 3, 1, 4).flatten(0, 1)  # [B * pages, S, H, D]
+        valid = (torch.arange(pages * page_size, device=x.device) < T).view(pages, page_size).repeat(B, 1)
+        back = codec.decode_pages(*codec.encode_pages(slots, valid), D)
+        return back.unflatten(0, (B, pages)).permute(0, 3, 1, 2, 4).flatten(2, 3)[:, :, :T].to(x.dtype)
+    return roundtrip
 
 
 def kivi_keys(page_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -93,15 +108,19 @@ def schemes(head_dim: int, page_size: int) -> list[Scheme]:
                       codec_bytes(key, head_dim) + codec_bytes(value, head_dim), note)
 
     value_bytes = codec_bytes(int4.value, head_dim)
+    token_keys = Int4Codec(KEY_GROUP)  # int4's keys before they went per channel within a page
     return [
         Scheme("float32", same, same, 2 * 4 * head_dim, "the reference"),
         Scheme("bfloat16", bf16, bf16, 2 * 2 * head_dim),
         of("int8", int8.key, int8.value, "the format"),
-        of("int4", int4.key, int4.value, "the format"),
-        of("int4, keys not rotated", Int4Codec(int4.key.group, rotated=False), int4.value),
-        of("int4, key groups of 32", Int4Codec(32), int4.value),
-        of("int4, one key group a head", Int4Codec(None), int4.value),
-        of("int4, values not rotated", int4.key, Int4Codec(None, rotated=False)),
+        Scheme("int4", page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value),
+               head_dim / 2 + 2 * int4.key.params_width(head_dim) / page_size + value_bytes, "the format",
+               page_size),
+        of("int4, keys per token in groups of 16", token_keys, int4.value),
+        of("int4, keys per token, not rotated", Int4Codec(KEY_GROUP, rotated=False), int4.value),
+        of("int4, keys per token in groups of 32", Int4Codec(32), int4.value),
+        of("int4, keys per token, one group a head", Int4Codec(None), int4.value),
+        of("int4, keys per token, values not rotated", token_keys, Int4Codec(None, rotated=False)),
         Scheme(f"int4, KIVI keys (per channel, pages of {page_size})", kivi_keys(page_size),
                codec_roundtrip(int4.value), head_dim / 2 + 2 * 2 * head_dim / page_size + value_bytes,
                "needs a page-fill event and a float residual page"),
@@ -110,15 +129,23 @@ def schemes(head_dim: int, page_size: int) -> list[Scheme]:
 
 class SimulatedPages(DynamicCache):
     """A DynamicCache that keeps what pages of ``scheme`` would hand back: new keys and values go through the
-    scheme before they are stored, so attention reads them as it would read such pages."""
+    scheme before they are stored, so attention reads them as it would read such pages. A scheme of per-page keys
+    keeps every layer's exact keys, all of them (no sliding-window layers: a page's codes depend on every token
+    it holds, also those a window no longer attends; the model's masks still apply the window), and hands back
+    their pages' roundtrip."""
 
     def __init__(self, scheme: Scheme, **kwargs):
+        if scheme.page_size:
+            kwargs.pop("config", None)
         super().__init__(**kwargs)
         self.scheme = scheme
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(self.scheme.keys(key_states), self.scheme.values(value_states), layer_idx,
-                              *args, **kwargs)
+        if not self.scheme.page_size:
+            return super().update(self.scheme.keys(key_states), self.scheme.values(value_states), layer_idx,
+                                  *args, **kwargs)
+        keys, values = super().update(key_states, self.scheme.values(value_states), layer_idx, *args, **kwargs)
+        return self.scheme.keys(keys), values  # the exact keys are kept: their pages are encoded as they fill
 
 
 # --------------------------------------------------------------------------------------- perplexity

@@ -72,7 +72,8 @@ def _check_pools(fmt: PageFormat, D: int, k_pool, v_pool, k_scale, v_scale) -> N
         if tuple(pool.shape) != want or pool.dtype != codec.dtype:
             raise ValueError(f"{name}_pool of kv_format={fmt.name!r} must be {codec.dtype} {list(want)}, got "
                              f"{pool.dtype} {list(pool.shape)}")
-        want = (*pages, codec.groups(D))
+        want = ((pages[0], pages[2], codec.params_width(D)) if getattr(codec, "per_page", False)  # a page's
+                else (*pages, codec.groups(D)))  # parameters, or a scale per group of each slot
         if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float16:
             got = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
             raise ValueError(f"{name}_scale of kv_format={fmt.name!r} must be torch.float16 {list(want)}, got {got}")

@@ -14,12 +14,14 @@
  * With `mass_output` (pages of one token) the page "mass" is how far the head's output would move if
  * the token were dropped, p / (1 - p) * |v - out| for its probability p: `finalize` reads its value.
  *
- * Pool formats (hf_paged/kv_formats.py): float32, bfloat16, int8 (x = scale * code) and int4 (two codes a
- * byte, then an int8 zero point per group: x = scale * (code - zero)), with float16 scales per token, head
- * and group in separate tensors. Quantized rows are dequantized to fp32 as they are read, 16 lanes at a
- * time (keys: once per slot and KV head, into a row that the group's query heads share). Rotated formats
- * (int4) store x R for a block-Hadamard R: the queries are rotated the same way (q.k = qR.kR) and the output
- * rotated back (R R = I), both in place by a fast Walsh-Hadamard transform.
+ * Pool formats (hf_paged/kv_formats.py): float32, bfloat16, int8 (x = scale * code, a float16 scale per token
+ * and head) and int4. int4 values: two codes a byte, then an int8 zero point, x = scale * (code - zero) with a
+ * float16 scale per token and head, stored rotated (x R for a block-Hadamard R: the output is rotated back,
+ * R R = I, in place by a fast Walsh-Hadamard transform). int4 keys: two codes a byte, x = low + step * code per
+ * page, head and channel; a page's parameters [P, Hkv, D + D / 2] float16 hold the D float16 minima, then the
+ * D float8 e4m3 steps as bytes (passed with a slot stride of 0, so a slot's "scales" are its page's). Quantized
+ * rows are dequantized to fp32 as they are read, 16 lanes at a time (keys: once per slot and KV head, into a
+ * row that the group's query heads share; int4 keys' page parameters once per page).
  */
 #include <float.h>
 #include <math.h>
@@ -42,7 +44,8 @@ typedef struct {
     const void *k, *v;     /* [P, S, Hkv, W] in format `format`, last stride 1; W = D, or D / 2 + groups for int4 */
     int64_t k_stride[3], v_stride[3];
     int64_t format;        /* FMT_*: what the pools hold */
-    const uint16_t *k_scale, *v_scale; /* [P, S, Hkv, D / group] float16, last stride 1; NULL for float pools */
+    const uint16_t *k_scale, *v_scale; /* [P, S, Hkv, D / group] float16, last stride 1; NULL for float pools
+                                        * (int4 keys: [P, S (stride 0), Hkv, D + D / 2], the page parameters) */
     int64_t ks_stride[3], vs_stride[3];
     int64_t k_group, v_group; /* elements per scale group */
     int64_t k_width, v_width; /* W of each pool */
@@ -105,6 +108,14 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+/* float8 e4m3 bits -> float (exact; the steps of int4 keys are never negative or NaN) */
+static inline float fp8_to_float(uint8_t b) {
+    const uint32_t exponent = (b >> 3) & 15, mantissa = b & 7;
+    union { uint32_t u; float f; } x = { .u = (exponent + 120) << 23 | mantissa << 20 }; /* 2^(e-7) * 1.m */
+    const float f = exponent ? x.f : (float)mantissa * 0x1p-9f; /* subnormal: m * 2^-9 */
+    return b & 0x80 ? -f : f;
+}
+
 /* Where one token's row of one KV head starts: its codes in the pool and its scales (element offsets). */
 typedef struct {
     int64_t row, scales;
@@ -124,6 +135,11 @@ static inline __attribute__((always_inline)) float load1(const PagedArgs *a, int
     if (fmt == FMT_F32) return ((const float *)pool)[at.row + d];
     if (fmt == FMT_BF16) return load_bf16((const uint16_t *)pool, at.row + d);
     float scale, zero;
+    if (fmt == FMT_I4 && !value) { /* x = low + step * code, the page's parameters of channel d */
+        const uint8_t byte = ((const uint8_t *)pool)[at.row + d / 2];
+        const float step = fp8_to_float(((const uint8_t *)(a->k_scale + at.scales + a->D))[d]);
+        return (float)(d % 2 ? byte >> 4 : byte & 15) * step + half_to_float(a->k_scale[at.scales + d]);
+    }
     group_of(a, value, at, d, fmt, &scale, &zero);
     if (fmt == FMT_I8) return (float)((const int8_t *)pool)[at.row + d] * scale;
     const uint8_t byte = ((const uint8_t *)pool)[at.row + d / 2];
@@ -362,6 +378,31 @@ static inline __attribute__((always_inline)) void store_scores(const PagedArgs *
     }
 }
 
+/* The steps and minima of int4 keys' page whose parameters start at element offset ``off`` of k_scale, as floats
+ * [Hkv][2][D] in ``params``; *page_at = off. */
+static inline void page_parameters(const PagedArgs *a, int64_t off, float *params, int64_t *page_at) {
+    const int64_t D = a->D;
+    for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+        const uint16_t *row = a->k_scale + off + kvh * a->ks_stride[2];
+        const uint8_t *steps = (const uint8_t *)(row + D);
+        float *out = params + kvh * 2 * D;
+        for (int64_t d = 0; d < D; d++) { /* fp8_to_float without branches (steps are never negative) */
+            const uint32_t exponent = (steps[d] >> 3) & 15, mantissa = steps[d] & 7;
+            const uint32_t bits = (exponent + 120) << 23 | mantissa << 20;
+            float normal;
+            memcpy(&normal, &bits, sizeof normal);
+            out[d] = exponent ? normal : (float)mantissa * 0x1p-9f;
+        }
+        int64_t d = 0;
+#if defined(__F16C__)
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + D + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
+#endif
+        for (; d < D; d++) out[D + d] = half_to_float(row[d]);
+    }
+    *page_at = off;
+}
+
 /* Scores of a chunk, head dims a multiple of 16: slots in order (each K row, all heads, read once), 16 at a
  * time; each (row, slot) dot product leaves a 16-lane partial in `partial` [R][16 slots][16 lanes], and one
  * lane-sum tree per row turns 16 partials into 16 scores. */
@@ -369,9 +410,9 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                                                   const uint8_t *slot_used,
                                                                   const uint8_t *allowed, const float *q,
                                                                   const ChunkScales *cs, float *score, int fmt,
-                                                                  v16 *partial) {
+                                                                  v16 *partial, float *page_params,
+                                                                  int64_t *page_at) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
-    const int64_t blocks_per_group = a->k_group / 16;
     v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
@@ -382,19 +423,22 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
             /* add_values reads V head by head: fetch the slot's whole V row in order now */
             prefetch_slot(a, 1, ch->v_off[c0 + j], ch->vs_off[c0 + j], fmt);
+            if (fmt == FMT_I4 && ch->ks_off[c0 + j] != *page_at) /* a new page: its steps and minima as floats */
+                page_parameters(a, ch->ks_off[c0 + j], page_params, page_at);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
                 const Row at = slot_row(a, ch, c0 + j, kvh, 0);
-                float after = 1.0f; /* one group a row: its scale multiplies the dot products instead */
-                if (fmt >= FMT_I8) {
-                    const float *scale = cs->k_scale + ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
-                    const float *zero = cs->k_zero + ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
-                    if (cs->k_groups == 1) after = scale[0];
+                float after = 1.0f; /* int8: the row's one scale multiplies the dot products instead */
+                if (fmt == FMT_I4) {
+                    const float *step = page_params + kvh * 2 * D, *low = step + D;
                     for (int64_t b = 0; b < D / 16; b++) {
-                        const int64_t g = b / blocks_per_group;
-                        const v16 codes = fmt == FMT_I4 ? codes16(a, 0, at, 16 * b, fmt) - zero[g]
-                                                         : codes16(a, 0, at, 16 * b, fmt);
-                        key[b] = cs->k_groups == 1 ? codes : codes * scale[g];
+                        v16 s, l;
+                        memcpy(&s, step + 16 * b, sizeof s);
+                        memcpy(&l, low + 16 * b, sizeof l);
+                        key[b] = codes16(a, 0, at, 16 * b, fmt) * s + l;
                     }
+                } else if (fmt == FMT_I8) {
+                    after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
+                    for (int64_t b = 0; b < D / 16; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
                 }
                 for (int64_t i = 0; i < a->Q * G; i++) {
                     const int64_t r = (i / G) * Hq + kvh * G + i % G;
@@ -500,7 +544,7 @@ static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8
     for (int64_t c = 0; c < ch->C; c++) {
         if (!slot_used[c]) continue;
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
-            for (int value = 0; value < 2; value++) {
+            for (int value = a->format == FMT_I4; value < 2; value++) { /* int4 keys: per page, not here */
                 const int64_t groups = value ? cs->v_groups : cs->k_groups, at = (c * a->Hkv + kvh) * groups;
                 const Row row = slot_row(a, ch, c, kvh, value);
                 for (int64_t g = 0; g < groups; g++)
@@ -521,11 +565,13 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     float *slot = run_sum + R;                            /* Hkv * D */
     float *score = slot + a->Hkv * D;                     /* [R][CHUNK] */
     uint8_t *allowed = (uint8_t *)(score + R * CHUNK);   /* [R][CHUNK] */
-    ChunkScales cs = {.k_groups = D / a->k_group, .v_groups = D / a->v_group};
+    ChunkScales cs = {.k_groups = fmt == FMT_I4 ? 0 : D / a->k_group, .v_groups = D / a->v_group};
     cs.k_scale = (float *)(allowed + R * CHUNK);          /* [CHUNK][Hkv][groups] each */
     cs.k_zero = cs.k_scale + CHUNK * a->Hkv * cs.k_groups;
     cs.v_scale = cs.k_zero + CHUNK * a->Hkv * cs.k_groups;
     cs.v_zero = cs.v_scale + CHUNK * a->Hkv * cs.v_groups;
+    float *page_params = cs.v_zero + CHUNK * a->Hkv * cs.v_groups; /* int4 keys: [Hkv][2][D], of page_at */
+    int64_t page_at = -1;
     uint8_t slot_used[CHUNK];
 
     for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
@@ -561,8 +607,8 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
         }
         if (!any) continue;
         if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &cs);
-        if (D % 16 == 0 && (fmt < FMT_I8 || a->k_group % 16 == 0)) /* 16-lane loads stay inside a group */
-            chunk_scores16(a, ch, slot_used, allowed, q, &cs, score, fmt, (v16 *)partial16);
+        if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel */
+            chunk_scores16(a, ch, slot_used, allowed, q, &cs, score, fmt, (v16 *)partial16, page_params, &page_at);
         else
             chunk_scores(a, ch, slot_used, allowed, q, score, fmt, slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
@@ -674,9 +720,9 @@ static int run(PagedArgs *a, int fmt) {
         if (a->page_mass == NULL) return -1;
     }
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
-    const int64_t groups = a->D / a->k_group + a->D / a->v_group; /* of the chunk scales */
+    const int64_t groups = (fmt == FMT_I4 ? 0 : a->D / a->k_group) + a->D / a->v_group; /* of the chunk scales */
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
-                                               + 2 * CHUNK * a->Hkv * groups) + R * CHUNK;
+                                               + 2 * CHUNK * a->Hkv * groups + 2 * a->Hkv * a->D) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..kv_formats import slot_scale_strides
 from ..paths import cache_dir, private_folder
 from . import library_cache
 from .arguments import check_paged_args, mask_strides
@@ -244,7 +245,8 @@ def paged_attention_cpu(
         args.sinks = sinks.data_ptr()
     if fmt.quantized:
         args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-        args.ks_stride, args.vs_stride = _i64x3(*k_scale.stride()[:3]), _i64x3(*v_scale.stride()[:3])
+        args.ks_stride = _i64x3(*slot_scale_strides(fmt.key, k_scale))
+        args.vs_stride = _i64x3(*slot_scale_strides(fmt.value, v_scale))
         args.k_group, args.v_group = fmt.key.group_size(D), fmt.value.group_size(D)
         args.k_rotated, args.v_rotated = fmt.key.rotated, fmt.value.rotated  # the kernel rotates q and out itself
     if out.numel():

@@ -11,9 +11,10 @@ Layout
 * ``k_pool``/``v_pool`` ``[P, S, Hkv, D]``: any strides, e.g. halves of a ``[P, 2, S, Hkv, D]`` pool; or the
   codes of a quantized page format (``kv_format`` "int8", "int4", "fp8_e4m3" of :mod:`hf_paged.kv_formats`,
   unit last stride) with their float16 ``k_scale``/``v_scale``: each tile is loaded, dequantized in fp32
-  (scale, and zero point for int4) and cast to the query's dtype before its dot, as vLLM's
-  ``triton_unified_attention`` does with fp8 caches. Rotated formats (int4) get the query rotated before
-  the kernel and the output rotated back after it.
+  (scale, and zero point for int4 values; a page's minimum and step per channel for int4 keys) and cast to
+  the query's dtype before its dot, as vLLM's ``triton_unified_attention`` does with fp8 caches. Rotated
+  formats (int4 values) get the output rotated back after the kernel (and a rotated key format the query
+  rotated before it).
 * ``page_table`` ``[B, N]`` int32/int64: physical page id of the row's n-th kept page, ``-1`` = none.
 * ``page_pos``   ``[B, N]`` int32/int64: position of slot 0 of that page (slot ``s`` is at ``page_pos + s``).
 * ``q_pos``      ``[B, Q]`` int64: position of every query token.
@@ -64,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_formats import KV_FORMATS, rotation
+from ..kv_formats import KV_FORMATS, rotation, slot_scale_strides
 from .arguments import check_paged_args, mask_strides
 
 __all__ = ["paged_attention_triton"]
@@ -90,9 +91,20 @@ def _load_rows(Pool, Scale, base, scale_base, d, ok, stride_d,
                FORMAT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Elements ``d`` of the K or V rows starting at element offsets ``base`` (their scales at ``scale_base``),
     all broadcast together; 0 where not ``ok``. FORMAT: 0 float (the pool's dtype, strides ``stride_d``), else
-    fp32 dequantized: 1 int8 ``scale * code``, 2 int4 ``scale * (code - zero)``, 3 fp8 ``scale * code``."""
+    fp32 dequantized: 1 int8 ``scale * code``, 2 int4 ``scale * (code - zero)``, 3 fp8 ``scale * code``, 4 int4
+    keys ``low + step * code`` (``Scale`` holds the page's D float16 minima, then its D float8 steps as bytes)."""
     if FORMAT == 0:
         return tl.load(Pool + base + d * stride_d, mask=ok, other=0.0)
+    if FORMAT == 4:
+        byte = tl.load(Pool + base + d // 2, mask=ok, other=0).to(tl.int32)
+        code = (byte >> ((d % 2) * 4)) & 15
+        low = tl.load(Scale + scale_base + d, mask=ok, other=0.0).to(tl.float32)
+        pair = tl.load(Scale + scale_base + HEAD_DIM + d // 2, mask=ok, other=0.0)
+        bits = (pair.to(tl.int16, bitcast=True).to(tl.int32) >> ((d % 2) * 8)) & 255  # float8 e4m3, never negative
+        exponent, mantissa = (bits >> 3) & 15, (bits & 7).to(tl.float32)
+        step = tl.where(exponent > 0, (1.0 + mantissa * 0.125) * tl.exp2((exponent - 7).to(tl.float32)),
+                        mantissa * 0.001953125)
+        return code.to(tl.float32) * step + low
     group = d // GROUP
     scale = tl.load(Scale + scale_base + group, mask=ok, other=0.0).to(tl.float32)
     if FORMAT == 2:
@@ -216,6 +228,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FORMAT: tl.constexpr,  # 0 float, 1 int8, 2 int4, 3 fp8 (`_load_rows`)
+    KEY_FORMAT: tl.constexpr,  # FORMAT, or 4: int4 keys per channel within a page
     K_GROUP: tl.constexpr,  # elements per scale group of quantized keys / values
     V_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per program
@@ -278,7 +291,7 @@ def _paged_attention_kernel(
         k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
                        page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
                        offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd,
-                       FORMAT, K_GROUP, HEAD_DIM)  # [BLOCK_D, BLOCK_N]
+                       KEY_FORMAT, K_GROUP, HEAD_DIM)  # [BLOCK_D, BLOCK_N]
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
         s = tl.where(ok, s, float("-inf"))
 
@@ -385,6 +398,7 @@ def _page_mass_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FORMAT: tl.constexpr,
+    KEY_FORMAT: tl.constexpr,
     K_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # power of two >= 16
     BLOCK_N: tl.constexpr,  # power of two >= 16
@@ -434,7 +448,8 @@ def _page_mass_kernel(
                         + offs_d[None, :] * stride_qd, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
             k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
                            page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
-                           offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd, FORMAT, K_GROUP, HEAD_DIM)
+                           offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd, KEY_FORMAT, K_GROUP,
+                           HEAD_DIM)
             s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
             lse_ref = tl.where(row_ok, lse, 0.0)
             p = tl.where(ok, tl.exp(s - lse_ref[:, None]), 0.0)
@@ -551,7 +566,8 @@ def paged_attention_triton(
     if fmt.quantized and fmt.value.rotated:  # the kernel's output is rotated: written aside, rotated back below
         out = torch.empty(B, Q, Hq, D, dtype=torch.float32, device=device)
     if fmt.quantized:
-        k_scale_arg, v_scale_arg, ks, vs = k_scale, v_scale, k_scale.stride()[:3], v_scale.stride()[:3]
+        k_scale_arg, v_scale_arg = k_scale, v_scale
+        ks, vs = slot_scale_strides(fmt.key, k_scale), slot_scale_strides(fmt.value, v_scale)
         groups = dict(K_GROUP=fmt.key.group_size(D), V_GROUP=fmt.value.group_size(D))
     else:
         k_scale_arg, v_scale_arg, ks, vs, groups = k_pool, v_pool, (0, 0, 0), (0, 0, 0), dict(K_GROUP=1, V_GROUP=1)
@@ -585,6 +601,7 @@ def paged_attention_triton(
 
     flags = dict(
         FORMAT=KV_FORMATS.index(kv_format),
+        KEY_FORMAT=4 if getattr(fmt.key, "per_page", False) else KV_FORMATS.index(kv_format),
         INTERPRET=interpret,
         HAS_MASK=mask is not None,
         HAS_SLIDING=sliding_window is not None,

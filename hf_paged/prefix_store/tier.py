@@ -126,7 +126,7 @@ class StoreTier(PrefixListener):
 
     Invariants: counters (`CACHE_COUNTERS`) count this cache's traffic only; pages are loaded only into fresh
     pages and only after the store verified them; a page hash is in ``_stored`` only if an entry written (or
-    queued) or loaded by this cache holds it.
+    queued) or read and verified by this cache holds it.
     """
 
     def __init__(self, store, spill: bool = True, owned: bool = False):
@@ -271,23 +271,25 @@ class StoreTier(PrefixListener):
             self._stored.popitem(last=False)
 
     # ------------------------------------------------------------------ reads
-    def lookup_missed(self, index, hashes: list[bytes], start: int) -> None:
+    def lookup_missed(self, index, hashes: list[bytes], start: int, end: int) -> None:
         if index not in self._groups:
             return
         layout = self._layout(index, fresh=True)
         now = time.monotonic()
         if layout is None or self._absent.get((layout.namespace, hashes[start]), -math.inf) > now - NEGATIVE_SECONDS:
             return
-        loaded = self._load(index, layout, hashes, start)
-        if start + loaded < len(hashes):
+        loaded = self._load(index, layout, hashes, start, end)
+        if start + loaded < end:
             if len(self._absent) > REMEMBERED:
                 self._absent = {k: t for k, t in self._absent.items() if t > now - NEGATIVE_SECONDS}
             self._absent[layout.namespace, hashes[start + loaded]] = now
 
-    def _load(self, index, layout: PageLayout, hashes: list[bytes], start: int) -> int:
-        """Load pages ``start ..`` of the longest stored run of ``hashes``; -> pages loaded."""
-        wanted = len(hashes) - start
-        found = self.store.contains_prefix(layout, hashes) - start
+    def _load(self, index, layout: PageLayout, hashes: list[bytes], start: int, end: int) -> int:
+        """Load pages ``start .. end - 1`` of the longest stored run of ``hashes`` (read through the entry that holds
+        it, which may end past ``end``: an entry is keyed by its last page); -> pages loaded."""
+        wanted = end - start
+        stored = self.store.contains_prefix(layout, hashes)
+        found = min(stored, end) - start
         if found <= 0:
             self.counters.add(store_misses=wanted)
             return 0
@@ -300,11 +302,12 @@ class StoreTier(PrefixListener):
         started = time.perf_counter()
         layers = self._groups[index].layers
         index.store.make_layers(layers, self._bound.dims, self._bound.dtype, self._bound.device)
-        runs = self.store.get(layout, hashes[:start + found], first=start)  # (none: the entries failed to verify)
+        runs = self.store.get(layout, hashes[:stored], first=start)  # (none: the entries failed to verify)
         skip = max(0, start - runs[0].first) if runs else 0  # (the first entry may begin before ``start``)
-        tensors = {spec.name: torch.cat([run.tensors[spec.name] for run in runs])[skip:]
+        tensors = {spec.name: torch.cat([run.tensors[spec.name] for run in runs])[skip:skip + found]
                    for spec in layout.tensors} if runs else {}
-        run_hashes = [h for run in runs for h in run.hashes][skip:]
+        verified = [h for run in runs for h in run.hashes]
+        run_hashes = verified[skip:skip + found]
 
         def write(rows: list[int], pages: list[int]) -> None:  # every page in one write
             at = torch.tensor(rows)
@@ -312,7 +315,7 @@ class StoreTier(PrefixListener):
                                     index.manager.num_pages)
 
         loaded = index.load_run(run_hashes, write) if runs else 0  # (one call: its pages do not evict each other)
-        self._remember(layout, hashes[:start + loaded])
+        self._remember(layout, [*hashes[:start + loaded], *verified])  # (the entries read are stored: not rewritten)
         nbytes = loaded * layout.page_bytes
         self.counters.add(store_hits=loaded, store_misses=wanted - loaded, store_pages_read=loaded,
                           store_bytes_read=nbytes, store_load_seconds=time.perf_counter() - started)
