@@ -4,8 +4,10 @@
 Part ``perplexity``: the embedded SmolLM2 (float32, "sdpa") scores the first ``--max-tokens`` tokens of the
 embedded Britannica text in one forward through a `SimulatedPages` cache, a DynamicCache that keeps each
 layer's keys and values as a page scheme would hand them back (quantized, then dequantized, by the
-functions of `hf_paged.kv_formats`). The page formats quantize every token on its own when it is written,
-so one forward scores exactly what decoding through such pages would. Rows: float32 (the reference),
+functions of `hf_paged.kv_formats`). int8 quantizes every token on its own when it is
+written, so one forward scores exactly what decoding would; int4's keys are per channel within a page: one
+forward quantizes every full page as decoding would once it fills, and the last partial page over the tokens
+it holds. Rows: float32 (the reference),
 bfloat16, the formats "int8" and "int4", and the int4 alternatives the choice was made among (keys not
 rotated, key groups of 32 or one a head, values not rotated, and KIVI's keys per channel within each page
 of ``--page-size`` tokens, the partial last page kept in float32: in one forward every full page is
