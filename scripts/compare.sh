@@ -3,13 +3,15 @@
 # and the Britannica text: speed and memory (scripts/benchmark.py, about 8 minutes on 2 idle cores), perplexity
 # under page budgets (scripts/perplexity.py, 2048 tokens, about 3.5 minutes), then many prompts of different lengths
 # (scripts/many_prompts.py: generate_many against generate and transformers' continuous batching, about 6.5
-# minutes). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored); nothing tracked changes.
+# minutes), then quantized pages through the real caches (scripts/quantized.py --parts cache,decode at 2048 tokens,
+# decode at 1k and 4k, with transformers' QuantizedCache where optimum-quanto is installed; about 15 minutes; the
+# stored results at 8k and 16k tokens have their commands in docs/quantized.md). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored); nothing tracked changes.
 #
 #   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install] [--prefix-store]
 #     --quick        smoke test of every part (about 90 s on 2 idle cores); its numbers are not results
 #     --threads N    torch threads for every part (default: the idle cores, i.e. cores minus the load average,
 #                    at least 1; too many threads on a busy machine make every ratio noise)
-#     --out DIR      write DIR/benchmark, DIR/perplexity and DIR/many_prompts instead of runs/<UTC time>/. The
+#     --out DIR      write DIR/benchmark, DIR/perplexity, DIR/many_prompts and DIR/quantized instead of runs/<UTC time>/. The
 #                    stored results in results/ each have their own command, named in docs/ (benchmark.md,
 #                    perplexity.md, many_prompts.md, ...)
 #     --no-install   skip scripts/install.sh and use the `python` on PATH as it is
@@ -46,5 +48,12 @@ echo "compare.sh: torch threads $THREADS ($(nproc) cores, load average $(cut -d'
 python scripts/benchmark.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/benchmark"
 python scripts/perplexity.py --mode streaming "${QUICK[@]}" --threads "$THREADS" --out "$OUT/perplexity"
 python scripts/many_prompts.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/many_prompts"
+if [ ${#QUICK[@]} -eq 0 ]; then
+  QUANTIZED=(--cache-tokens 2048 --decode-contexts 1024,4096 --decode-tokens 8 --repeats 3)
+else
+  QUANTIZED=(--quick)
+fi
+python scripts/quantized.py --parts cache,decode "${QUANTIZED[@]}" --threads "$THREADS" --out "$OUT/quantized"
 [ -z "$STORE" ] || python scripts/prefix_store.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/prefix_store"
-echo "compare.sh: done in $(( $(date +%s) - START )) s; results in $OUT/ (benchmark/, perplexity/, many_prompts/: .md, .json, .png)"
+echo "compare.sh: done in $(( $(date +%s) - START )) s; results in $OUT/ (benchmark/, perplexity/, many_prompts/, quantized/:" \
+     ".md, .json, .png)"

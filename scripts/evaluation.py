@@ -23,6 +23,9 @@ kvpress (``--kvpress auto``): when ``.venv-kvpress`` exists (``scripts/make_kvpr
 tasks run there through kvpress's presses (scripts/kvpress_runner.py) on the same model folder and
 token ids, and land in the same tables; without it they are reported as not run.
 
+Page formats (``--kv-format float,int8,int4``): every quantized format adds an unbounded PagedCache row (what the
+format alone costs against the full cache) and its own bounded rows (``PagedCache(kv_format=...)``).
+
 Several processes (``accelerate launch ... scripts/evaluation.py``) split the jobs round-robin; only
 the main process writes ``--out`` (default runs/evaluate)/evaluate.md, evaluate.json, continuation.png,
 passkey.png (and jobs.json, every job's raw result, first). ``--quick``: a few small cases (CI).
@@ -37,10 +40,15 @@ import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
 from hf_paged import assets  # noqa: E402
 from hf_paged.evaluation import long_context as study  # noqa: E402
 from hf_paged.evaluation.formats import value_list  # noqa: E402
 from hf_paged.evaluation.long_context import POLICIES, PRESSES, QUICK, REGIMES, TASKS  # noqa: E402
+from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
+
+CPU_FORMATS = tuple(f for f in KV_FORMATS if f != "fp8_e4m3")  # fp8 pages need CUDA
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--split", default="train")
     p.add_argument("--column", default="text")
     p.add_argument("--text-file", default=None, help="local text file")
+    p.add_argument("--kv-format", type=value_list(str), default="float",
+                   help=f"comma-separated page formats of the hf_paged caches, of {', '.join(CPU_FORMATS)}: each "
+                   "quantized one adds an unbounded row and its own bounded rows (PagedCache(kv_format=...))")
     p.add_argument("--page-size", type=int, default=1, help="PagedCache page size (1 keeps best when bounded)")
     p.add_argument("--score-decay", type=float, default=None,
                    help="continuation/passkey caches: PagedCache(score_decay=...); none: by page size")
@@ -95,10 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    for name, allowed in (("tasks", TASKS), ("regimes", REGIMES), ("policies", POLICIES), ("presses", PRESSES)):
+    for name, allowed in (("tasks", TASKS), ("regimes", REGIMES), ("policies", POLICIES), ("presses", PRESSES),
+                          ("kv_format", CPU_FORMATS if args.cpu or not torch.cuda.is_available() else KV_FORMATS)):
         bad = [x for x in getattr(args, name) if x not in allowed]
         if bad:
-            p.error(f"--{name}: unknown {bad}; choose from {allowed}")
+            p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {allowed}")
     for b in args.budgets + args.passkey_budgets + args.streaming_budgets:
         if b < args.page_size or b % args.page_size:
             p.error(f"budget {b} must be a multiple of the page size {args.page_size}")

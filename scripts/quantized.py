@@ -4,8 +4,10 @@
 Part ``perplexity``: the embedded SmolLM2 (float32, "sdpa") scores the first ``--max-tokens`` tokens of the
 embedded Britannica text in one forward through a `SimulatedPages` cache, a DynamicCache that keeps each
 layer's keys and values as a page scheme would hand them back (quantized, then dequantized, by the
-functions of `hf_paged.kv_formats`). The page formats quantize every token on its own when it is written,
-so one forward scores exactly what decoding through such pages would. Rows: float32 (the reference),
+functions of `hf_paged.kv_formats`). int8 quantizes every token on its own when it is
+written, so one forward scores exactly what decoding would; int4's keys are per channel within a page: one
+forward quantizes every full page as decoding would once it fills, and the last partial page over the tokens
+it holds. Rows: float32 (the reference),
 bfloat16, the formats "int8" and "int4", and the int4 alternatives the choice was made among (keys not
 rotated, key groups of 32 or one a head, values not rotated, and KIVI's keys per channel within each page
 of ``--page-size`` tokens, the partial last page kept in float32: in one forward every full page is
@@ -22,21 +24,30 @@ the table gives medians over ``--repeats`` rounds and each format's per-round ra
 quartiles), with the load average before and after.
 
 Part ``cache``: the real caches with each format the CPU reads (float, int8, int4) on the embedded SmolLM2
-(float32, "hf_paged"): KV bytes per token from ``PagedCache.stats()["kv_bytes"]`` after a prefill (float pages
-of a float32 and of a bfloat16 model, int8, int4; scales included); perplexity of ``--max-tokens`` tokens in one
-forward through each format's pages, with paired intervals against float pages; greedy agreement of
-``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts`` prompts of
-32-256 tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt); and ``generate``'s
-decode speed at each ``--decode-contexts`` length: every format's cache is prefilled once, then each round
-decodes ``--decode-tokens`` tokens from a fork of it, formats alternating (CPU time per token, medians and
-quartiles of per-round ratios over ``--repeats`` rounds).
+(float32, "hf_paged"), with transformers' ``QuantizedCache`` (optimum-quanto backend, ``--peer-bits`` 4 and 2, its
+default residual of 128 float tokens) beside them: KV bytes per token from ``PagedCache.stats()["kv_bytes"]`` after a
+prefill (float pages of a float32 and of a bfloat16 model, int8, int4; scales included; QuantizedCache: its quantized
+history, and with its residual full); perplexity at each ``--cache-tokens`` length against float32 pages with paired
+intervals: the formats in one forward through their pages, bfloat16 keys and values (simulated), QuantizedCache with
+the text in chunks of its residual length (each token sees what it would see when decoded); and greedy agreement of
+``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts`` prompts of 32-256
+tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt).
+
+Part ``decode``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size,
+float32, int8 and int4 pages and the QuantizedCache rows holding the same keys and values (computed once per length; a
+batch's rows made distinct): each round decodes ``--decode-tokens`` tokens from a fork of each cache, entries
+alternating (CPU time per token, medians and quartiles of per-round ratios against float32 pages over ``--repeats``
+rounds).
+
+Without optimum-quanto (the ``eval`` extra) the QuantizedCache rows are skipped with the reason printed and recorded.
 
 Writes ``--out`` (default runs/quantized, git-ignored)/quantized.md, quantized.json and quantized.png. The
 study is `hf_paged.evaluation.quantized`.
 
 Examples:
-    python scripts/quantized.py                          # every part (about 30 minutes on 1 idle core)
-    python scripts/quantized.py --parts cache --repeats 5 --out results/quantized/cache
+    python scripts/quantized.py                          # every part (hours on 1 core: 8k and 16k tokens)
+    python scripts/quantized.py --parts cache --out results/quantized/cache
+    python scripts/quantized.py --parts decode --decode-contexts 1024,4096 --repeats 5 --out results/quantized/decode
     python scripts/quantized.py --parts speed --contexts 4096 --batches 1
     python scripts/quantized.py --quick                  # smoke test, not a result
 """
@@ -55,6 +66,8 @@ from hf_paged.evaluation import quantized as study  # noqa: E402
 from hf_paged.evaluation.formats import int_list  # noqa: E402
 from hf_paged.evaluation.quantized import DEFAULTS, PARTS, QUICK  # noqa: E402
 
+LISTS = ("contexts", "batches", "cache_tokens", "decode_contexts", "decode_batches", "peer_bits")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -71,15 +84,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"speed: tokens per row (default {DEFAULTS['contexts']})")
     p.add_argument("--batches", type=int_list, default=None,
                    help=f"speed: rows per call (default {DEFAULTS['batches']})")
-    p.add_argument("--repeats", type=int, default=None, help=f"speed: rounds (default {DEFAULTS['repeats']})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"speed, decode: rounds (default {DEFAULTS['repeats']})")
     p.add_argument("--calls", type=int, default=None, help=f"speed: kernel calls per format and round "
                                                            f"(default {DEFAULTS['calls']})")
+    p.add_argument("--cache-tokens", type=int_list, default=None,
+                   help=f"cache: perplexity lengths through the real caches (default {DEFAULTS['cache_tokens']})")
     p.add_argument("--decode-contexts", type=int_list, default=None,
-                   help=f"cache: prompt lengths of generate's decode speed (default {DEFAULTS['decode_contexts']})")
+                   help=f"decode: prompt lengths of generate's decode speed (default {DEFAULTS['decode_contexts']})")
+    p.add_argument("--decode-batches", type=int_list, default=None,
+                   help=f"decode: rows per generate (default {DEFAULTS['decode_batches']})")
     p.add_argument("--decode-tokens", type=int, default=None,
-                   help=f"cache: new tokens per timed generate (default {DEFAULTS['decode_tokens']})")
+                   help=f"decode: new tokens per timed generate (default {DEFAULTS['decode_tokens']})")
+    p.add_argument("--peer-bits", type=int_list, default=None,
+                   help=f"cache, decode: bit widths of transformers' QuantizedCache rows, of 4 and 2 (default "
+                        f"{DEFAULTS['peer_bits']})")
+    p.add_argument("--peer-residual", type=int, default=None,
+                   help=f"cache, decode: QuantizedCache's residual_length, the newest tokens it keeps in float "
+                        f"(default {DEFAULTS['peer_residual']}, transformers' own)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"cache: prompts of the many-prompts workload (default {DEFAULTS['num_prompts']})")
+                   help=f"cache: prompts of the many-prompts workload, 0: none (default {DEFAULTS['num_prompts']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
     p.add_argument("--quick", action="store_true", help="smoke test (seconds to a minute, not a result)")
     p.add_argument("--out", default="runs/quantized", help="output folder (git-ignored runs/)")
@@ -87,13 +111,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
-            setattr(args, key, int_list(value) if key in ("contexts", "batches", "decode_contexts") else value)
+            setattr(args, key, int_list(value) if key in LISTS else value)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if not args.parts or set(args.parts) - set(PARTS):
         p.error(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {','.join(args.parts)!r}")
-    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads", "decode_tokens", "num_prompts"):
+    if set(args.peer_bits) - {4, 2}:
+        p.error(f"--peer-bits takes 4 and/or 2 (quanto's widths), got {args.peer_bits}")
+    for name in ("max_tokens", "page_size", "block", "repeats", "calls", "threads", "decode_tokens",
+                 "peer_residual"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.num_prompts < 0:
+        p.error("--num-prompts must be 0 (no agreement table) or positive")
     return args
 
 

@@ -98,11 +98,27 @@ def test_passkey_prompts_have_the_length_and_the_key(script):
 
 @pytest.mark.parametrize("bad", [["--tasks", "nope"], ["--budgets", "100", "--page-size", "16"], ["--depths", "1.5"],
                                  ["--policies", "random"], ["--score-decay", "1"], ["--observation-window", "0"],
-                                 ["--recent-pages", "-1"]])
+                                 ["--recent-pages", "-1"], ["--kv-format", "int3"]])
 def test_bad_arguments_exit_with_a_message(script, bad, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(bad)
     assert "error" in capsys.readouterr().err
+
+
+def test_each_page_format_adds_an_unbounded_row_and_its_bounded_rows(script):
+    args = script.parse_args(["--kv-format", "float,int4", "--regimes", "compress", "--policies", "score",
+                              "--budgets", "128,256", "--windows", "2", "--page-size", "16"])
+    jobs = script.continuation_jobs(args)
+    methods = {(j["method"], j["budget"], j["kv_format"]) for j in jobs}
+    assert methods == {("full", None, "float"), ("full, int4 pages", None, "int4"), ("hf_paged score", 128, "float"),
+                       ("hf_paged score", 256, "float"), ("hf_paged score int4", 128, "int4"),
+                       ("hf_paged score int4", 256, "int4")}
+    assert len(jobs) == 2 * len(methods)
+    model, _ = assets.load_model_and_tokenizer(attn_implementation="hf_paged")
+    for job in jobs[:2] + [j for j in jobs if j["kv_format"] == "int4"][:2]:
+        _, cache = script.job_cache(job, {"paged": model, "dynamic": model}, args)
+        assert isinstance(cache, DynamicCache if job["method"] == "full" else hf_paged.PagedCache)
+        assert getattr(cache, "kv_format", "float") == job["kv_format"]
 
 
 def test_tables_and_plots_from_constructed_results(script, tmp_path):

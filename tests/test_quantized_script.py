@@ -85,16 +85,37 @@ def test_perplexity_part_on_the_real_model(tmp_path):
 @pytest.mark.slow
 def test_cache_part_measures_the_real_caches(tmp_path):
     """Through PagedCache/generate_many pages: bytes per token from stats() (int8 about a quarter of float32's),
-    float pages as their own reference, agreement counted per prompt, decode ratios against float pages."""
-    assert quantized.main(["--quick", "--parts", "cache", "--max-tokens", "64", "--decode-contexts", "48",
-                           "--decode-tokens", "2", "--num-prompts", "2", "--repeats", "1", "--out", str(tmp_path),
-                           "--no-progress"]) == 0
+    float32 pages as their own reference at each length, bfloat16 and the QuantizedCache rows beside the formats
+    (or skipped with a reason), agreement counted per prompt."""
+    assert quantized.main(["--quick", "--parts", "cache", "--cache-tokens", "64,96", "--num-prompts", "2",
+                           "--out", str(tmp_path), "--no-progress"]) == 0
     cache = json.loads((tmp_path / "quantized.json").read_text())["cache"]
     sizes = cache["bytes_per_token"]
     assert sizes["bfloat16"] == sizes["float32"] / 2 and 0.25 < sizes["int8"] / sizes["float32"] <= 0.27
     assert sizes["int4"] < sizes["int8"]
-    assert cache["perplexity"][0]["kv_format"] == "float" and cache["perplexity"][0]["relative"] == 0
+    peers = [] if cache["peer_skipped"] else [f"QuantizedCache int{n} (quanto)" for n in (4, 2)]
+    assert [block["tokens"] for block in cache["perplexity"]] == [64, 96]
+    for block in cache["perplexity"]:
+        rows = block["rows"]
+        assert [row["name"] for row in rows] == ["float32", "bfloat16", "int8", "int4", *peers]
+        assert rows[0]["relative"] == rows[0]["kl_mean"] == 0 and rows[0]["tokens"] == block["tokens"]
+        assert all(r["low"] <= r["relative"] <= r["high"] and r["bytes_per_token"] > 0 for r in rows)
+    for name in peers:
+        assert sizes[name] < cache["peer_bytes"][name]["full_residual"]
     assert [row["kv_format"] for row in cache["agreement"]] == ["int8", "int4"]
     assert all(len(row["tokens_before_divergence"]) == 2 for row in cache["agreement"])
-    assert {(r["context"], r["kv_format"]) for r in cache["decode"]} == {(48, f) for f in quantized.CACHE_FORMATS}
     assert "## Through the real caches" in (tmp_path / "quantized.md").read_text()
+
+
+@pytest.mark.slow
+def test_decode_part_times_every_cache_against_float_pages(tmp_path):
+    assert quantized.main(["--quick", "--parts", "decode", "--decode-contexts", "48", "--decode-batches", "1,2",
+                           "--decode-tokens", "2", "--repeats", "1", "--peer-bits", "4", "--out", str(tmp_path),
+                           "--no-progress"]) == 0
+    decode = json.loads((tmp_path / "quantized.json").read_text())["decode"]
+    names = list(quantized.CACHE_FORMATS) + ([] if decode["peer_skipped"] else ["QuantizedCache int4 (quanto)"])
+    assert [(r["batch"], r["cache"]) for r in decode["results"]] == [(b, n) for b in (1, 2) for n in names]
+    assert all(r["cpu_ratio"] == 1 for r in decode["results"] if r["cache"] == "float")
+    one, two = ({r["cache"]: r["kv_bytes"] for r in decode["results"] if r["batch"] == b} for b in (1, 2))
+    assert all(two[name] > one[name] for name in names)  # the rows of a batch hold pages of their own
+    assert "| 48 | 2 | int4 |" in (tmp_path / "quantized.md").read_text()

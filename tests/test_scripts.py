@@ -143,7 +143,7 @@ def _git_status() -> str:
 
 @pytest.mark.slow
 def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
-    """`compare.sh --quick` (without installing) runs both parts into runs/<time>-quick and leaves git clean."""
+    """`compare.sh --quick` (without installing) runs every part into runs/<time>-quick and leaves git clean."""
     runs = ROOT / "runs"
     before_runs = set(runs.iterdir()) if runs.is_dir() else set()
     before_status = _git_status()
@@ -157,7 +157,8 @@ def test_compare_quick_writes_a_new_run_folder_and_changes_nothing_tracked():
         assert len(new) == 1, new
         out = next(iter(new))
         assert out.name.endswith("-quick")
-        for part, stem in (("benchmark", "benchmark"), ("perplexity", "perplexity"), ("many_prompts", "many_prompts")):
+        for part, stem in (("benchmark", "benchmark"), ("perplexity", "perplexity"), ("many_prompts", "many_prompts"),
+                           ("quantized", "quantized")):
             assert {p.name for p in (out / part).iterdir()} >= {f"{stem}.md", f"{stem}.json", f"{stem}.png"}
             assert "Smoke test" in (out / part / f"{stem}.md").read_text()
         assert json.loads((out / "benchmark" / "benchmark.json").read_text())["environment"]["torch_threads"] == 1

@@ -9,6 +9,7 @@ Shared pieces:
 - `memory`: a process's (or CUDA allocator's) peak memory growth over a run;
 - `run_info`: versions, load average and source fingerprint recorded with every result;
 - `formats`: argument types, number formats and the JSON writer of the reports.
+- `quantized_peer`: transformers' QuantizedCache (optimum-quanto), the peer of quantized pages, or why it is absent.
 
 Studies (one module each, driven by the script of the same name): `perplexity` (scripts/perplexity.py),
 `long_context` (scripts/evaluation.py), `benchmark` (scripts/benchmark.py), `many_prompts`

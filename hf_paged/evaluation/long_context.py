@@ -9,6 +9,7 @@ in the same tables. Paths to integrations/ and scripts/ are the repository's: ru
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -47,8 +48,36 @@ def policy_kwargs(policy: str) -> dict:
     return dict(eviction="fifo" if policy == "fifo+sinks" else policy)
 
 
-def bounded_cache(model, args, policy: str, regime: str, budget: int) -> hf_paged.PagedCache:
+def method_name(base: str, kv_format: str) -> str:
+    """A method's name in the tables: ``base`` with the page format unless it is "float"."""
+    return base if kv_format == "float" else f"{base} {kv_format}"
+
+
+def unbounded_jobs(args, task: str, **where) -> list[dict]:
+    """The full-context baseline (a DynamicCache), then an unbounded PagedCache per quantized ``--kv-format``: what
+    the format alone costs, before any budget."""
+    jobs = [dict(task=task, method="full", regime="full", policy=None, budget=None, kv_format="float", **where)]
+    return jobs + [dict(task=task, method=f"full, {kv_format} pages", regime="full", policy=None, budget=None,
+                        kv_format=kv_format, **where) for kv_format in args.kv_format if kv_format != "float"]
+
+
+def job_cache(job, models, args):
+    """(model, cache) of a job: a DynamicCache for the full baseline, else a PagedCache with the job's page format,
+    unbounded for the other full-context rows."""
+    if job["regime"] != "full":
+        model = models["paged"]
+        return model, bounded_cache(model, args, job["policy"], job["regime"], job["budget"], job["kv_format"])
+    if job["kv_format"] == "float":
+        from transformers import DynamicCache
+
+        return models["dynamic"], DynamicCache(config=models["dynamic"].config)
+    model = models["paged"]
+    return model, hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=job["kv_format"])
+
+
+def bounded_cache(model, args, policy: str, regime: str, budget: int, kv_format: str = "float") -> hf_paged.PagedCache:
     return hf_paged.PagedCache(page_size=args.page_size, max_pages=budget // args.page_size, config=model.config,
+                               kv_format=kv_format,
                                compress_prompt=regime.startswith("compress"),
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
                                score_decay=args.score_decay, observation_window=args.observation_window,
@@ -96,26 +125,18 @@ def continuation_nll(model, cache, x: torch.Tensor, context: int, regime: str, c
 
 
 def continuation_jobs(args) -> list[dict]:
-    jobs = [dict(task="continuation", method="full", regime="full", policy=None, budget=None, window=w)
-            for w in range(args.windows)]
-    for regime in args.regimes:
-        for policy in args.policies:
-            for budget in args.budgets:
-                jobs += [dict(task="continuation", method=f"hf_paged {policy}", regime=regime, policy=policy,
-                              budget=budget, window=w) for w in range(args.windows)]
+    jobs = [job for w in range(args.windows) for job in unbounded_jobs(args, "continuation", window=w)]
+    for kv_format, regime, policy, budget in itertools.product(args.kv_format, args.regimes, args.policies,
+                                                               args.budgets):
+        jobs += [dict(task="continuation", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
+                      policy=policy, budget=budget, kv_format=kv_format, window=w) for w in range(args.windows)]
     return jobs
 
 
 def run_continuation_job(job, models, ids, args) -> dict:
     span = args.context + args.continuation
     x = ids[job["window"] * span:(job["window"] + 1) * span]
-    if job["regime"] == "full":
-        from transformers import DynamicCache
-
-        model, cache = models["dynamic"], DynamicCache(config=models["dynamic"].config)
-    else:
-        model = models["paged"]
-        cache = bounded_cache(model, args, job["policy"], job["regime"], job["budget"])
+    model, cache = job_cache(job, models, args)
     nll, peak = continuation_nll(model, cache, x, args.context, job["regime"], args.chunk)
     out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak)
     if isinstance(cache, hf_paged.PagedCache):
@@ -170,13 +191,11 @@ def passkey_cases(args, tokenizer, filler: torch.Tensor) -> list[dict]:
 
 
 def passkey_jobs(args, cases) -> list[dict]:
-    jobs = [dict(task="passkey", method="full", regime="full", policy=None, budget=None, case=c["case"])
-            for c in cases]
-    for regime in args.regimes:
-        for policy in args.policies:
-            for budget in args.passkey_budgets:
-                jobs += [dict(task="passkey", method=f"hf_paged {policy}", regime=regime, policy=policy,
-                              budget=budget, case=c["case"]) for c in cases]
+    jobs = [job for c in cases for job in unbounded_jobs(args, "passkey", case=c["case"])]
+    for kv_format, regime, policy, budget in itertools.product(args.kv_format, args.regimes, args.policies,
+                                                               args.passkey_budgets):
+        jobs += [dict(task="passkey", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
+                      policy=policy, budget=budget, kv_format=kv_format, case=c["case"]) for c in cases]
     return jobs
 
 
@@ -196,13 +215,7 @@ def answer_of(text: str) -> str:
 def run_passkey_job(job, models, cases, args) -> dict:
     case = cases[job["case"]]
     ids = torch.tensor(case["ids"])
-    if job["regime"] == "full":
-        from transformers import DynamicCache
-
-        model, cache = models["dynamic"], DynamicCache(config=models["dynamic"].config)
-    else:
-        model = models["paged"]
-        cache = bounded_cache(model, args, job["policy"], job["regime"], job["budget"])
+    model, cache = job_cache(job, models, args)
     tokens, peak = greedy(model, cache, ids, job["regime"], args.chunk, args.new_tokens)
     return dict(tokens=tokens, peak_tokens_held=peak)
 
@@ -316,6 +329,11 @@ def markdown(report: dict) -> str:
                 cells.append("—" if r is None else _pct(r["excess"]) + ("" if r["within_budget"] and
                                                                           r["library"] == "hf_paged" else "*"))
             lines.append(f"| {method} | {regime} | " + " | ".join(cells) + " |")
+        unbounded = [r for r in cont["rows"] if r["budget"] is None and r["method"] != "full"]
+        if unbounded:
+            lines += ["", "Unbounded caches with quantized pages (every context token held):", "",
+                      "| method | perplexity | excess |", "|---|---:|---:|"]
+            lines += [f"| {r['method']} | {r['perplexity']:.3f} | {_pct(r['excess'])} |" for r in unbounded]
         lines += ["", f"kvpress: {cont['kvpress']['status']}", ""]
     pk = report.get("passkey")
     if pk:
@@ -349,6 +367,9 @@ def plot(report: dict, out: Path) -> list[str]:
             pts.sort()
             ax.plot(*zip(*pts), marker="o" if method.startswith("hf_paged") else "x",
                     ls="-" if regime == "streaming" else "--", label=f"{method} ({regime})")
+        for r in cont["rows"]:
+            if r["budget"] is None and r["method"] != "full":
+                ax.axhline(100 * r["excess"], ls=":", color="gray", label=f"{r['method']} (unbounded)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(report["settings"]["budgets"], [str(b) for b in report["settings"]["budgets"]])
         ax.set_xlabel("budget B (context tokens held)")

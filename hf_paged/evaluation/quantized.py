@@ -10,6 +10,7 @@ per token from ``stats()``, perplexity, greedy agreement with float pages over t
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import platform
@@ -24,21 +25,24 @@ from transformers import DynamicCache
 
 from .. import assets
 from ..kv_formats import KEY_GROUP, Int4Codec, QuantizedPages, dequantize, page_format, quantize
+from ..model_config import CACHE_KWARG
 from ..page_store import FloatPages
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
 from .run_info import load_average, versions
 from .text import load_token_ids
 
-PARTS = ("perplexity", "speed", "cache")
+PARTS = ("perplexity", "speed", "cache", "decode")
 CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4")
 LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
 TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
 DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20,
-                decode_contexts="1024,4096", decode_tokens=32, num_prompts=16)
-QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3, decode_contexts="128,256",
-             decode_tokens=4, num_prompts=4)
+                cache_tokens="2048,8192", decode_contexts="1024,4096,16384", decode_batches="1,8", decode_tokens=16,
+                num_prompts=16, peer_bits="4,2", peer_residual=128)
+QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3, cache_tokens="256",
+             decode_contexts="128,256", decode_batches="1,2", decode_tokens=4, num_prompts=4, peer_bits="4,2",
+             peer_residual=128)
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -149,7 +153,7 @@ class SimulatedPages(DynamicCache):
 def log_probs(model, ids: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     """float32 log-probabilities ``[T - 1, V]`` of every next token, one forward through `SimulatedPages`."""
     cache = SimulatedPages(scheme, config=model.config)
-    logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0, :-1]
+    logits = model(input_ids=ids[None], use_cache=True, **{CACHE_KWARG: cache}).logits[0, :-1]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -278,21 +282,58 @@ def _first_divergence(got: list[int], want: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
+def _scored(logp: torch.Tensor, ids: torch.Tensor, block: int, name: str, reference: torch.Tensor | None,
+            ref_row: dict | None) -> dict:
+    """A perplexity row of ``logp [T - 1, V]`` for the next tokens of ``ids``: per-block NLL sums, and against
+    ``reference`` (float pages' log-probabilities, ``ref_row`` their row; None: this is the reference) the paired
+    interval of the perplexity ratio, mean KL divergence and top-1 agreement (computed in slices to bound memory)."""
+    nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
+    sizes = [len(nll[b:b + block]) for b in range(0, len(nll), block)]
+    row = dict(name=name, tokens=len(ids), perplexity=math.exp(float(nll.mean())),
+               block_nll=[float(nll[b:b + block].sum()) for b in range(0, len(nll), block)])
+    if reference is None:
+        return dict(row, relative=0.0, low=0.0, high=0.0, kl_mean=0.0, top1_agreement=1.0)
+    kl, top1 = 0.0, 0
+    for s in range(0, len(logp), 1024):
+        ref, got = reference[s:s + 1024], logp[s:s + 1024]
+        kl += float((ref.exp() * (ref - got)).sum())
+        top1 += int((got.argmax(-1) == ref.argmax(-1)).sum())
+    ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], sizes)
+    return dict(row, relative=ratio, low=low, high=high, kl_mean=kl / len(logp), top1_agreement=top1 / len(logp))
+
+
+def _peer_models(args):
+    """(the float32 "sdpa" model QuantizedCache and the simulated bfloat16 pages run on, the peer's bit widths, why
+    the peer is skipped or None)."""
+    from . import quantized_peer as peer
+
+    model, _ = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None
+    reason = peer.unavailable_reason()
+    if reason:
+        print(f"skipping the QuantizedCache rows: {reason}")
+    return model, () if reason else tuple(args.peer_bits), reason
+
+
 def cache_part(args, progress) -> dict:
-    """Bytes, perplexity, greedy agreement and decode speed through `PagedCache`/`generate_many` pages."""
+    """Bytes, perplexity at each ``--cache-tokens`` length, and greedy agreement through `PagedCache`/`generate_many`
+    pages, with transformers' QuantizedCache (quanto) beside them where it runs."""
     import types
 
     import hf_paged
 
+    from . import quantized_peer as peer
     from .many_prompts import workload
 
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
     model.generation_config.eos_token_id = None
-    ids, info = load_token_ids(tokenizer, args.max_tokens)
-    bar = progress(total=2 + 2 * len(CACHE_FORMATS) + len(args.decode_contexts) * (1 + args.repeats),
-                   desc="real caches")
-    # KV bytes per token: float pages of a float32 and a bfloat16 model, int8 and int4 pages (scales included)
-    tokens = ids[: args.page_size * max(1, len(ids) // (2 * args.page_size))]  # whole pages
+    sdpa, bits, peer_skipped = _peer_models(args)
+    ids, info = load_token_ids(tokenizer, max(args.cache_tokens))
+    bar = progress(total=2 + len(args.cache_tokens) * (1 + len(CACHE_FORMATS) + len(bits))
+                   + len(CACHE_FORMATS) * bool(args.num_prompts), desc="real caches")
+    # KV bytes per token: float pages of a float32 and a bfloat16 model, int8 and int4 pages (scales included), and
+    # QuantizedCache after a prefill (everything quantized) and with its float residual full
+    tokens = ids[: args.page_size * max(1, min(args.cache_tokens) // (2 * args.page_size))]  # whole pages
     bf16, _ = assets.load_model_and_tokenizer(args.model, dtype=torch.bfloat16, attn_implementation="hf_paged")
     sizes = {"float32": _bytes_per_token(model, tokens, args.page_size, "float"),
              "bfloat16": _bytes_per_token(bf16, tokens, args.page_size, "float")}
@@ -300,79 +341,140 @@ def cache_part(args, progress) -> dict:
     bar.update(1)
     for kv_format in CACHE_FORMATS[1:]:
         sizes[kv_format] = _bytes_per_token(model, tokens, args.page_size, kv_format)
+    peer_sizes = {}
+    for nbits in bits:
+        name = peer.name(nbits, args.peer_residual)
+        peer_sizes[name] = peer.bytes_per_token(sdpa, tokens, nbits, args.peer_residual)
+        sizes[name] = peer_sizes[name]["prefilled"]
     bar.update(1)
-    # perplexity: one forward of the text through each format's pages, paired intervals against float pages
-    nll_rows, reference = [], None
-    for kv_format in CACHE_FORMATS:
-        cache = hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=kv_format)
-        with torch.no_grad():
-            logits = model(input_ids=ids[None], use_cache=True, **{hf_paged.CACHE_KWARG: cache}).logits[0, :-1]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        del logits
-        nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
-        blocks = [(float(nll[b:b + args.block].sum()), len(nll[b:b + args.block])) for b in range(0, len(nll),
-                                                                                                    args.block)]
-        row = dict(kv_format=kv_format, perplexity=math.exp(float(nll.mean())), block_nll=[b for b, _ in blocks])
-        if reference is None:
-            reference, ref_row = logp, row
-        ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], [n for _, n in blocks])
-        row.update(relative=ratio, low=low, high=high, kl_mean=float((reference.exp() * (reference - logp)).sum(-1)
-                                                                     .mean()),
-                   top1_agreement=float((logp.argmax(-1) == reference.argmax(-1)).float().mean()))
-        nll_rows.append(row)
-        bar.update(1)
-    del reference, logp
-    # greedy agreement with float pages: generate_many over the many-prompts workload
+    # perplexity at each length: float pages (the reference), bfloat16 keys and values (simulated), int8 and int4
+    # pages in one forward, QuantizedCache in chunks of its residual (each token's decoding view)
+    bf16_scheme = next(s for s in schemes(64, args.page_size) if s.name == "bfloat16")
+    perplexity = []
+    for length in args.cache_tokens:
+        text, rows, reference, ref_row = ids[:length], [], None, None
+
+        def add(name, logp):
+            nonlocal reference, ref_row
+            row = _scored(logp, text, args.block, name, reference, ref_row)
+            if reference is None:
+                reference, ref_row = logp, row
+            rows.append(dict(row, bytes_per_token=sizes.get(name), wall_s=time.perf_counter() - t0))
+            bar.update(1)
+
+        for kv_format in CACHE_FORMATS:
+            t0 = time.perf_counter()
+            cache = hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=kv_format)
+            with torch.no_grad():
+                logits = model(input_ids=text[None], use_cache=True, **{hf_paged.CACHE_KWARG: cache}).logits[0, :-1]
+            del cache
+            add("float32" if kv_format == "float" else kv_format, torch.log_softmax(logits, dim=-1))
+            del logits
+            if kv_format == "float":
+                t0 = time.perf_counter()
+                add("bfloat16", log_probs(sdpa, text, bf16_scheme))
+        for nbits in bits:
+            t0 = time.perf_counter()
+            add(peer.name(nbits, args.peer_residual), peer.log_probs(sdpa, text, nbits, args.peer_residual))
+        perplexity.append(dict(tokens=length, rows=rows))
+        del reference
+    # greedy agreement with float pages: generate_many over the many-prompts workload (none: --num-prompts 0)
     shape = types.SimpleNamespace(system_prompt=0, num_prompts=args.num_prompts, min_len=32, max_len=256,
                                   short_new=8, long_new=64)
-    prompts, wanted = workload(tokenizer, shape)
+    prompts, wanted = workload(tokenizer, shape) if args.num_prompts else ([], [])
     outputs = {}
-    for kv_format in CACHE_FORMATS:
+    for kv_format in CACHE_FORMATS if prompts else ():
         outputs[kv_format] = hf_paged.generate_many(model, prompts, max_new_tokens=wanted, eos_token_id=[],
                                                     page_size=args.page_size, kv_format=kv_format, progress=False)
         bar.update(1)
     agreement = []
-    for kv_format in CACHE_FORMATS[1:]:
+    for kv_format in CACHE_FORMATS[1:] if prompts else ():
         same = [_first_divergence(got, want) for got, want in zip(outputs[kv_format], outputs["float"])]
         agreement.append(dict(kv_format=kv_format, prompts=len(prompts), wanted=wanted, tokens_before_divergence=same,
                               equal=sum(s == n for s, n in zip(same, wanted)), agreeing_share=sum(same) / sum(wanted)))
-    # decode speed of generate: each format's cache prefilled once per context, then every round decodes from a
-    # fork of it (pages shared, the partial last page copied), formats alternating, CPU time per new token
-    speed = []
-    for context in args.decode_contexts:
-        prompt = load_token_ids(tokenizer, context)[0][None] if context > len(ids) else ids[None, :context]
-        caches = {}
-        for kv_format in CACHE_FORMATS:
-            caches[kv_format] = hf_paged.PagedCache(page_size=args.page_size, config=model.config,
-                                                    kv_format=kv_format)
-            with torch.no_grad():
-                model(input_ids=prompt[:, :-1], use_cache=True, **{hf_paged.CACHE_KWARG: caches[kv_format]})
-        bar.update(1)
-        times = {kv_format: [] for kv_format in CACHE_FORMATS}
-        for round_ in range(args.repeats):
-            shift = round_ % len(CACHE_FORMATS)
-            for kv_format in CACHE_FORMATS[shift:] + CACHE_FORMATS[:shift]:
-                fork = caches[kv_format].fork()
-                cpu, wall = time.process_time(), time.perf_counter()
-                model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                               max_new_tokens=args.decode_tokens, pad_token_id=0, **{hf_paged.CACHE_KWARG: fork})
-                times[kv_format].append(((time.process_time() - cpu) / args.decode_tokens,
-                                         (time.perf_counter() - wall) / args.decode_tokens))
-                del fork
-            bar.update(1)
-        for kv_format in CACHE_FORMATS:
-            ratios = [c / f for (c, _), (f, _) in zip(times[kv_format], times["float"])]
-            q1, median, q3 = quartiles(ratios)
-            speed.append(dict(context=context, kv_format=kv_format,
-                              cpu_ms=1e3 * statistics.median(c for c, _ in times[kv_format]),
-                              wall_ms=1e3 * statistics.median(w for _, w in times[kv_format]),
-                              cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3,
-                              kv_bytes=caches[kv_format].stats()["kv_bytes"]))
-        del caches
     bar.close()
     return dict(text=info, page_size=args.page_size, bytes_per_token=sizes, bytes_tokens=len(tokens),
-                perplexity=nll_rows, agreement=agreement, decode=speed, decode_tokens=args.decode_tokens,
-                threads=torch.get_num_threads())
+                peer_bytes=peer_sizes, peer_skipped=peer_skipped, perplexity=perplexity, agreement=agreement)
+
+
+# ------------------------------------------------------------------------------------------ decode speed
+def _prefilled_kv(model, prompt: torch.Tensor, chunk: int = 2048) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's float keys and values ``[1, H, T, D]`` of ``prompt`` (1-D), computed in chunks of ``chunk``."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for start in range(0, len(prompt), chunk):
+            model(input_ids=prompt[None, start:start + chunk], use_cache=True, **{CACHE_KWARG: cache})
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
+    """``cache`` holding ``kv`` in ``batch`` rows, written as one prefill writes them (each layer once, in order; a
+    QuantizedCache quantizes them once, as its first update does); row r is offset by r/1000 so that rows differ (a
+    cache may share identical rows' pages)."""
+    offsets = (torch.arange(batch, dtype=kv[0][0].dtype) / 1000).view(batch, 1, 1, 1)
+    with torch.no_grad():
+        for layer_idx, (keys, values) in enumerate(kv):
+            cache.update(keys + offsets, values + offsets, layer_idx)
+    return cache
+
+
+def decode_part(args, progress) -> dict:
+    """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size, float32, int8
+    and int4 pages and QuantizedCache int4/int2 holding the same keys and values, entries alternating."""
+    import hf_paged
+
+    from . import quantized_peer as peer
+
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
+    model.generation_config.eos_token_id = None
+    sdpa, bits, peer_skipped = _peer_models(args)
+    entries = list(CACHE_FORMATS) + [peer.name(nbits, args.peer_residual) for nbits in bits]
+    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
+    bar = progress(total=len(configs) * (1 + args.repeats), desc="decode through the caches")
+    results = []
+    for context in args.decode_contexts:
+        prompt = load_token_ids(tokenizer, context)[0]
+        kv = _prefilled_kv(sdpa, prompt[:-1])
+        for batch in args.decode_batches:
+            caches = {kv_format: _filled(hf_paged.PagedCache(page_size=args.page_size, config=model.config,
+                                                             kv_format=kv_format), kv, batch)
+                      for kv_format in CACHE_FORMATS}
+            caches.update({peer.name(nbits, args.peer_residual): _filled(peer.make_cache(sdpa.config, nbits,
+                                                                                         args.peer_residual), kv, batch)
+                           for nbits in bits})
+            kv_bytes = {name: (cache.stats()["kv_bytes"] if name in CACHE_FORMATS else peer.kv_bytes(cache))
+                        for name, cache in caches.items()}
+            bar.update(1)
+            inputs = dict(input_ids=prompt[None].expand(batch, -1), attention_mask=torch.ones(batch, context,
+                                                                                              dtype=torch.long),
+                          do_sample=False, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
+                          pad_token_id=0)
+            times = {name: [] for name in entries}
+            for round_ in range(args.repeats):
+                shift = round_ % len(entries)
+                for name in entries[shift:] + entries[:shift]:
+                    if name in CACHE_FORMATS:
+                        runner, kwargs = model, {hf_paged.CACHE_KWARG: caches[name].fork()}
+                    else:
+                        runner, kwargs = sdpa, {hf_paged.CACHE_KWARG: peer.fork(caches[name])}
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    runner.generate(**inputs, **kwargs)
+                    times[name].append(((time.process_time() - cpu) / args.decode_tokens,
+                                        (time.perf_counter() - wall) / args.decode_tokens))
+                    del kwargs
+                    gc.collect()  # a fork's pages and tensors go now, not at some later round's collection
+                bar.update(1)
+            for name in entries:
+                q1, median, q3 = quartiles([c / f for (c, _), (f, _) in zip(times[name], times["float"])])
+                results.append(dict(context=context, batch=batch, cache=name,
+                                    cpu_ms=1e3 * statistics.median(c for c, _ in times[name]),
+                                    wall_ms=1e3 * statistics.median(w for _, w in times[name]),
+                                    cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3, kv_bytes=kv_bytes[name]))
+            del caches
+        del kv
+    bar.close()
+    return dict(page_size=args.page_size, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                threads=torch.get_num_threads(), peer_skipped=peer_skipped, results=results)
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -420,7 +522,9 @@ def markdown(report: dict) -> str:
                          f"{row['wall_ms']:.3f} | {ratio} | {row['kv_bytes'] / 2**20:.1f} |")
         lines.append("")
     if "cache" in report:
-        lines += cache_markdown(report["cache"], report["environment"])
+        lines += cache_markdown(report["cache"])
+    if "decode" in report:
+        lines += decode_markdown(report["decode"], report["environment"])
     return "\n".join(lines)
 
 
@@ -432,20 +536,35 @@ def _table(header: str, cells: list[list]) -> list[str]:
         ["| " + " | ".join(map(str, row)) + " |" for row in cells]
 
 
-def cache_markdown(r: dict, environment: dict) -> list[str]:
+def cache_markdown(r: dict) -> list[str]:
     """The `cache_part` tables."""
     sizes = r["bytes_per_token"]
     lines = [f"## Through the real caches: PagedCache / generate_many with kv_format, pages of {r['page_size']}", "",
-             f"KV bytes per token (`stats()[\"kv_bytes\"]` after a prefill of {r['bytes_tokens']} tokens, every "
-             "layer, scales included):", ""]
-    lines += _table("| pages< | bytes/token | vs float32 |",
-                    [[name, f"{value:.0f}", f"{value / sizes['float32']:.3f}x"] for name, value in sizes.items()])
-    lines += ["", f"Perplexity, {r['text']['tokens']} tokens in one forward through each format's pages ('hf_paged' "
-              "attention), against float pages with a 95% paired bootstrap interval:", ""]
-    lines += _table("| pages< | perplexity | vs float [95% interval] | KL mean | top-1 agreement |",
-                    [[row["kv_format"], f"{row['perplexity']:.4f}", "—" if row["kv_format"] == "float" else
-                      _interval(row), f"{row['kl_mean']:.5f}", f"{row['top1_agreement']:.4f}"]
-                     for row in r["perplexity"]])
+             f"KV bytes per token after a prefill of {r['bytes_tokens']} tokens, every layer, scales included "
+             "(pages: `stats()[\"kv_bytes\"]`; QuantizedCache: its quantized history, the residual empty, and in "
+             "brackets with its float residual full):", ""]
+    full = {name: f" [{value['full_residual']:.0f}]" for name, value in r.get("peer_bytes", {}).items()}
+    full_ratio = {name: f" [{value['full_residual'] / sizes['float32']:.3f}x]"
+                  for name, value in r.get("peer_bytes", {}).items()}
+    lines += _table("| cache< | bytes/token | vs float32 |",
+                    [[name, f"{value:.0f}{full.get(name, '')}",
+                      f"{value / sizes['float32']:.3f}x{full_ratio.get(name, '')}"]
+                     for name, value in sizes.items()])
+    if r.get("peer_skipped"):
+        lines += ["", f"QuantizedCache rows skipped: {r['peer_skipped']}"]
+    for block in r["perplexity"]:
+        lines += ["", f"Perplexity, {block['tokens']} tokens of {r['text']['source']}, against float32 pages with a "
+                  "95% paired bootstrap interval over blocks of tokens. Pages: one forward through "
+                  "`PagedCache(kv_format=...)` ('hf_paged' attention); bfloat16: keys and values rounded to bfloat16 "
+                  "(a DynamicCache keeping them so, 'sdpa'); QuantizedCache: the text in chunks of its residual "
+                  "length, each token's decoding view ('sdpa').", ""]
+        lines += _table("| cache< | perplexity | vs float32 pages [95% interval] | KL mean | top-1 agreement | "
+                        "bytes vs float32 |",
+                        [[row["name"], f"{row['perplexity']:.4f}",
+                          "—" if row["name"] == "float32" else _interval(row),
+                          f"{row['kl_mean']:.5f}", f"{row['top1_agreement']:.4f}",
+                          f"{row['bytes_per_token'] / sizes['float32']:.3f}x" if row["bytes_per_token"] else ""]
+                         for row in block["rows"]])
     if r["agreement"]:
         lines += ["", "Greedy agreement with float pages: `generate_many` over the many-prompts workload "
                   f"({r['agreement'][0]['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each):",
@@ -455,14 +574,24 @@ def cache_markdown(r: dict, environment: dict) -> list[str]:
                         [[row["kv_format"], f"{row['equal']}/{row['prompts']}",
                           ", ".join(f"{s}/{w}" for s, w in zip(row["tokens_before_divergence"], row["wanted"])),
                           f"{row['agreeing_share']:.1%}"] for row in r["agreement"]])
-    lines += ["", f"`generate` decode speed, batch 1, {r['decode_tokens']} new tokens from a prefilled cache's fork "
-              f"per round, formats alternating, {r['threads']} thread(s); ratio: CPU time per token against float32 "
-              f"pages per round, median [quartiles]. Load average {environment['load_avg_start']} before, "
-              f"{environment.get('load_avg_end')} after.", ""]
-    lines += _table("| context | pages< | CPU ms/token | wall ms/token | vs float32 (CPU) | KV MiB |",
-                    [[row["context"], row["kv_format"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
-                      "—" if row["kv_format"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
-                     for row in r["decode"]])
+    return lines + [""]
+
+
+def decode_markdown(r: dict, environment: dict) -> list[str]:
+    """The `decode_part` table."""
+    lines = [f"## `generate` decode speed through the caches, pages of {r['page_size']}", "",
+             f"Every cache holds the same keys and values (the prompt's, computed once in float32; in a batch, row r "
+             f"offset by r/1000 so rows differ); each round decodes {r['decode_tokens']} new tokens from a fork "
+             f"(pages) or a copy sharing its tensors (QuantizedCache) of each, entries alternating, {r['repeats']} "
+             f"rounds, {r['threads']} thread(s). Ratio: CPU time per new token against float32 pages in the same "
+             "round, median [quartiles]. "
+             f"Load average {environment['load_avg_start']} before, {environment.get('load_avg_end')} after.", ""]
+    if r.get("peer_skipped"):
+        lines += [f"QuantizedCache rows skipped: {r['peer_skipped']}", ""]
+    lines += _table("| context | batch | cache< | CPU ms/token | wall ms/token | vs float32 pages (CPU) | KV MiB |",
+                    [[row["context"], row["batch"], row["cache"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
+                      "—" if row["cache"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
+                     for row in r["results"]])
     return lines + [""]
 
 
@@ -499,14 +628,27 @@ def plot(report: dict, path: Path) -> None:
             ax.set_title(f"{title}Perplexity against bytes, {report['perplexity']['text']['tokens']} tokens")
             ax.legend(fontsize=7)
         elif part == "cache":
-            rows = report["cache"]["decode"]
-            for i, name in enumerate(CACHE_FORMATS[1:], start=1):
-                pts = [(r["context"], r["cpu_ratio"]) for r in rows if r["kv_format"] == name]
-                sizes = report["cache"]["bytes_per_token"]
-                ax.plot(*zip(*pts), "-o", color=f"C{i}",
-                        label=f"{name} ({sizes[name] / sizes['float32']:.3f}x float32's bytes)")
-            _ratio_axes(ax, "CPU time per new token / float32 pages'",
-                        f"{title}generate decode through PagedCache(kv_format=...)")
+            for style, block in zip(("o", "s", "^"), report["cache"]["perplexity"]):
+                for i, row in enumerate(block["rows"][1:]):
+                    y, x = 100 * row["relative"], row["bytes_per_token"] / block["rows"][0]["bytes_per_token"]
+                    ax.errorbar(x, y, yerr=[[y - 100 * row["low"]], [100 * row["high"] - y]], fmt=style, capsize=3,
+                                color=f"C{i}", label=f"{row['name']}, {block['tokens']} tokens")
+            ax.axhline(0, color="black", lw=1)
+            ax.set_yscale("symlog", linthresh=1)
+            ax.set_xlabel("KV bytes per token / float32 pages'")
+            ax.set_ylabel("perplexity vs float32 pages (%), 95% interval")
+            ax.set_title(f"{title}Perplexity against bytes through the real caches")
+            ax.legend(fontsize=6)
+        elif part == "decode":
+            results = report["decode"]["results"]
+            names = list(dict.fromkeys(r["cache"] for r in results))
+            for i, name in enumerate(names[1:], start=1):
+                for batch, style in zip(sorted({r["batch"] for r in results}), ("-o", "--s", ":^")):
+                    pts = [(r["context"], r["cpu_ratio"]) for r in results
+                           if r["cache"] == name and r["batch"] == batch]
+                    ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}, batch {batch}")
+            ax.set_yscale("log", base=2)
+            _ratio_axes(ax, "CPU time per new token / float32 pages'", f"{title}generate decode through the caches")
         else:
             results = report["speed"]["results"]
             batches = sorted({r["batch"] for r in results})
@@ -530,12 +672,14 @@ def main(args) -> int:
     def progress(**kw):
         return tqdm(disable=args.no_progress, dynamic_ncols=True, **kw)
 
-    environment = dict(load_avg_start=load_average(), **versions(("torch", "transformers", "hf_paged")),
+    packages = ("torch", "transformers", "hf_paged", "optimum-quanto")
+    environment = dict(load_avg_start=load_average(), **versions(packages),
                        cpu=platform.processor() or platform.machine(), threads=args.threads)
     report = dict(settings={k: v for k, v in vars(args).items() if k != "no_progress"}, environment=environment)
     t0 = time.perf_counter()
     for part in args.parts:
-        report[part] = {"perplexity": perplexity_part, "speed": speed_part, "cache": cache_part}[part](args, progress)
+        report[part] = {"perplexity": perplexity_part, "speed": speed_part, "cache": cache_part,
+                        "decode": decode_part}[part](args, progress)
     environment.update(load_avg_end=load_average(), wall_s=time.perf_counter() - t0)
     table = markdown(report)
     write_report(Path(args.out), "quantized", table, report, plot=lambda path: plot(report, path))
