@@ -32,6 +32,7 @@ from transformers.utils import logging
 from .compiled_many import RaggedRead
 from .errors import CacheUsageError
 from .eviction import page_usage
+from .head_eviction import HeadRead
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
@@ -411,6 +412,8 @@ def paged_attention_forward(
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, RaggedRead):
         return key.attend(query, scaling, sliding_window, softcap, s_aux), None
+    if isinstance(key, HeadRead):  # per-head tables (PagedCache(per_head_eviction=True))
+        return key.attend(query, attention_mask, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, CompiledRead):
         return key.attend(query, attention_mask, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):

@@ -288,15 +288,29 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
 
+        per_head_eviction: each (layer, row, KV head) keeps and evicts its own tokens (page_size 1, "score"):
+            makes a `hf_paged.head_cache.HeadPagedCache`, whose ``head_floor`` is the share of an even split of the
+            budget each head keeps at least (`hf_paged.head_eviction`).
+
     ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
     """
+
+    def __new__(cls, *args, per_head_eviction: bool = False, **kwargs):
+        if per_head_eviction and cls is PagedCache:
+            from .head_cache import HeadPagedCache
+
+            return super().__new__(HeadPagedCache)
+        return super().__new__(cls)
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str | EvictionPolicy | None = None, sink_pages: int | None = None,
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
-                 prefix_store=None, store_spill: bool = True):
+                 prefix_store=None, store_spill: bool = True, per_head_eviction: bool = False,
+                 head_floor: float | None = None):
+        if head_floor is not None:
+            raise CacheUsageError("head_floor is the per-head floor of per_head_eviction=True; set both, or neither.")
         check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold, kv_format)

@@ -1,0 +1,476 @@
+"""Eviction per KV head (issue 34): each (row, KV head) of a layer keeps its own tokens, in one-token head pages.
+
+With pages of one token, a layer's pool ``[P, 1, H, D]`` is a contiguous ``[P·H, 1, 1, D]``: one *head page* per
+(token, KV head). A `HeadLayer` keeps a page table per (row, KV head), table row ``b·H + h``, over its `HeadPool`
+of head pages, and attention regroups the query ``[B, Hq, Q, D]`` as ``[B·H, Hq/H, Q, D]`` and runs the paged
+kernels unchanged (the C kernel, the Triton kernel, SDPA on gathered pages, the float64 reference): one KV head a
+table row, ``Hkv = 1``. A head that needs few tokens holds few pages; the pages it frees serve the other heads, rows
+and forks.
+
+Budget: ``max_pages`` tokens per layer per row, i.e. ``max_pages × H`` head pages shared by the row's heads of the
+layer. When a step would exceed it, the row gives up its lowest-scored head pages across its heads (the layer's
+own usage signal, per KV head: the share of its attention, or of the output it moves, relative to an even share of
+that head's pages), each head keeping at least ``head_floor × max_pages`` (AdaKV's safeguard) besides its sinks and
+newest tokens. Victims are chosen before the step writes (the budget is never exceeded), except that with
+``compress_prompt`` a step of several tokens is written whole and cut by its last queries' usage (SnapKV).
+Invariants: a head page is free iff no table (of any fork) holds it; positions of kept tokens never change; a row's
+tables hold ``≤ max_pages × H`` head pages between steps. A failed step is rolled back: its tokens go, the evictions
+made to fit them stand (as for a per-layer bounded cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .backends import resolve_backend
+from .errors import CacheUsageError, PagePoolExhausted
+from .eviction import EvictionPolicy, page_usage
+from .kernels import cpu_paged_attention as cpu_kernel
+
+HOLE = -1
+DEFAULT_HEAD_FLOOR = 0.2  # AdaKV's alpha: each head keeps at least this share of an even split of the budget
+CPU_KERNEL_MAX_QUERIES = 8  # (as attention.py: longer queries go to SDPA)
+
+
+def refuse_per_head(page_size: int, policy: EvictionPolicy, kv_format: str, model, prefix_store,
+                    per_layer_eviction, head_floor) -> None:
+    """Raise `CacheUsageError` for what per-head eviction cannot serve."""
+    if page_size != 1:
+        raise CacheUsageError(
+            f"per_head_eviction needs page_size=1, got {page_size}: a layer's pool [P, S, H, D] is a pool of one-head "
+            "pages [P·H, S, 1, D] only when S = 1 (with S > 1 a head's tokens are not contiguous), and a head can "
+            "then drop single tokens. Use page_size=1, or per_head_eviction=False.")
+    if policy.name != "score":
+        raise CacheUsageError(f"per_head_eviction ranks each head's tokens by their usage: it needs eviction='score', "
+                              f"got {policy.name!r}. ('fifo' keeps the same tokens in every head.)")
+    if kv_format != "float":
+        raise CacheUsageError(f"per_head_eviction keeps float pages only, got kv_format={kv_format!r}.")
+    if model is not None or prefix_store is not None:
+        raise CacheUsageError("per_head_eviction does no prefix caching (model=, prefix_store=): a prefix's heads "
+                              "hold different tokens once evicted, so a page's content is not its tokens' hash. "
+                              "Pass config=model.config instead of model=.")
+    if per_layer_eviction is False:
+        raise CacheUsageError("per_head_eviction chooses tokens per layer and per head: per_layer_eviction=False "
+                              "(one table for all layers) contradicts it.")
+    if isinstance(head_floor, bool) or not isinstance(head_floor, (int, float)) or not 0 <= head_floor <= 1:
+        raise CacheUsageError(f"head_floor must be a number in [0, 1] (the share of an even split of the budget "
+                              f"each head keeps at least), got {head_floor!r}.")
+
+
+class HeadPool:
+    """One layer's head pages: keys ``[capacity, 1, 1, D]`` and values (a ``[P, 1, H, D]`` pool viewed per head), a
+    reference count per page (the table rows, of this cache and its forks, that hold it) and a free list, shared by
+    forks. Invariant: a page is on the free list iff its count is 0."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys = keys.new_empty((0, 1, 1, keys.shape[-1]))
+        self.values = values.new_empty((0, 1, 1, values.shape[-1]))
+        self.ref = np.zeros(0, dtype=np.int32)
+        self.free = np.zeros(0, dtype=np.int64)  # a stack: the next pages taken are at its end
+
+    @property
+    def capacity(self) -> int:
+        return len(self.ref)
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self.free)
+
+    def page_bytes(self) -> int:
+        return self.keys[:1].nbytes + self.values[:1].nbytes if self.capacity else 0
+
+    def take(self, n: int, limit: int | None) -> np.ndarray:
+        """``n`` free pages, each now held once; the pool grows (doubling, at most to ``limit`` pages when more are
+        not needed) when the free list is short."""
+        if n > len(self.free):
+            need = self.capacity + n - len(self.free)
+            target = 2 * self.capacity if limit is None else min(2 * self.capacity, limit)
+            self._grow(max(need, target, 64 if limit is None else 0))
+        ids, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
+        self.ref[ids] = 1
+        return ids
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        keys = self.keys.new_empty((capacity, *self.keys.shape[1:]))
+        values = self.values.new_empty((capacity, *self.values.shape[1:]))
+        keys[:old], values[:old] = self.keys, self.values
+        self.keys, self.values = keys, values
+        self.ref = np.concatenate([self.ref, np.zeros(capacity - old, dtype=np.int32)])
+        self.free = np.concatenate([np.arange(capacity - 1, old - 1, -1, dtype=np.int64), self.free])
+
+    def write(self, ids: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Pages ``ids`` take ``keys``/``values`` ``[len(ids), D]``."""
+        index = torch.from_numpy(ids).to(self.keys.device)
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, index, keys.reshape(len(ids), -1))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(0, index, values.reshape(len(ids), -1))
+
+    def share(self, ids: np.ndarray) -> None:
+        np.add.at(self.ref, ids, 1)
+
+    def release(self, ids: np.ndarray) -> None:
+        """One holder fewer for each of ``ids`` (repeats count); pages nobody holds go to the free list."""
+        if not ids.size:
+            return
+        np.subtract.at(self.ref, ids, 1)
+        freed = np.unique(ids[self.ref[ids] == 0])
+        self.free = np.concatenate([self.free, freed])
+
+
+class HeadLayer(CacheLayerMixin):
+    """One decoder layer of a `HeadPagedCache`: a table of head pages per (row, KV head) over its `HeadPool`.
+
+    ``table[r, c]``: table row r's head page at column c (`HOLE` when none), ``pos`` its token's position, ``score``
+    its usage (a moving average of its share relative to an even share of its head; 1.0 before any observation) and
+    ``observed`` the steps that fed it; columns ``< width`` are in use, ``held[r]`` counts the pages of row r.
+    ``undo``: (tokens before, first column) of the open step this layer wrote, None when it has no open step.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: "HeadPagedCache", layer_idx: int, pool: HeadPool | None = None):
+        self.owner, self.layer_idx, self.pool = owner, layer_idx, pool
+        self.is_initialized = pool is not None
+        self.heads = 0
+        self._tables(0, 0)
+        self.tokens, self.undo, self.cut_pending, self.evictions = 0, None, False, 0
+        self.backend: str | None = None
+
+    def _tables(self, rows: int, capacity: int) -> None:
+        self.table = np.full((rows, capacity), HOLE, dtype=np.int64)
+        self.pos = np.zeros((rows, capacity), dtype=np.int64)
+        self.score = np.ones((rows, capacity), dtype=np.float64)
+        self.observed = np.zeros((rows, capacity), dtype=np.int64)
+        self.held = np.zeros(rows, dtype=np.int64)
+        self.width = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.held)
+
+    # ------------------------------------------------------------------ write
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Make room (the row's lowest-scored head pages across its heads), write the step's tokens into fresh head
+        pages; return `HeadRead` handles for the "hf_paged" attention."""
+        self._ready_for(key_states, value_states)
+        B, H, q, _ = key_states.shape
+        before, budget = self.tokens, self.owner.max_pages
+        self.cut_pending = False
+        if budget is not None:
+            excess = self.held.reshape(B, H).sum(1) + q * H - budget * H
+            if (excess > 0).any():
+                if self.owner.policy.compress_prompt and q > 1:
+                    self.cut_pending = True  # written whole, then cut by this step's usage (`observe`)
+                else:
+                    self._evict(excess, before + q)
+        self._compact()
+        R = self.rows
+        ids = self.pool.take(R * q, None if budget is None else R * budget)
+        self.pool.write(ids, key_states.reshape(R * q, -1), value_states.reshape(R * q, -1))
+        w0 = self.width
+        self._room(w0 + q)
+        columns = slice(w0, w0 + q)
+        self.table[:, columns] = ids.reshape(R, q)
+        self.pos[:, columns] = np.arange(before, before + q)
+        self.score[:, columns], self.observed[:, columns] = 1.0, 0
+        self.held += q
+        self.width = w0 + q
+        self.undo, self.tokens = (before, w0), before + q
+        read = HeadRead(self, q)
+        return read, read
+
+    def _ready_for(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+            raise CacheUsageError(f"layer {self.layer_idx}: keys and values must be [batch, kv_heads, tokens, "
+                                  f"head_dim], got {tuple(keys.shape)} and {tuple(values.shape)}.")
+        B, H = keys.shape[:2]
+        if self.pool is None:
+            self.pool = HeadPool(keys, values)
+            self.is_initialized = True
+        pool = self.pool
+        got = (keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
+        want = (pool.keys.shape[-1], pool.values.shape[-1], pool.keys.dtype, pool.keys.device)
+        if got != want or (self.heads and H != self.heads):
+            raise CacheUsageError(f"layer {self.layer_idx}: new keys/values (head dims, dtype, device {got}, {H} kv "
+                                  f"heads) do not match this layer's head pages ({want}, {self.heads} kv heads). "
+                                  "Use a new cache for another model or dtype.")
+        if not self.heads:
+            self.heads = H
+        if self.rows == 0 and self.tokens == 0:
+            self._tables(B * H, 64)
+        elif B * H != self.rows:
+            raise CacheUsageError(f"layer {self.layer_idx}: this cache holds {self.rows // H} rows, the new keys have "
+                                  f"{B}: reset() it for a new batch (or reorder_cache / batch_select_indices).")
+        if self.backend is None:
+            self.backend = resolve_backend(self.owner.backend, keys.device)
+            if self.backend == "cpu" and keys.dtype not in cpu_kernel.SUPPORTED_DTYPES:
+                self.backend = "torch"
+
+    def _room(self, width: int) -> None:
+        """Columns for ``width`` entries (the arrays double)."""
+        capacity = self.table.shape[1]
+        if width <= capacity:
+            return
+        more = max(width, 2 * capacity) - capacity
+        R = self.rows
+        self.table = np.concatenate([self.table, np.full((R, more), HOLE, dtype=np.int64)], axis=1)
+        self.pos = np.concatenate([self.pos, np.zeros((R, more), dtype=np.int64)], axis=1)
+        self.score = np.concatenate([self.score, np.ones((R, more))], axis=1)
+        self.observed = np.concatenate([self.observed, np.zeros((R, more), dtype=np.int64)], axis=1)
+
+    def _compact(self) -> None:
+        """Between steps, when holes fill a quarter of the columns in use: each table row's pages to its front (in
+        their order), the width down to the fullest row."""
+        W = self.width
+        if not self.rows or (self.rows * W - int(self.held.sum())) * 4 <= self.rows * W:
+            return
+        order = np.argsort(self.table[:, :W] == HOLE, axis=1, kind="stable")
+        for array in (self.table, self.pos, self.score, self.observed):
+            array[:, :W] = np.take_along_axis(array[:, :W], order, axis=1)
+        self.width = int(self.held.max())
+
+    # -------------------------------------------------------------- eviction
+    def ranks(self, tokens_after: int) -> np.ndarray:
+        """``[R, width]``: each head page's rank for eviction (its bias-corrected score), inf where a hole, a sink
+        or one of the newest ``recent_pages`` tokens after the step."""
+        policy, W = self.owner.policy, self.width
+        score = self.score[:, :W]
+        if policy.decay:
+            seen = self.observed[:, :W]
+            score = np.where(seen > 0, score / (1 - policy.decay ** np.maximum(seen, 1)), 1.0)
+        pos = self.pos[:, :W]
+        kept = (self.table[:, :W] == HOLE) | (pos < policy.sink_pages) | (pos >= tokens_after - policy.recent_pages)
+        return np.where(kept, np.inf, score)
+
+    def _evict(self, excess: np.ndarray, tokens_after: int) -> None:
+        """Row b gives up ``excess[b]`` head pages (its lowest ranks across its heads, each head keeping its floor);
+        raises `PagePoolExhausted`, changing nothing, when a row cannot."""
+        H, W = self.heads, self.width
+        floor = math.floor(self.owner.head_floor * self.owner.max_pages)
+        rank = self.ranks(tokens_after).reshape(-1, H, W)
+        cap = np.maximum(self.held - floor, 0).reshape(-1, H)
+        picked = []
+        for b in np.flatnonzero(excess > 0):
+            rows, columns = choose_victims(rank[b], cap[b], int(excess[b]))
+            if rows is None:
+                raise PagePoolExhausted(int(excess[b]), int(np.isfinite(rank[b]).sum()), self.owner.max_pages, 1,
+                                        lossy=True)
+            picked.append((b * H + rows, columns))
+        for rows, columns in picked:
+            self.drop(rows, columns)
+
+    def drop(self, rows: np.ndarray, columns: np.ndarray) -> None:
+        """Evict the head pages at (``rows``, ``columns``) (distinct entries, none a hole)."""
+        self.pool.release(self.table[rows, columns])
+        self.table[rows, columns] = HOLE
+        np.subtract.at(self.held, rows, 1)
+        self.evictions += len(rows)
+
+    # ----------------------------------------------------------------- usage
+    def observe(self, mass: torch.Tensor) -> None:
+        """Fold the step's usage per head page ``[R, width]`` into the scores (relative to an even share of its table
+        row), then cut a compressed step to the budget."""
+        W, decay = self.width, self.owner.policy.decay
+        mass = mass.detach().float().cpu().numpy().astype(np.float64)
+        live = self.table[:, :W] != HOLE
+        even = mass.sum(axis=1, keepdims=True) / np.maximum(self.held, 1)[:, None]
+        share = np.divide(mass, even, out=np.zeros_like(mass), where=even > 0)
+        score = self.score[:, :W]
+        folded = share if not decay else decay * score + (1 - decay) * share
+        self.score[:, :W] = np.where(live, folded, score)
+        self.observed[:, :W] += live
+        if self.cut_pending:
+            self.cut_pending = False
+            H = self.heads
+            excess = self.held.reshape(-1, H).sum(1) - self.owner.max_pages * H
+            if (excess > 0).any():
+                self._evict(excess, self.tokens)
+
+    # ------------------------------------------------------------ step undo
+    def commit(self) -> None:
+        self.undo = None
+
+    def rollback(self) -> None:
+        """Drop the open step's tokens (the evictions made for them stand)."""
+        if self.undo is None:
+            return
+        before, w0 = self.undo
+        appended = self.table[:, w0:self.width]
+        live = appended != HOLE
+        self.pool.release(appended[live])
+        self.held -= live.sum(axis=1)
+        appended[:] = HOLE
+        self.width, self.tokens, self.undo, self.cut_pending = w0, before, None, False
+
+    # ------------------------------------------------------------ row moves
+    def select_rows(self, order: list[int]) -> None:
+        """Row b becomes old row ``order[b]`` (repeats share head pages)."""
+        if not self.rows:
+            return
+        H = self.heads
+        index = (np.asarray(order, dtype=np.int64)[:, None] * H + np.arange(H)).reshape(-1)
+        old = self.table[:, :self.width]
+        new = self.table[index]
+        self.pool.share(new[new != HOLE])
+        self.pool.release(old[old != HOLE])
+        self.table, self.pos, self.score = new, self.pos[index], self.score[index]
+        self.observed, self.held = self.observed[index], self.held[index]
+
+    def twin(self, owner: "HeadPagedCache") -> "HeadLayer":
+        """This layer in a fork: the same pool, copies of the tables (each page held once more)."""
+        twin = HeadLayer(owner, self.layer_idx, self.pool)
+        twin.heads, twin.tokens, twin.width, twin.backend = self.heads, self.tokens, self.width, self.backend
+        twin.table, twin.pos, twin.score = self.table.copy(), self.pos.copy(), self.score.copy()
+        twin.observed, twin.held = self.observed.copy(), self.held.copy()
+        if self.pool is not None:
+            live = twin.table[:, :twin.width]
+            self.pool.share(live[live != HOLE])
+        return twin
+
+    def crop_to(self, length: int) -> None:
+        """Keep the tokens at positions ``< length``."""
+        W = self.width
+        rows, columns = np.nonzero((self.table[:, :W] != HOLE) & (self.pos[:, :W] >= length))
+        if rows.size:
+            self.pool.release(self.table[rows, columns])
+            self.table[rows, columns] = HOLE
+            np.subtract.at(self.held, rows, 1)
+        self.tokens = min(self.tokens, length)
+
+    def clear(self) -> None:
+        if self.pool is not None:
+            live = self.table[:, :self.width]
+            self.pool.release(live[live != HOLE])
+        self._tables(0, 0)
+        self.tokens, self.undo, self.cut_pending = 0, None, False
+
+    # ---------------------------------------------------------- transformers
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self._ready_for(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Every position from 0: a head's kept tokens lie anywhere before the step."""
+        return self.tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.clear()
+
+
+def choose_victims(rank: np.ndarray, cap: np.ndarray, count: int):
+    """Of one row's head pages ``rank [H, W]`` (inf: never), the ``count`` lowest, at most ``cap[h]`` from head h
+    (what it holds above its floor): -> (heads, columns), or (None, None) when fewer than ``count`` may go."""
+    H, W = rank.shape
+    order = np.argsort(rank, axis=1, kind="stable")
+    ranked = np.take_along_axis(rank, order, axis=1)
+    ranked[np.arange(W)[None, :] >= cap[:, None]] = np.inf
+    flat = ranked.reshape(-1)
+    if count > np.isfinite(flat).sum():
+        return None, None
+    chosen = np.argpartition(flat, count - 1)[:count] if count < flat.size else np.arange(flat.size)
+    heads = chosen // W
+    return heads, order[heads, chosen % W]
+
+
+class HeadRead:
+    """What the "hf_paged" attention reads of a `HeadLayer` in one step (returned by its update in place of keys and
+    values): `attend` runs the paged kernels over the per-head tables, rows = (batch row, KV head)."""
+
+    def __init__(self, layer: HeadLayer, q_len: int):
+        self.layer, self.q_len = layer, q_len
+
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float, sliding_window, softcap, s_aux):
+        """``[B, Q, Hq, D]``: the queries over their heads' kept tokens; the layer observes the usage it needs."""
+        if s_aux is not None:
+            raise CacheUsageError("per_head_eviction reads one KV head a kernel row, whose sink logits (s_aux) would "
+                                  "differ by row: models with attention sinks need per_head_eviction=False.")
+        layer, (B, Hq, Q, D) = self.layer, query.shape
+        H, W = layer.heads, layer.width
+        G, R = Hq // H, layer.rows
+        rows_query = query.reshape(B, H, G, Q, D).reshape(R, G, Q, D)
+        table, pos = torch.from_numpy(layer.table[:, :W]), torch.from_numpy(layer.pos[:, :W])
+        q_pos = torch.arange(layer.tokens - Q, layer.tokens).expand(R, Q)
+        mask, offset = _row_mask(attention_mask, B, H, G), 0
+        if mask is not None:
+            offset = layer.tokens - mask.shape[-1]
+        device = layer.pool.keys.device
+        if device.type != "cpu":
+            table, pos, q_pos = table.to(device), pos.to(device), q_pos.to(device)
+        policy = layer.owner.policy
+        observing = layer.owner.max_pages is not None or layer.cut_pending
+        whole = observing and Q <= policy.observation_window
+        pools = dict(k_pool=layer.pool.keys, v_pool=layer.pool.values, page_table=table, page_pos=pos, q_pos=q_pos,
+                     scale=scaling, mask=mask, mask_offset=offset, sliding_window=sliding_window, softcap=softcap)
+        if layer.backend == "cpu" and Q <= CPU_KERNEL_MAX_QUERIES:
+            result = cpu_kernel.paged_attention_cpu(
+                rows_query, **pools, return_page_mass=whole, page_mass_heads=policy.heads if whole else None,
+                page_mass_signal=policy.signal if whole else "attention")
+        elif layer.backend == "triton" and not (whole and policy.signal == "output"):
+            from .kernels.triton_paged_attention import paged_attention_triton
+
+            result = paged_attention_triton(rows_query, **pools, return_page_mass=whole)
+            if whole:
+                result = result[0], policy.page_signal(result[1])
+        else:
+            result = gathered_attention(rows_query, layer, pools, policy, whole)
+        out = result[0] if whole else result
+        if whole:
+            layer.observe(result[1])
+        elif observing:
+            w = policy.observation_window
+            tail = dict(pools, q_pos=q_pos[:, -w:], mask=None if mask is None else mask[:, :, -w:])
+            layer.observe(gathered_attention(rows_query[:, :, -w:], layer, tail, policy, True)[1])
+        return out.reshape(B, H, Q, G, -1).permute(0, 2, 1, 3, 4).reshape(B, Q, Hq, -1)
+
+
+def _row_mask(mask: torch.Tensor | None, B: int, H: int, G: int) -> torch.Tensor | None:
+    """A boolean ``[B or 1, 1 or Hq, Q, M]`` mask as the kernel rows' ``[B·H or 1, 1 or G, Q, M]``."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask == 0
+    if mask.shape[1] == 1:
+        return mask if mask.shape[0] == 1 else mask.repeat_interleave(H, dim=0)
+    rows = mask.expand(B, -1, -1, -1)
+    return rows.reshape(B, H, G, *mask.shape[2:]).reshape(B * H, G, *mask.shape[2:])
+
+
+def gathered_attention(query: torch.Tensor, layer: HeadLayer, pools: dict, policy: EvictionPolicy, usage: bool):
+    """SDPA over each kernel row's gathered head pages (query ``[R, G, Q, D]``): ``out [R, Q, G, D]``, and with
+    ``usage`` the usage per head page ``[R, W]`` (reduced over the G query heads by the policy)."""
+    from .attention import attend
+
+    table, pos, q_pos = pools["page_table"], pools["page_pos"], pools["q_pos"]
+    pages = table.clamp(min=0)
+    D, Dv = layer.pool.keys.shape[-1], layer.pool.values.shape[-1]
+    keys = layer.pool.keys.view(-1, D)[pages]  # [R, W, D]
+    values = layer.pool.values.view(-1, Dv)[pages]
+    allowed = (table >= 0)[:, None, :] & (pos[:, None, :] <= q_pos[:, :, None])  # [R, Q, W]
+    if pools["sliding_window"]:
+        allowed &= q_pos[:, :, None] - pos[:, None, :] < pools["sliding_window"]
+    allowed = allowed[:, None]
+    mask = pools["mask"]
+    if mask is not None:
+        column = pos - pools["mask_offset"]
+        inside = (column >= 0) & (column < mask.shape[-1])
+        index = column.clamp(0, mask.shape[-1] - 1)[:, None, None, :]
+        rows = mask.expand(table.shape[0], -1, -1, -1)
+        picked = rows.gather(-1, index.expand(-1, rows.shape[1], rows.shape[2], -1))
+        allowed = allowed & picked & inside[:, None, None, :]
+    result = attend(query, keys[:, None], values[:, None], allowed, pools["scale"], softcap=pools["softcap"],
+                    return_probs=usage)
+    if not usage:
+        return result
+    out, probs = result
+    return out, policy.page_signal(page_usage(probs, out, values[:, :, None], 1, policy.signal))
