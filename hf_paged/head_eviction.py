@@ -168,7 +168,7 @@ class HeadLayer(CacheLayerMixin):
                 if self.owner.policy.compress_prompt and q > 1:
                     self.cut_pending = True  # written whole, then cut by this step's usage (`observe`)
                 else:
-                    self._evict(excess, before + q)
+                    self._evict(excess, before + q, q)
         self._compact()
         R = self.rows
         ids = self.pool.take(R * q, None if budget is None else R * budget)
@@ -248,13 +248,14 @@ class HeadLayer(CacheLayerMixin):
         kept = (self.table[:, :W] == HOLE) | (pos < policy.sink_pages) | (pos >= tokens_after - policy.recent_pages)
         return np.where(kept, np.inf, score)
 
-    def _evict(self, excess: np.ndarray, tokens_after: int) -> None:
-        """Row b gives up ``excess[b]`` head pages (its lowest ranks across its heads, each head keeping its floor);
-        raises `PagePoolExhausted`, changing nothing, when a row cannot."""
+    def _evict(self, excess: np.ndarray, tokens_after: int, q_len: int = 0) -> None:
+        """Row b gives up ``excess[b]`` head pages (its lowest ranks across its heads), each head keeping its floor
+        once the step's ``q_len`` tokens are written; raises `PagePoolExhausted`, changing nothing, when a row
+        cannot."""
         H, W = self.heads, self.width
         floor = math.floor(self.owner.head_floor * self.owner.max_pages)
-        rank = self.ranks(tokens_after).reshape(-1, H, W)
-        cap = np.maximum(self.held - floor, 0).reshape(-1, H)
+        rank = self.ranks(tokens_after).reshape(len(excess), H, W)
+        cap = np.maximum(self.held + q_len - floor, 0).reshape(-1, H)
         picked = []
         for b in np.flatnonzero(excess > 0):
             rows, columns = choose_victims(rank[b], cap[b], int(excess[b]))

@@ -17,7 +17,8 @@ Regimes (``--regimes``) of hf_paged's ``PagedCache(max_pages=B // page_size)``:
   of its last tokens (SnapKV-style); everything after it stays within B;
 ``compress+grow``: the same cut, then the bound is lifted (``cache.set_max_pages(None)``): what follows
   is added on top of B, as kvpress's presses do (the like-for-like comparison with them).
-Policies (``--policies``): ``score`` (default of a bounded cache), ``lru``, ``fifo+sinks``.
+Policies (``--policies``): ``score`` (default of a bounded cache), ``lru``, ``fifo+sinks``; also ``score+heads``
+(``score`` per KV head, ``per_head_eviction=True``, page size 1).
 
 kvpress (``--kvpress auto``): when ``.venv-kvpress`` exists (``scripts/make_kvpress_env.sh``), the same
 tasks run there through kvpress's presses (scripts/kvpress_runner.py) on the same model folder and
@@ -45,7 +46,7 @@ import torch  # noqa: E402
 from hf_paged import assets  # noqa: E402
 from hf_paged.evaluation import long_context as study  # noqa: E402
 from hf_paged.evaluation.formats import value_list  # noqa: E402
-from hf_paged.evaluation.long_context import POLICIES, PRESSES, QUICK, REGIMES, TASKS  # noqa: E402
+from hf_paged.evaluation.long_context import DEFAULT_POLICIES, POLICIES, PRESSES, QUICK, REGIMES, TASKS  # noqa: E402
 from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
 
 CPU_FORMATS = tuple(f for f in KV_FORMATS if f != "fp8_e4m3")  # fp8 pages need CUDA
@@ -56,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tasks", type=value_list(str), default=",".join(TASKS))
     p.add_argument("--regimes", type=value_list(str), default=",".join(REGIMES))
-    p.add_argument("--policies", type=value_list(str), default=",".join(POLICIES))
+    p.add_argument("--policies", type=value_list(str), default=",".join(DEFAULT_POLICIES))
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="'smollm2' (embedded), a local folder or a hub id")
     p.add_argument("--dtype", choices=sorted(assets.DTYPES), default="float32")
     p.add_argument("--dataset", default=None, help="datasets name or path; none: the embedded Britannica article")

@@ -32,7 +32,8 @@ from .text import load_token_ids
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 TASKS = ("continuation", "passkey", "streaming")
 REGIMES = ("streaming", "compress", "compress+grow")
-POLICIES = ("score", "lru", "fifo+sinks")
+DEFAULT_POLICIES = ("score", "lru", "fifo+sinks")
+POLICIES = (*DEFAULT_POLICIES, "score+heads")  # score+heads: "score" per KV head (per_head_eviction, page size 1)
 PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv")
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 PROMPT = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
@@ -45,6 +46,8 @@ QUICK = dict(windows=1, context=96, continuation=32, budgets=[32], lengths=[128]
 # ---------------------------------------------------------------------------------------- caches
 def policy_kwargs(policy: str) -> dict:
     """PagedCache arguments of a policy; sinks are PagedCache's default (the pages of the first 4 tokens)."""
+    if policy == "score+heads":
+        return dict(eviction="score", per_head_eviction=True)
     return dict(eviction="fifo" if policy == "fifo+sinks" else policy)
 
 
