@@ -457,6 +457,9 @@ def gathered_attention(query: torch.Tensor, layer: HeadLayer, pools: dict, polic
     D, Dv = layer.pool.keys.shape[-1], layer.pool.values.shape[-1]
     keys = layer.pool.keys.view(-1, D)[pages]  # [R, W, D]
     values = layer.pool.values.view(-1, Dv)[pages]
+    if not usage and pools["mask"] is None and not pools["sliding_window"] and _whole_in_order(table, pos, q_pos):
+        return attend(query, keys[:, None], values[:, None], None, pools["scale"], is_causal=True,
+                      softcap=pools["softcap"])  # (a prompt no head has evicted from: plain causal attention)
     allowed = (table >= 0)[:, None, :] & (pos[:, None, :] <= q_pos[:, :, None])  # [R, Q, W]
     if pools["sliding_window"]:
         allowed &= q_pos[:, :, None] - pos[:, None, :] < pools["sliding_window"]
@@ -475,3 +478,11 @@ def gathered_attention(query: torch.Tensor, layer: HeadLayer, pools: dict, polic
         return result
     out, probs = result
     return out, policy.page_signal(page_usage(probs, out, values[:, :, None], 1, policy.signal))
+
+
+def _whole_in_order(table: torch.Tensor, pos: torch.Tensor, q_pos: torch.Tensor) -> bool:
+    """Every row holds every position ``0..W-1`` in order, and the queries are all of them (a fresh prompt)."""
+    W = table.shape[1]
+    return (W == q_pos.shape[1] and int(q_pos[0, 0]) == 0 and bool((table >= 0).all())
+            and bool((pos == torch.arange(W, device=pos.device)).all()))
+

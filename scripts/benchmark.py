@@ -126,6 +126,8 @@ def parse_args(argv=None):
                    "bounded PagedCache (default: PagedCache's, score)")
     p.add_argument("--budget-per-layer", default=None, choices=["on", "off"], help="per_layer_eviction of the bounded "
                    "PagedCache (default: PagedCache's: on for score and lru)")
+    p.add_argument("--per-head", action="store_true", help="the bounded PagedCache evicts per KV head "
+                   "(per_head_eviction=True; needs --budget-page-size 1)")
     p.add_argument("--budget-score-signal", default=None, choices=["attention", "output"], help="score_signal of the "
                    "bounded PagedCache (default: PagedCache's; with the prompt cut after prefill, attention)")
     p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
@@ -143,8 +145,9 @@ def parse_args(argv=None):
         p.error("--budget must be a positive number of tokens")
     if args.budget_page_size is not None and (args.budget is None or args.budget_page_size < 1):
         p.error("--budget-page-size needs --budget and must be a positive int")
-    if (args.budget_eviction or args.budget_per_layer or args.budget_score_signal) and args.budget is None:
-        p.error("--budget-eviction, --budget-per-layer and --budget-score-signal need --budget")
+    if (args.budget_eviction or args.budget_per_layer or args.budget_score_signal or args.per_head) \
+            and args.budget is None:
+        p.error("--budget-eviction, --budget-per-layer, --budget-score-signal and --per-head need --budget")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args

@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smoke test (seconds, not a result): the --quick values of --max-tokens and --budgets")
     p.add_argument("--lru-threshold", type=float, default=None,
                    help="streaming: PagedCache(lru_threshold=...) for the lru rows; none: PagedCache's default")
+    p.add_argument("--per-head", action="store_true", help="streaming: also a 'score+heads' row per budget, the "
+                   "score policy per KV head (PagedCache(per_head_eviction=True); needs --page-size 1)")
     p.add_argument("--segment", type=int, default=512, help="streaming: also report perplexity per segment of N tokens")
     p.add_argument("--block", type=int, default=64, help="streaming: tokens per block of the paired bootstrap "
                    "interval of each policy's perplexity against its reference's")
@@ -116,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--stride must not exceed --window (tokens would be skipped)")
     if args.max_tokens < 0:
         p.error("--max-tokens must be >= 0")
+    if args.per_head and args.page_size != 1:
+        p.error("--per-head needs --page-size 1 (a head page holds one token of one KV head)")
     if args.mode == "streaming" and min(args.budgets) < args.page_size:
         p.error(f"--budgets must be at least one page ({args.page_size} tokens)")
     return args

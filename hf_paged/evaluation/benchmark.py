@@ -174,6 +174,7 @@ def fresh_cache(model, kind: str, cfg: Config, budget: int | None = None, budget
         return make_cache(kind, model, cfg.page_size, store, kv_format=kv_format)
     page_size = budget_page_size or cfg.page_size
     rows = cfg.batch * parse_mode(cfg.mode)["rows_per_prompt"]
+    rows = 1 if options.get("per_head_eviction") else rows  # (a per-head cache's max_pages is per row)
     return make_cache("paged", model, page_size, store, max_pages=rows * (budget // page_size), compress_prompt=True,
                       kv_format=kv_format, **options)
 
@@ -391,9 +392,9 @@ def markdown_table(configs: list[dict]) -> str:
 
 
 def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None = None, eviction: str | None = None,
-                  per_layer: str | None = None, signal: str | None = None) -> str:
+                  per_layer: str | None = None, signal: str | None = None, per_head: bool = False) -> str:
     """Decode speed of the bounded PagedCache (``--budget``) against the unbounded one, same runs."""
-    policy = f"eviction {eviction or 'score (the default)'}"
+    policy = f"eviction {eviction or 'score (the default)'}" + (" per KV head" if per_head else "")
     policy += f", per_layer_eviction {per_layer}" if per_layer else ""
     policy += f", score_signal {signal}" if signal else ""
     lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, {policy}, a longer prompt "
@@ -448,7 +449,8 @@ def markdown_report(result: dict) -> str:
         markdown_table(result["configs"]),
         "",
         *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size"), s.get("budget_eviction"),
-                        s.get("budget_per_layer"), s.get("budget_score_signal")), ""] if s.get("budget") else []),
+                        s.get("budget_per_layer"), s.get("budget_score_signal"), s.get("per_head", False)), ""]
+          if s.get("budget") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
@@ -589,7 +591,8 @@ def main(args, argv: list[str]) -> dict:
                     repeats=args.repeats, warmup=args.warmup, full_warmup=args.full_warmup, quick=args.quick,
                     seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
                     budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
-                    budget_score_signal=args.budget_score_signal, kv_format=args.kv_format,
+                    budget_score_signal=args.budget_score_signal, per_head=getattr(args, "per_head", False),
+                    kv_format=args.kv_format,
                     prefix_store=args.prefix_store, argv=list(argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
 
@@ -602,6 +605,8 @@ def main(args, argv: list[str]) -> dict:
         budget_options["per_layer_eviction"] = args.budget_per_layer == "on"
     if args.budget_score_signal:
         budget_options["score_signal"] = args.budget_score_signal
+    if getattr(args, "per_head", False):
+        budget_options["per_head_eviction"] = True
     results = []
     kinds = CACHES + (("bounded",) if args.budget else ())
     step_rounds = args.repeats if args.budget else 0  # per greedy configuration: rounds of alternated steps

@@ -43,6 +43,7 @@ from .run_info import versions
 from .text import load_token_ids
 
 POLICIES = ("score", "lru", "fifo+sinks", "fifo")
+PER_HEAD = "score+heads"  # "score" per KV head (PagedCache(per_head_eviction=True), page size 1): with --per-head
 # What the stored 2048-token study is made of (docs/perplexity.md), and what --quick shortens it to.
 DEFAULTS = dict(max_tokens=2048, budgets="128,256,512,1024")
 QUICK = dict(max_tokens=256, budgets="64,128")
@@ -131,11 +132,12 @@ def streaming_configs(args) -> list[dict]:
     sinks = default_sink_pages(args.page_size)
     kwargs = {"score": dict(eviction="score", sink_pages=sinks), "lru": dict(eviction="lru", sink_pages=sinks),
               "fifo+sinks": dict(eviction="fifo", sink_pages=sinks),
-              "fifo": dict(eviction="fifo", sink_pages=0)}
+              "fifo": dict(eviction="fifo", sink_pages=0),
+              PER_HEAD: dict(eviction="score", sink_pages=sinks, per_head_eviction=True)}
     if args.lru_threshold is not None:
         kwargs["lru"]["lru_threshold"] = args.lru_threshold
     for budget in args.budgets:
-        for policy in POLICIES:
+        for policy in POLICIES + ((PER_HEAD,) if getattr(args, "per_head", False) else ()):
             configs.append(dict(name=f"{policy}@{budget}", label=f"PagedCache {policy}", kind="paged", policy=policy,
                                 budget=budget, max_pages=budget // args.page_size, policy_kwargs=kwargs[policy]))
     return configs
@@ -363,12 +365,13 @@ def plot(report: dict, path: Path) -> None:
                     ax.axhline(row["perplexity"], color="black", lw=1.5, ls=style,
                                label=f"{row['label']} ({row['perplexity']:.3f})")
         legend = {"score": "score (default)", "lru": "lru", "fifo+sinks": f"fifo + {r['sink_pages']} sink page(s)",
-                  "fifo": "fifo, no sinks"}
+                  "fifo": "fifo, no sinks", PER_HEAD: "score per KV head"}
         styles = {"score": dict(marker="D", ls="-", color="tab:red"), "lru": dict(marker="o", ls="-", color="tab:blue"),
                   "fifo+sinks": dict(marker="s", ls="--", color="tab:orange"),
-                  "fifo": dict(marker="^", ls=":", color="tab:green")}
+                  "fifo": dict(marker="^", ls=":", color="tab:green"),
+                  PER_HEAD: dict(marker="v", ls="-", color="tab:purple")}
         curves = {}
-        for i, policy in enumerate(POLICIES):
+        for i, policy in enumerate((*POLICIES, PER_HEAD)):
             pts = [(row["budget"], row["perplexity"]) for row in rows
                    if row["policy"] == policy and row["status"] == "ok"]
             if pts:  # nudged sideways so that lines that coincide stay visible
