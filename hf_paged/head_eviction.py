@@ -25,12 +25,14 @@ import math
 import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
+from transformers.utils import logging
 
 from .backends import resolve_backend
 from .errors import CacheUsageError, PagePoolExhausted
 from .eviction import EvictionPolicy, page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 
+logger = logging.get_logger(__name__)
 HOLE = -1
 DEFAULT_HEAD_FLOOR = 0.2  # AdaKV's alpha: each head keeps at least this share of an even split of the budget
 CPU_KERNEL_MAX_QUERIES = 8  # (as attention.py: longer queries go to SDPA)
@@ -225,10 +227,11 @@ class HeadLayer(CacheLayerMixin):
         self.observed = np.concatenate([self.observed, np.zeros((R, more), dtype=np.int64)], axis=1)
 
     def _compact(self) -> None:
-        """Between steps, when holes fill a quarter of the columns in use: each table row's pages to its front (in
-        their order), the width down to the fullest row."""
+        """Between steps, when the fullest table row would be a fifth (and 16 columns) narrower: each table row's
+        pages to its front (in their order), the width down to the fullest row."""
         W = self.width
-        if not self.rows or (self.rows * W - int(self.held.sum())) * 4 <= self.rows * W:
+        fullest = int(self.held.max()) if self.rows else 0
+        if W - fullest <= max(16, fullest // 4):
             return
         order = np.argsort(self.table[:, :W] == HOLE, axis=1, kind="stable")
         for array in (self.table, self.pos, self.score, self.observed):
@@ -253,6 +256,9 @@ class HeadLayer(CacheLayerMixin):
         once the step's ``q_len`` tokens are written; raises `PagePoolExhausted`, changing nothing, when a row
         cannot."""
         H, W = self.heads, self.width
+        if not self.evictions:
+            logger.warning_once(f"PagedCache(max_pages={self.owner.max_pages}, per_head_eviction=True) is full: "
+                                "evicting tokens per KV head (lossy: evicted tokens are no longer attended).")
         floor = math.floor(self.owner.head_floor * self.owner.max_pages)
         rank = self.ranks(tokens_after).reshape(len(excess), H, W)
         cap = np.maximum(self.held + q_len - floor, 0).reshape(-1, H)
@@ -278,13 +284,12 @@ class HeadLayer(CacheLayerMixin):
         """Fold the step's usage per head page ``[R, width]`` into the scores (relative to an even share of its table
         row), then cut a compressed step to the budget."""
         W, decay = self.width, self.owner.policy.decay
-        mass = mass.detach().float().cpu().numpy().astype(np.float64)
+        mass = mass.detach().float().cpu().numpy()
         live = self.table[:, :W] != HOLE
-        even = mass.sum(axis=1, keepdims=True) / np.maximum(self.held, 1)[:, None]
-        share = np.divide(mass, even, out=np.zeros_like(mass), where=even > 0)
+        even = mass.sum(axis=1, keepdims=True, dtype=np.float64) / np.maximum(self.held, 1)[:, None]
+        share = np.divide(mass, even, out=np.zeros(mass.shape), where=even > 0)
         score = self.score[:, :W]
-        folded = share if not decay else decay * score + (1 - decay) * share
-        self.score[:, :W] = np.where(live, folded, score)
+        np.copyto(score, share if not decay else decay * score + (1 - decay) * share, where=live)
         self.observed[:, :W] += live
         if self.cut_pending:
             self.cut_pending = False
@@ -373,6 +378,11 @@ def choose_victims(rank: np.ndarray, cap: np.ndarray, count: int):
     """Of one row's head pages ``rank [H, W]`` (inf: never), the ``count`` lowest, at most ``cap[h]`` from head h
     (what it holds above its floor): -> (heads, columns), or (None, None) when fewer than ``count`` may go."""
     H, W = rank.shape
+    if count < rank.size:  # the lowest ``count`` overall, when no head gives more than its cap
+        chosen = np.argpartition(rank.reshape(-1), count - 1)[:count]
+        heads = chosen // W
+        if np.isfinite(rank.reshape(-1)[chosen]).all() and (np.bincount(heads, minlength=H) <= cap).all():
+            return heads, chosen % W
     order = np.argsort(rank, axis=1, kind="stable")
     ranked = np.take_along_axis(rank, order, axis=1)
     ranked[np.arange(W)[None, :] >= cap[:, None]] = np.inf
