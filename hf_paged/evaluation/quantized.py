@@ -29,6 +29,7 @@ from ..model_config import CACHE_KWARG
 from ..page_store import FloatPages
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
+from .memory import MemoryMeter, _libc
 from .run_info import load_average, versions
 from .text import load_token_ids
 
@@ -402,9 +403,20 @@ def _prefilled_kv(model, prompt: torch.Tensor, chunk: int = 2048) -> list[tuple[
     """Every layer's float keys and values ``[1, H, T, D]`` of ``prompt`` (1-D), computed in chunks of ``chunk``."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        for start in range(0, len(prompt), chunk):
-            model(input_ids=prompt[None, start:start + chunk], use_cache=True, **{CACHE_KWARG: cache})
+        for start in range(0, len(prompt), chunk):  # the decoder alone: no logits [chunk, vocab] to hold
+            model.base_model(input_ids=prompt[None, start:start + chunk], use_cache=True, **{CACHE_KWARG: cache})
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (``malloc_trim(0)`` on glibc). glibc raises its
+    mmap threshold when a large block is freed, so later tensors of a few MB come from its heap, whose freed
+    holes a process keeps: a decode benchmark's resident memory then grows round by round well past what its
+    caches hold (a 4k-token, batch-8 run reached 7.9 GB for about 4 GB of live tensors). Called between timed
+    runs, never inside one."""
+    gc.collect()
+    if _libc():
+        _libc().malloc_trim(0)
 
 
 def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
@@ -428,20 +440,23 @@ def decode_part(args, progress) -> dict:
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
     model.generation_config.eos_token_id = None
     sdpa, bits, peer_skipped = _peer_models(args)
-    entries = list(CACHE_FORMATS) + [peer.name(nbits, args.peer_residual) for nbits in bits]
+    peers = {peer.name(nbits, args.peer_residual): nbits for nbits in bits}
+    entries = list(CACHE_FORMATS) + list(peers)
     configs = list(itertools.product(args.decode_contexts, args.decode_batches))
+    meter = MemoryMeter(torch.device("cpu"))
     bar = progress(total=len(configs) * (1 + args.repeats), desc="decode through the caches")
     results = []
     for context in args.decode_contexts:
         prompt = load_token_ids(tokenizer, context)[0]
         kv = _prefilled_kv(sdpa, prompt[:-1])
         for batch in args.decode_batches:
-            caches = {kv_format: _filled(hf_paged.PagedCache(page_size=args.page_size, config=model.config,
-                                                             kv_format=kv_format), kv, batch)
-                      for kv_format in CACHE_FORMATS}
-            caches.update({peer.name(nbits, args.peer_residual): _filled(peer.make_cache(sdpa.config, nbits,
-                                                                                         args.peer_residual), kv, batch)
-                           for nbits in bits})
+            meter.start()  # this configuration's peak resident memory, from what the models and ``kv`` hold
+            caches = {}
+            for name in entries:  # each filled on its own, the memory freed while filling it handed back
+                empty = (hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=name)
+                         if name in CACHE_FORMATS else peer.make_cache(sdpa.config, peers[name], args.peer_residual))
+                caches[name] = _filled(empty, kv, batch)
+                release_memory()
             kv_bytes = {name: (cache.stats()["kv_bytes"] if name in CACHE_FORMATS else peer.kv_bytes(cache))
                         for name, cache in caches.items()}
             bar.update(1)
@@ -462,11 +477,12 @@ def decode_part(args, progress) -> dict:
                     times[name].append(((time.process_time() - cpu) / args.decode_tokens,
                                         (time.perf_counter() - wall) / args.decode_tokens))
                     del kwargs
-                    gc.collect()  # a fork's pages and tensors go now, not at some later round's collection
+                    release_memory()  # a fork's pages and tensors go now, not at some later round's collection
                 bar.update(1)
+            peak_rss = meter.before + meter.stop()  # bytes, the whole process (meter.method says how)
             for name in entries:
                 q1, median, q3 = quartiles([c / f for (c, _), (f, _) in zip(times[name], times["float"])])
-                results.append(dict(context=context, batch=batch, cache=name,
+                results.append(dict(context=context, batch=batch, cache=name, peak_rss=peak_rss,
                                     cpu_ms=1e3 * statistics.median(c for c, _ in times[name]),
                                     wall_ms=1e3 * statistics.median(w for _, w in times[name]),
                                     cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3, kv_bytes=kv_bytes[name]))
@@ -474,7 +490,9 @@ def decode_part(args, progress) -> dict:
         del kv
     bar.close()
     return dict(page_size=args.page_size, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                threads=torch.get_num_threads(), peer_skipped=peer_skipped, results=results)
+                threads=torch.get_num_threads(), peer_skipped=peer_skipped,
+                memory_method="VmHWM, reset at the configuration's start" if meter.hwm else meter.method,
+                results=results)
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -592,6 +610,11 @@ def decode_markdown(r: dict, environment: dict) -> list[str]:
                     [[row["context"], row["batch"], row["cache"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
                       "—" if row["cache"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
                      for row in r["results"]])
+    peaks = {(row["context"], row["batch"]): row["peak_rss"] for row in r["results"] if "peak_rss" in row}
+    if peaks:
+        lines += ["", "Peak resident memory of the process per configuration (both models, the prompt's keys and "
+                  "values, every cache and its forks; " + r.get("memory_method", "") + "): "
+                  + ", ".join(f"{c} tokens x {b}: {v / 2**30:.2f} GiB" for (c, b), v in peaks.items()) + "."]
     return lines + [""]
 
 
