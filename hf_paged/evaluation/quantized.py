@@ -58,6 +58,8 @@ class Scheme:
     bytes_per_head: float
     note: str = ""
     page_size: int = 0  # > 0: ``keys`` maps a layer's whole key history (pages of this size), not new keys alone
+    sink_tokens: int = 0  # > 0 (with page_size): the first tokens' keys and values read back as ``sink`` makes them
+    sink: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def codec_roundtrip(codec) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -98,8 +100,9 @@ def kivi_keys(page_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return roundtrip
 
 
-def schemes(head_dim: int, page_size: int) -> list[Scheme]:
-    """float32 (the reference), bfloat16, the formats, and the int4 alternatives (module docstring)."""
+def schemes(head_dim: int, page_size: int, tokens: int = 2048) -> list[Scheme]:
+    """float32 (the reference), bfloat16, the formats, and the int4 alternatives (module docstring); a scheme that
+    keeps the first page otherwise counts its bytes over ``tokens`` tokens."""
     same = lambda x: x  # noqa: E731
     bf16 = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
     int8, int4 = page_format("int8"), page_format("int4")
@@ -109,13 +112,26 @@ def schemes(head_dim: int, page_size: int) -> list[Scheme]:
                       codec_bytes(key, head_dim) + codec_bytes(value, head_dim), note)
 
     value_bytes = codec_bytes(int4.value, head_dim)
+    int4_bytes = head_dim / 2 + 2 * int4.key.params_width(head_dim) / page_size + value_bytes
     token_keys = Int4Codec(KEY_GROUP)  # int4's keys before they went per channel within a page
+    int8_first = codec_bytes(int8.key, head_dim) + codec_bytes(int8.value, head_dim)
+
+    def first_page(name, sink, first_bytes):  # int4 with the first page (attention sinks) stored otherwise
+        return Scheme(name, page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value),
+                      int4_bytes + page_size * (first_bytes - int4_bytes) / tokens,
+                      f"bytes over {tokens} tokens", page_size, page_size, sink)
+
     return [
         Scheme("float32", same, same, 2 * 4 * head_dim, "the reference"),
         Scheme("bfloat16", bf16, bf16, 2 * 2 * head_dim),
         of("int8", int8.key, int8.value, "the format"),
-        Scheme("int4", page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value),
-               head_dim / 2 + 2 * int4.key.params_width(head_dim) / page_size + value_bytes, "the format",
+        Scheme("int4", page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value), int4_bytes,
+               "the format", page_size),
+        first_page("int4, first page float32 (attention sinks)", same, 2 * 4 * head_dim),
+        first_page("int4, first page bfloat16", bf16, 2 * 2 * head_dim),
+        first_page("int4, first page int8", codec_roundtrip(int8.key), int8_first),
+        Scheme("int4, values per token in groups of 32", page_keys_roundtrip(int4.key, page_size),
+               codec_roundtrip(Int4Codec(32)), int4_bytes - value_bytes + codec_bytes(Int4Codec(32), head_dim), "",
                page_size),
         of("int4, keys per token in groups of 16", token_keys, int4.value),
         of("int4, keys per token, not rotated", Int4Codec(KEY_GROUP, rotated=False), int4.value),
@@ -142,11 +158,17 @@ class SimulatedPages(DynamicCache):
         self.scheme = scheme
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if not self.scheme.page_size:
-            return super().update(self.scheme.keys(key_states), self.scheme.values(value_states), layer_idx,
-                                  *args, **kwargs)
-        keys, values = super().update(key_states, self.scheme.values(value_states), layer_idx, *args, **kwargs)
-        return self.scheme.keys(keys), values  # the exact keys are kept: their pages are encoded as they fill
+        scheme = self.scheme
+        if not scheme.page_size:
+            return super().update(scheme.keys(key_states), scheme.values(value_states), layer_idx, *args, **kwargs)
+        values, sink = scheme.values(value_states), scheme.sink_tokens - self.get_seq_length(layer_idx)
+        if sink > 0:  # new tokens among the first sink_tokens: their values as the sink keeps them
+            values = torch.cat([scheme.sink(value_states[..., :sink, :]), values[..., sink:, :]], -2)
+        keys, values = super().update(key_states, values, layer_idx, *args, **kwargs)
+        read = scheme.keys(keys)  # the exact keys are kept: their pages are encoded as they fill
+        if scheme.sink_tokens:
+            read = torch.cat([scheme.sink(keys[..., :scheme.sink_tokens, :]), read[..., scheme.sink_tokens:, :]], -2)
+        return read, values
 
 
 # --------------------------------------------------------------------------------------- perplexity
@@ -165,8 +187,8 @@ def perplexity_part(args, progress) -> dict:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = config.num_hidden_layers * config.num_key_value_heads
     rows, reference = [], None
-    bar = progress(total=len(schemes(head_dim, args.page_size)), desc="page schemes")
-    for scheme in schemes(head_dim, args.page_size):
+    bar = progress(total=len(schemes(head_dim, args.page_size, len(ids))), desc="page schemes")
+    for scheme in schemes(head_dim, args.page_size, len(ids)):
         t0 = time.perf_counter()
         logp = log_probs(model, ids, scheme)
         nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
