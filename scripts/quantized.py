@@ -14,7 +14,8 @@ head, values not rotated; and KIVI's keys per channel within each page of ``--pa
 page kept in float32: in one forward every full page is quantized, which decoding would do only once the page
 fills). Per row: perplexity relative to float32 with a 95% paired bootstrap interval over blocks of ``--block``
 tokens (`hf_paged.evaluation.intervals`), the mean KL divergence from float32's next-token distribution (a
-steadier measure of the damage than one text's perplexity), top-1 agreement, and KV bytes per token of the whole model, scales included, against float32.
+steadier measure of the damage than one text's perplexity), top-1 agreement, and KV bytes per token of the whole
+model, scales included, against float32.
 
 Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query heads, 3 KV heads, head dim
 64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,
