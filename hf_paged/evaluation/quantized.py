@@ -58,8 +58,8 @@ class Scheme:
     bytes_per_head: float
     note: str = ""
     page_size: int = 0  # > 0: ``keys`` maps a layer's whole key history (pages of this size), not new keys alone
-    sink_tokens: int = 0  # > 0 (with page_size): the first tokens' keys and values read back as ``sink`` makes them
-    sink: Callable[[torch.Tensor], torch.Tensor] | None = None
+    first_tokens: int = 0  # > 0 (with page_size): the first tokens' keys and values read back as ``first_read``
+    first_read: Callable[[torch.Tensor], torch.Tensor] | None = None  # makes them (e.g. the attention sinks exact)
 
 
 def codec_roundtrip(codec) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -116,10 +116,10 @@ def schemes(head_dim: int, page_size: int, tokens: int = 2048) -> list[Scheme]:
     token_keys = Int4Codec(KEY_GROUP)  # int4's keys before they went per channel within a page
     int8_first = codec_bytes(int8.key, head_dim) + codec_bytes(int8.value, head_dim)
 
-    def first_page(name, sink, first_bytes):  # int4 with the first page (attention sinks) stored otherwise
+    def first_page(name, first_read, first_bytes):  # int4 with the first page (attention sinks) stored otherwise
         return Scheme(name, page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value),
                       int4_bytes + page_size * (first_bytes - int4_bytes) / tokens,
-                      f"bytes over {tokens} tokens", page_size, page_size, sink)
+                      f"bytes over {tokens} tokens", page_size, page_size, first_read)
 
     return [
         Scheme("float32", same, same, 2 * 4 * head_dim, "the reference"),
@@ -161,13 +161,14 @@ class SimulatedPages(DynamicCache):
         scheme = self.scheme
         if not scheme.page_size:
             return super().update(scheme.keys(key_states), scheme.values(value_states), layer_idx, *args, **kwargs)
-        values, sink = scheme.values(value_states), scheme.sink_tokens - self.get_seq_length(layer_idx)
-        if sink > 0:  # new tokens among the first sink_tokens: their values as the sink keeps them
-            values = torch.cat([scheme.sink(value_states[..., :sink, :]), values[..., sink:, :]], -2)
+        values, first = scheme.values(value_states), scheme.first_tokens - self.get_seq_length(layer_idx)
+        if first > 0:  # new tokens among the first first_tokens: their values as first_read keeps them
+            values = torch.cat([scheme.first_read(value_states[..., :first, :]), values[..., first:, :]], -2)
         keys, values = super().update(key_states, values, layer_idx, *args, **kwargs)
         read = scheme.keys(keys)  # the exact keys are kept: their pages are encoded as they fill
-        if scheme.sink_tokens:
-            read = torch.cat([scheme.sink(keys[..., :scheme.sink_tokens, :]), read[..., scheme.sink_tokens:, :]], -2)
+        if scheme.first_tokens:
+            first = scheme.first_tokens
+            read = torch.cat([scheme.first_read(keys[..., :first, :]), read[..., first:, :]], -2)
         return read, values
 
 
