@@ -96,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depths", type=value_list(float), default="0.1,0.5,0.9", help="passkey: needle depths")
     p.add_argument("--passkey-budgets", type=value_list(int), default="128,256")
     p.add_argument("--passkey-prompt", choices=PASSKEY_PROMPTS, default="chat",
-                   help="passkey: the prompt in the model's chat template (the assistant's answer begun), or plain text")
+                   help="passkey: the prompt in the model's chat template (the assistant's answer begun), or plain "
+                   "text")
     p.add_argument("--trials", type=int, default=2, help="passkey: keys (and filler offsets) per cell")
     p.add_argument("--new-tokens", type=int, default=6, help="passkey: greedy tokens generated")
     p.add_argument("--max-tokens", type=int, default=4096, help="streaming task: tokens of the text")

@@ -78,7 +78,8 @@ def test_answer_rows_and_paired_intervals_against_the_full_cache_and_the_best_pr
         assert p["ratio"] == pytest.approx(rows[method]["perplexity"] / ref["perplexity"] - 1)
         assert p["low"] <= p["ratio"] <= p["high"] and p["blocks"] == windows * tokens // 4
     text = "\n".join(script.paired_tables(summary, [4]))
-    assert "the best press of each budget (B=4: kvpress adakv_snapkv)" in text and "| kvpress adakv_snapkv | 6 |" in text
+    assert "the best press of each budget (B=4: kvpress adakv_snapkv)" in text
+    assert "| kvpress adakv_snapkv | 6 |" in text
 
 
 class CharTokenizer:

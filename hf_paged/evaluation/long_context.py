@@ -12,11 +12,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections import defaultdict
 import re
 import subprocess
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 TASKS = ("continuation", "passkey", "streaming")
 REGIMES = ("streaming", "compress", "compress+grow")
 POLICIES = ("score", "lru", "fifo+sinks")
+# kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets, pruned keys masked) around <press>
 PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv", "adakv_snapkv", "adakv_expected_attention")
-ADAKV = "adakv_"  # a press name's prefix: kvpress's AdaKVPress (head-wise budgets, pruned keys masked) around it
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 PROMPT = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
@@ -178,6 +178,9 @@ def paired_against(rows: list[dict], blocks: dict, confidence: float = 0.95) -> 
     Rows without blocks (or with other blocks than the reference's) are left out."""
     from .intervals import paired_ratio_interval
 
+    def key(row):
+        return row["method"], row["regime"], row["budget"]
+
     full = next(r for r in rows if r["method"] == "full")
     best = best_presses(rows)
     out = []
@@ -185,10 +188,9 @@ def paired_against(rows: list[dict], blocks: dict, confidence: float = 0.95) -> 
         if r["budget"] is None:
             continue
         for kind, ref in (("full", full), ("best press", best.get(r["budget"]))):
-            key, ref_key = (r["method"], r["regime"], r["budget"]), ref and (ref["method"], ref["regime"], ref["budget"])
-            if ref is None or ref_key == key or blocks.get(key) is None or blocks.get(ref_key) is None:
+            if ref is None or ref is r or blocks.get(key(r)) is None or blocks.get(key(ref)) is None:
                 continue
-            (mine, counts), (theirs, ref_counts) = blocks[key], blocks[ref_key]
+            (mine, counts), (theirs, ref_counts) = blocks[key(r)], blocks[key(ref)]
             if counts != ref_counts:
                 continue
             ratio, low, high = paired_ratio_interval(mine, theirs, counts, confidence)
@@ -418,7 +420,8 @@ def paired_tables(cont: dict, budgets: list[int]) -> list[str]:
         lines += ["", f"Perplexity relative to {title}, with a {100 * pairs[0]['confidence']:g}% paired bootstrap "
                   f"interval over {pairs[0]['blocks']} blocks of {cont['block']} scored tokens (an interval that "
                   "excludes 0: a difference that holds across the blocks):", "",
-                  "| method | regime | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|---|" + "---:|" * len(budgets)]
+                  "| method | regime | " + " | ".join(f"B={b}" for b in budgets) + " |",
+                  "|---|---|" + "---:|" * len(budgets)]
         for method, regime in dict.fromkeys((p["method"], p["regime"]) for p in pairs):
             cells = [_interval(keyed[(method, regime, b)]) if (method, regime, b) in keyed else "—" for b in budgets]
             lines.append(f"| {method} | {regime} | " + " | ".join(cells) + " |")
