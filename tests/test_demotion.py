@@ -219,14 +219,17 @@ def test_beams_within_the_byte_budget():
 def test_a_failed_step_rolls_back_and_its_retry_is_exact():
     _, model = shared_pair("llama")
     batch = left_padded_batch((9, 5, 13))
-    make = lambda: hf_paged.PagedCache(page_size=1, max_pages=48, config=model.config,  # noqa: E731
-                                       cold_format="int4")
-    expected = _decode(model, make(), batch, 20)
+    make = lambda: hf_paged.PagedCache(page_size=1, max_pages=40, config=model.config,  # noqa: E731
+                                       cold_format="int8")
+    reference = make()
+    expected = _decode(model, reference, batch, 30)
     cache = make()
-    got = _decode(model, cache, batch, 20, fail_at=12, fail_in=_fail_after_layer(1))
-    assert cache.stats()["demotions"] > 0
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    _check_budget(cache, 48)
+    got = _decode(model, cache, batch, 30, fail_at=28, fail_in=_fail_after_layer(1))  # pages demoted and evicted
+    assert reference.stats()["demotions"] > 0 and reference.stats()["evictions"] > 0
+    # (after an eviction a retried step's live pages may sit in another column order, as in a plain bounded cache:
+    # the same sums in another order)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    _check_budget(cache, 40)
 
 
 def test_bad_arguments_are_refused_before_any_work():
