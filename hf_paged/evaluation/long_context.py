@@ -148,7 +148,8 @@ def run_continuation_job(job, models, ids, args) -> dict:
     x = ids[job["window"] * span:(job["window"] + 1) * span]
     model, cache = job_cache(job, models, args)
     nll, peak = continuation_nll(model, cache, x, args.context, job["regime"], args.chunk)
-    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak)
+    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak,
+               block_nll=[math.fsum(block.tolist()) for block in nll.split(64)])  # (paired intervals, 64-token blocks)
     if isinstance(cache, hf_paged.PagedCache):
         stats = cache.stats()
         out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"], kv_bytes=stats["kv_bytes"])
