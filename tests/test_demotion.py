@@ -239,3 +239,21 @@ def test_bad_arguments_are_refused_before_any_work():
         hf_paged.PagedCache(cold_format="int4")
     with pytest.raises(hf_paged.CacheUsageError, match="kv_format='float'"):
         hf_paged.PagedCache(max_pages=4, cold_format="int4", kv_format="int8")
+
+
+def test_the_evaluation_script_adds_cold_format_rows_at_the_same_budgets():
+    from hf_paged.evaluation import long_context as study
+    from script_commands import Command
+    from tiny_models import make_config
+
+    script = Command("evaluation", study)
+    args = script.parse_args(["--cold-format", "int4", "--regimes", "compress", "--policies", "score",
+                              "--budgets", "128", "--windows", "1"])
+    methods = {(j["method"], j["budget"], j["kv_format"]) for j in script.continuation_jobs(args)}
+    assert methods == {("full", None, "float"), ("hf_paged score", 128, "float"),
+                       ("hf_paged score, cold int4", 128, "float+int4")}
+    model = type("Model", (), {"config": make_config("llama")})()
+    cache = study.bounded_cache(model, args, "score", "compress", 128, "float+int4")
+    assert (cache.kv_format, cache.cold_format, cache.max_pages) == ("float", "int4", 128)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--cold-format", "int3"])
