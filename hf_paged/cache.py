@@ -286,8 +286,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
-        cold_format: "int4" or "int8" to hold ``max_pages`` float pages' *bytes* per group instead of pages: the
-            lowest-ranked full pages are re-quantized to it before anything is evicted (`hf_paged.demotion`).
+        cold_format: "int4", "int8": ``max_pages`` bounds float pages' bytes, cold pages re-quantized first (demotion).
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
 
@@ -304,11 +303,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold, kv_format)
         check_backend(backend)
-        cfg = config if config is not None else getattr(model, "config", None)
-        check_cold_format(cold_format, max_pages, kv_format, None if cfg is None else head_dim(cfg))
-        if cold_format is not None and prefix_store is not None:
-            raise CacheUsageError("cold_format and prefix_store cannot be combined: a prefix store keeps pages of one "
-                                  "format. Use one or the other.")
+        check_cold_format(cold_format, max_pages, kv_format, config or getattr(model, "config", None), prefix_store)
         self.backend, self.kv_format, self.cold_format = backend, kv_format, cold_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                         observation_window, score_heads, compress_prompt, score_signal)
@@ -416,8 +411,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         """
         self.commit()
         twin = PagedCache(self.page_size, self.max_pages, backend=self.backend, kv_format=self.kv_format)
-        twin.cold_format = self.cold_format  # (its groups are this cache's: their managers hold the tiers)
-        twin.policy = self.policy
+        twin.policy, twin.cold_format = self.policy, self.cold_format  # (the shared groups' managers hold the tiers)
         twin.config = self.config
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
@@ -491,7 +485,6 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
-        ``kv_bytes`` counts used + cached pages of every layer (with ``cold_format``, cold pages at their bytes;
-        ``pages_cold`` / ``demotions``: pages held cold now / demoted so far)."""
+        ``kv_bytes`` counts used + cached pages of every layer (cold pages at theirs; `demotion.tier_stats`)."""
         self.commit()
         return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats(), **tier_stats(self.groups))

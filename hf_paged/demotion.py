@@ -38,6 +38,7 @@ import torch
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
 from .kv_formats import KEY_GROUP, Int4Codec, PageFormat, QuantizedPages, check_kv_format, page_format
+from .model_config import head_dim
 from .page_store import FloatPages
 
 COLD_FORMATS = ("int4", "int8")
@@ -50,8 +51,9 @@ def cold_page_format(cold_format: str) -> PageFormat:
     return page_format(cold_format)
 
 
-def check_cold_format(cold_format, max_pages, kv_format: str, head_dim: int | None = None) -> None:
-    """Raise `CacheUsageError` unless ``cold_format`` (None: no demotion) can serve a cache of these arguments."""
+def check_cold_format(cold_format, max_pages, kv_format: str, config=None, prefix_store=None) -> None:
+    """Raise `CacheUsageError` unless ``cold_format`` (None: no demotion) can serve a cache of these arguments (the
+    model's ``config`` gives the head dim, when known)."""
     if cold_format is None:
         return
     if cold_format not in COLD_FORMATS:
@@ -63,7 +65,10 @@ def check_cold_format(cold_format, max_pages, kv_format: str, head_dim: int | No
     if kv_format != "float":
         raise CacheUsageError(f"cold_format={cold_format!r} demotes float pages: it needs kv_format='float', got "
                               f"{kv_format!r} (use one or the other)")
-    check_kv_format(cold_format, head_dim=head_dim)
+    if prefix_store is not None:
+        raise CacheUsageError("cold_format and prefix_store cannot be combined: a prefix store keeps pages of one "
+                              "format. Use one or the other.")
+    check_kv_format(cold_format, head_dim=None if config is None else head_dim(config))
 
 
 class ColdPages:
@@ -101,15 +106,15 @@ class ColdPages:
         hot, cold = self.page_bytes()
         return (held - len(self.ids)) * hot + len(self.ids) * cold
 
-    def make_room(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int, policy,
-                  history) -> int:
-        """Demote the rows' hot full pages, lowest ranked first (``policy``'s order: its score, last use, or age for
-        "fifo"/"error"; ties: the oldest), until ``manager`` has ``needed`` pages available or none is left (the
-        sinks stay hot, as they stay held). -> the number demoted."""
+    def make_room(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
+                  sink_pages: int, rank) -> int:
+        """Demote the rows' hot full pages, lowest ``rank(pages, ages)`` first (the eviction policy's order; ties:
+        the oldest), until ``manager`` has ``needed`` pages available or none is left (the first ``sink_pages`` stay
+        hot, as they stay held). -> the number demoted."""
         if needed <= manager.available() or not self.layers:
             return 0
         S = manager.page_size
-        start = max(policy.sink_pages - first_page, 0)
+        start = max(sink_pages - first_page, 0)
         full = num_tokens // S - first_page  # entries before it are full pages
         candidates: dict[int, int] = {}  # page -> its logical index (the oldest, if rows share it)
         for row in rows:
@@ -121,7 +126,7 @@ class ColdPages:
             return 0
         pages = np.fromiter(candidates, dtype=np.int64, count=len(candidates))
         age = np.fromiter(candidates.values(), dtype=np.int64, count=len(candidates))
-        order = np.lexsort((age, _rank(policy, history, pages, age)))
+        order = np.lexsort((age, rank(pages, age)))
         hot, cold = self.page_bytes()
         demoted = 0
         while demoted < len(order) and manager.available() < needed:
@@ -154,16 +159,6 @@ def tier_stats(groups) -> dict:
     """``pages_cold`` (held cold now) and ``demotions`` (so far) summed over a cache's groups; {} without tiers."""
     tiers = [g.manager.cold for g in groups.values() if getattr(g.manager, "cold", None) is not None]
     return dict(pages_cold=sum(len(t.ids) for t in tiers), demotions=sum(t.demotions for t in tiers)) if tiers else {}
-
-
-def _rank(policy, history, pages: np.ndarray, age: np.ndarray) -> np.ndarray:
-    """The order in which ``policy`` gives ``pages`` up (lowest first): score, last use, else age."""
-    if policy.name == "score":
-        return policy.scores(history, pages)
-    if policy.name == "lru":
-        history.cover(pages)
-        return history.last_used[pages].astype(np.float64)
-    return age.astype(np.float64)
 
 
 class TieredBlockManager(BlockManager):
@@ -314,7 +309,7 @@ class MixedPages:
         known = flat < len(self.hot_row)
         hot_rows = np.where(known, self.hot_row[np.where(known, flat, 0)], -1)
         cold_rows = np.where(known, self.cold_row[np.where(known, flat, 0)], -1)
-        (_, S, H, D), Dv = self.hot.keys.shape, self.hot.values.shape[-1]
+        H, D, Dv, S = self.hot.shape
         keys = torch.zeros(len(flat), S, H, D, dtype=self.dtype, device=self.device)
         values = torch.zeros(len(flat), S, H, Dv, dtype=self.dtype, device=self.device)
         for rows, read in ((hot_rows, self.hot.gather), (cold_rows, self.cold.gather)):

@@ -438,9 +438,13 @@ class GroupEviction:
         """A pool with a cold format (`hf_paged.demotion`) re-quantizes its coldest pages, by this policy's ranking,
         before anything is evicted; later tokens then differ from a full forward's."""
         cold = getattr(manager, "cold", None)
-        if cold is not None and cold.make_room(manager, rows, first_page, num_tokens, needed, self.policy,
-                                               self.history):
+        if cold is not None and cold.make_room(manager, rows, first_page, num_tokens, needed, self.policy.sink_pages,
+                                               self.give_up_order):
             self.exact_tokens = min(self.exact_tokens, num_tokens)
+
+    def give_up_order(self, pages: np.ndarray, ages: np.ndarray) -> np.ndarray:
+        """Ranks of ``pages`` (lowest: given up first): the policy's score or last use, else their ``ages``."""
+        return self.policy._rank(self.history, pages) if self.policy.tracks_usage else ages.astype(np.float64)
 
     def _evicting(self, max_pages: int, num_tokens: int) -> None:
         """Pages are about to be evicted after ``num_tokens`` tokens (logged once per bound)."""
