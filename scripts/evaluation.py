@@ -50,6 +50,7 @@ import torch  # noqa: E402
 from hf_paged import assets  # noqa: E402
 from hf_paged.evaluation import long_context as study  # noqa: E402
 from hf_paged.evaluation.formats import value_list  # noqa: E402
+from hf_paged.demotion import COLD_FORMATS  # noqa: E402
 from hf_paged.evaluation.long_context import PASSKEY_PROMPTS, POLICIES, PRESSES, QUICK, REGIMES, TASKS  # noqa: E402
 from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
 
@@ -72,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-format", type=value_list(str), default="float",
                    help=f"comma-separated page formats of the hf_paged caches, of {', '.join(CPU_FORMATS)}: each "
                    "quantized one adds an unbounded row and its own bounded rows (PagedCache(kv_format=...))")
+    p.add_argument("--cold-format", type=value_list(str), default=[],
+                   help="comma-separated cold formats (int4, int8): each adds bounded rows of float pages that hold B "
+                   "float tokens' bytes per layer, the coldest pages re-quantized to it before any eviction "
+                   "(PagedCache(max_pages=B, cold_format=...))")
     p.add_argument("--page-size", type=int, default=1, help="PagedCache page size (1 keeps best when bounded)")
     p.add_argument("--score-decay", type=float, default=None,
                    help="continuation/passkey caches: PagedCache(score_decay=...); none: by page size")
@@ -118,6 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for k, v in QUICK.items():
             setattr(args, k, v)
     for name, allowed in (("tasks", TASKS), ("regimes", REGIMES), ("policies", POLICIES), ("presses", PRESSES),
+                          ("cold_format", COLD_FORMATS),
                           ("kv_format", CPU_FORMATS if args.cpu or not torch.cuda.is_available() else KV_FORMATS)):
         bad = [x for x in getattr(args, name) if x not in allowed]
         if bad:

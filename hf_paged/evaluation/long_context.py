@@ -53,8 +53,17 @@ def policy_kwargs(policy: str) -> dict:
 
 
 def method_name(base: str, kv_format: str) -> str:
-    """A method's name in the tables: ``base`` with the page format unless it is "float"."""
+    """A method's name in the tables: ``base`` with the page format unless it is "float" ("float+int4": float pages
+    demoted to int4 under the budget's bytes)."""
+    if "+" in kv_format:
+        return f"{base}, cold {kv_format.split('+')[1]}"
     return base if kv_format == "float" else f"{base} {kv_format}"
+
+
+def bounded_formats(args) -> list[str]:
+    """The page formats of the bounded rows: each ``--kv-format``, then ``float+<cold>`` per ``--cold-format``
+    (`PagedCache(cold_format=...)`: B float tokens' bytes per layer, the coldest pages re-quantized first)."""
+    return list(args.kv_format) + [f"float+{cold}" for cold in getattr(args, "cold_format", None) or ()]
 
 
 def unbounded_jobs(args, task: str, **where) -> list[dict]:
@@ -80,8 +89,9 @@ def job_cache(job, models, args):
 
 
 def bounded_cache(model, args, policy: str, regime: str, budget: int, kv_format: str = "float") -> hf_paged.PagedCache:
+    kv_format, _, cold_format = kv_format.partition("+")
     return hf_paged.PagedCache(page_size=args.page_size, max_pages=budget // args.page_size, config=model.config,
-                               kv_format=kv_format,
+                               kv_format=kv_format, cold_format=cold_format or None,
                                compress_prompt=regime.startswith("compress"),
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
                                score_decay=args.score_decay, observation_window=args.observation_window,
@@ -130,7 +140,7 @@ def continuation_nll(model, cache, x: torch.Tensor, context: int, regime: str, c
 
 def continuation_jobs(args) -> list[dict]:
     jobs = [job for w in range(args.windows) for job in unbounded_jobs(args, "continuation", window=w)]
-    for kv_format, regime, policy, budget in itertools.product(args.kv_format, args.regimes, args.policies,
+    for kv_format, regime, policy, budget in itertools.product(bounded_formats(args), args.regimes, args.policies,
                                                                args.budgets):
         jobs += [dict(task="continuation", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
                       policy=policy, budget=budget, kv_format=kv_format, window=w) for w in range(args.windows)]
@@ -142,10 +152,11 @@ def run_continuation_job(job, models, ids, args) -> dict:
     x = ids[job["window"] * span:(job["window"] + 1) * span]
     model, cache = job_cache(job, models, args)
     nll, peak = continuation_nll(model, cache, x, args.context, job["regime"], args.chunk)
-    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak, nll=nll.tolist())
+    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak, nll=nll.tolist(),
+               block_nll=[math.fsum(block.tolist()) for block in nll.split(64)])  # (paired intervals, 64-token blocks)
     if isinstance(cache, hf_paged.PagedCache):
         stats = cache.stats()
-        out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"])
+        out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"], kv_bytes=stats["kv_bytes"])
     return out
 
 
@@ -270,7 +281,7 @@ def passkey_cases(args, tokenizer, filler: torch.Tensor) -> list[dict]:
 
 def passkey_jobs(args, cases) -> list[dict]:
     jobs = [job for c in cases for job in unbounded_jobs(args, "passkey", case=c["case"])]
-    for kv_format, regime, policy, budget in itertools.product(args.kv_format, args.regimes, args.policies,
+    for kv_format, regime, policy, budget in itertools.product(bounded_formats(args), args.regimes, args.policies,
                                                                args.passkey_budgets):
         jobs += [dict(task="passkey", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
                       policy=policy, budget=budget, kv_format=kv_format, case=c["case"]) for c in cases]
