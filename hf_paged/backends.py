@@ -38,6 +38,8 @@ def layer_backend(choice: str | None, pages) -> str:
     """`resolve_backend` for a layer's `LayerPages`: the C kernel reads its page formats (int8 and int4 whatever the
     model's dtype; float pages of its supported dtypes), else "torch" (which reads every format through gathers)."""
     backend = resolve_backend(choice, pages.device)
+    if not getattr(pages, "kernel_readable", True):  # (pages in two tiers, `hf_paged.demotion`: gathered)
+        return "torch"
     if backend != "cpu":
         return backend
     if pages.kv_format == "float":

@@ -19,6 +19,7 @@ from .attention import CompiledRead, PagedKV, read_window, warn_gathered_pages
 from .backends import check_backend, layer_backend
 from .block_manager import MAX_PAGE_SIZE
 from .compiled import CompiledSteps
+from .demotion import check_cold_format, tier_stats
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .layer_groups import LayerGroup, LayerGroups
@@ -285,6 +286,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
+        cold_format: "int4", "int8": ``max_pages`` bounds float pages' bytes, cold pages re-quantized first (demotion).
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
 
@@ -307,15 +309,16 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
-                 prefix_store=None, store_spill: bool = True, per_head_eviction: bool = False,
-                 head_floor: float | None = None):
+                 prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
+                 per_head_eviction: bool = False, head_floor: float | None = None):
         if head_floor is not None:
             raise CacheUsageError("head_floor is the per-head floor of per_head_eviction=True; set both, or neither.")
         check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
         check_positive_int("max_pages", max_pages, allow_none=True)
         _check_arguments(config, model, lru_threshold, kv_format)
         check_backend(backend)
-        self.backend, self.kv_format = backend, kv_format
+        check_cold_format(cold_format, max_pages, kv_format, config or getattr(model, "config", None), prefix_store)
+        self.backend, self.kv_format, self.cold_format = backend, kv_format, cold_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                         observation_window, score_heads, compress_prompt, score_signal)
         super().__init__(layers=[])
@@ -351,7 +354,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
 
     def _group(self, sliding_window: int | None, layer_idx: int) -> LayerGroup:
         return self.groups.for_layer(sliding_window, layer_idx, self.page_size, self.max_pages, self.policy,
-                                     self.per_layer_eviction, self.kv_format)
+                                     self.per_layer_eviction, self.kv_format, self.cold_format)
 
     def _layer(self, layer_idx: int) -> PagedLayer:
         while len(self.layers) <= layer_idx:
@@ -422,7 +425,7 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         """
         self.commit()
         twin = PagedCache(self.page_size, self.max_pages, backend=self.backend, kv_format=self.kv_format)
-        twin.policy = self.policy
+        twin.policy, twin.cold_format = self.policy, self.cold_format  # (the shared groups' managers hold the tiers)
         twin.config = self.config
         if self.token_log is not None:
             twin.token_log = copy.deepcopy(self.token_log)
@@ -496,6 +499,6 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
-        ``kv_bytes`` counts used + cached pages of every layer."""
+        ``kv_bytes`` counts used + cached pages of every layer (cold pages at theirs; `demotion.tier_stats`)."""
         self.commit()
-        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats())
+        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats(), **tier_stats(self.groups))

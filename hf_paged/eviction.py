@@ -420,8 +420,10 @@ class GroupEviction:
         goes in whole (cut at commit, see `committed`)."""
         if self.policy.compress_prompt and fresh and manager.max_pages is not None and needed > manager.available():
             manager.overdraw(True)
-        elif self.policy.lossy and needed > manager.available():
-            self.evict(manager, rows, first_page, num_tokens, needed, last)
+        else:
+            self._demote(manager, rows, first_page, num_tokens, needed)
+            if self.policy.lossy and needed > manager.available():
+                self.evict(manager, rows, first_page, num_tokens, needed, last)
         manager.require(needed, self.policy.lossy)
 
     def committed(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, last) -> None:
@@ -429,7 +431,20 @@ class GroupEviction:
         attention of the prompt's last queries; the pool keeps the prompt's size (its peak)."""
         if manager.overdrawn:
             manager.overdraw(False)
+            self._demote(manager, rows, first_page, num_tokens, 0)
             self.evict(manager, rows, first_page, num_tokens, 0, last)
+
+    def _demote(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int) -> None:
+        """A pool with a cold format (`hf_paged.demotion`) re-quantizes its coldest pages, by this policy's ranking,
+        before anything is evicted; later tokens then differ from a full forward's."""
+        cold = getattr(manager, "cold", None)
+        if cold is not None and cold.make_room(manager, rows, first_page, num_tokens, needed, self.policy.sink_pages,
+                                               self.give_up_order):
+            self.exact_tokens = min(self.exact_tokens, num_tokens)
+
+    def give_up_order(self, pages: np.ndarray, ages: np.ndarray) -> np.ndarray:
+        """Ranks of ``pages`` (lowest: given up first): the policy's score or last use, else their ``ages``."""
+        return self.policy._rank(self.history, pages) if self.policy.tracks_usage else ages.astype(np.float64)
 
     def _evicting(self, max_pages: int, num_tokens: int) -> None:
         """Pages are about to be evicted after ``num_tokens`` tokens (logged once per bound)."""
@@ -471,6 +486,7 @@ class GroupEviction:
         row starts one new page and must evict one for it, and the rows are as ``last`` planned them."""
         S = manager.page_size
         return not (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
+                    or getattr(manager, "cold", None) is not None  # (demotion first: the general path)
                     or q_len > S or last is None or last.read_table is None or last.same_as is not None
                     or last.num_tokens != num_tokens or last.rows != rows)
 
@@ -488,7 +504,7 @@ class GroupEviction:
         """Drop live pages per the policy, round-robin over rows, until ``needed`` pages are free. The rows are
         ranked through ``last``'s page table (a numpy view) when the group's last plan ``last`` planned them as
         they are, else converted from their lists."""
-        self._evicting(manager.max_pages, num_tokens)
+        self._evicting(manager.bound, num_tokens)
         tables = last.table.numpy() if last is not None and last.rows == rows else rows  # rows as arrays: no copy
         while manager.available() < needed:
             evicted = False

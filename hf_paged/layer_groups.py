@@ -20,6 +20,7 @@ import weakref
 
 from .attention import PagedView
 from .block_manager import BlockManager
+from .demotion import TieredBlockManager
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy, GroupEviction, plan_stacked, record_together
 from .page_store import PageStore
@@ -290,13 +291,16 @@ class LayerGroups(dict):
     stack = None
 
     def for_layer(self, sliding_window: int | None, layer_idx: int, page_size: int, max_pages: int | None,
-                  policy: EvictionPolicy, per_layer: bool, kv_format: str = "float") -> LayerGroup:
+                  policy: EvictionPolicy, per_layer: bool, kv_format: str = "float",
+                  cold_format: str | None = None) -> LayerGroup:
         """The group of a layer, made on first use: the layers of one sliding window share one, or each layer
         has its own when it chooses its own victims (``per_layer``, keyed ``(window, layer)``); its pages in
-        ``kv_format``."""
+        ``kv_format`` (with a ``cold_format``, a byte budget that demotes pages first: `hf_paged.demotion`)."""
         key = (sliding_window, layer_idx) if per_layer else sliding_window
         if key not in self:
-            self[key] = LayerGroup(BlockManager(page_size, max_pages), sliding_window, policy, kv_format=kv_format)
+            manager = (BlockManager(page_size, max_pages) if cold_format is None
+                       else TieredBlockManager(page_size, max_pages, cold_format))
+            self[key] = LayerGroup(manager, sliding_window, policy, kv_format=kv_format)
         return self[key]
 
     def keep(self, groups: set[int]) -> None:
@@ -418,7 +422,7 @@ class LayerGroups(dict):
                                    evictions=group.eviction.evictions if group.eviction else 0,
                                    prefix_hits=group.prefix_hits).items():
                 out[key] += value
-            out["kv_bytes"] += (m.num_used + len(m.cached)) * group.store.page_bytes() + group.store.residual_bytes()
+            out["kv_bytes"] += group.store.held_bytes()
             out["pool_bytes"] += group.store.pool_bytes()
         out["tokens_held"] = self.tokens_held()
         for index in {id(g.prefix): g.prefix for g in self.values()}.values():  # listeners' counters (a prefix store)

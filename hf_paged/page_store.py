@@ -164,8 +164,10 @@ class PageStore:
         """The pages of ``layer_idx`` for keys/values shaped ``[.., heads, tokens, dim]``, made if new."""
         pages = self.layers.get(layer_idx)
         if pages is None:
-            pages = make_layer_pages(self.kv_format, self.page_size, keys.shape[1], keys.shape[3], values.shape[3],
-                                     keys.dtype, keys.device)
+            tiers = getattr(self.manager, "cold", None)  # a byte budget with a cold format: `hf_paged.demotion`
+            make = make_layer_pages if tiers is None else lambda *a: tiers.make_layer(layer_idx, *a[1:])
+            pages = make(self.kv_format, self.page_size, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype,
+                         keys.device)
             self.layers[layer_idx] = pages
         return pages
 
@@ -238,10 +240,16 @@ class PageStore:
         """Bytes of the float copies every layer keeps of its partial pages (int4's keys; 0 for other formats)."""
         return sum(pages.residual_bytes() for pages in self.layers.values())
 
+    def held_bytes(self) -> int:
+        """Bytes of the manager's used + cached pages in every layer (scales and residuals included)."""
+        held = self.manager.num_used + len(self.manager.cached)
+        return sum(pages.held_bytes(held) if hasattr(pages, "held_bytes") else held * pages.page_bytes()
+                   for pages in self.layers.values()) + self.residual_bytes()
+
     def pool_bytes(self) -> int:
         """Bytes allocated for every layer's pages (and residual copies)."""
-        return sum(pages.page_bytes() * pages.num_pages + _residual_pool_bytes(pages)
-                   for pages in self.layers.values())
+        return sum(pages.pool_bytes() if hasattr(pages, "pool_bytes") else
+                   pages.page_bytes() * pages.num_pages + _residual_pool_bytes(pages) for pages in self.layers.values())
 
 
 def _residual_pool_bytes(pages: FloatPages | QuantizedPages) -> int:

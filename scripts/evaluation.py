@@ -4,10 +4,13 @@ Tasks (``--tasks``, comma-separated; one core: the same text, model, token ids a
 
 ``continuation``: each of ``--windows`` windows of the text is a context of ``--context`` tokens
   and the next ``--continuation`` tokens; the context is held to a budget B (``--budgets``) and the
-  perplexity of the continuation is compared with the full cache's (excess perplexity, pooled NLL).
+  perplexity of the continuation is compared with the full cache's (excess perplexity, pooled NLL), and each
+  bounded row with the full cache and the best press of its budget by a paired bootstrap interval over blocks of
+  ``--block`` scored tokens.
 ``passkey``: a pass key hidden at ``--depths`` of a filler text of ``--lengths`` tokens, the question
-  after it (inside the prompt); greedy answer, exact match of the key (``evaluate``), as heatmaps of
-  length x depth per method and budget.
+  after it (inside the prompt; ``--passkey-prompt chat``, the default: in the model's chat template, the assistant's
+  answer begun); greedy answer, exact match of the key (``evaluate``), as heatmaps of length x depth per method and
+  budget.
 ``streaming``: perplexity of the first ``--max-tokens`` tokens streamed through one bounded cache
   per policy and budget, through the `evaluate` perplexity module (integrations/perplexity_metric).
 
@@ -22,7 +25,9 @@ Policies (``--policies``): ``score`` (default of a bounded cache), ``lru``, ``fi
 
 kvpress (``--kvpress auto``): when ``.venv-kvpress`` exists (``scripts/make_kvpress_env.sh``), the same
 tasks run there through kvpress's presses (scripts/kvpress_runner.py) on the same model folder and
-token ids, and land in the same tables; without it they are reported as not run.
+token ids, and land in the same tables; without it they are reported as not run. ``adakv_snapkv`` and
+``adakv_expected_attention`` are kvpress's AdaKVPress (head-wise budgets) around those presses, run per budget
+through ``with press(model)``: AdaKV masks the keys it prunes, so its cache holds the whole context.
 
 Page formats (``--kv-format float,int8,int4``): every quantized format adds an unbounded PagedCache row (what the
 format alone costs against the full cache) and its own bounded rows (``PagedCache(kv_format=...)``).
@@ -46,7 +51,9 @@ import torch  # noqa: E402
 from hf_paged import assets  # noqa: E402
 from hf_paged.evaluation import long_context as study  # noqa: E402
 from hf_paged.evaluation.formats import value_list  # noqa: E402
-from hf_paged.evaluation.long_context import DEFAULT_POLICIES, POLICIES, PRESSES, QUICK, REGIMES, TASKS  # noqa: E402
+from hf_paged.demotion import COLD_FORMATS  # noqa: E402
+from hf_paged.evaluation.long_context import (DEFAULT_POLICIES, PASSKEY_PROMPTS, POLICIES, PRESSES, QUICK,  # noqa: E402
+                                              REGIMES, TASKS)
 from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
 
 CPU_FORMATS = tuple(f for f in KV_FORMATS if f != "fp8_e4m3")  # fp8 pages need CUDA
@@ -68,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-format", type=value_list(str), default="float",
                    help=f"comma-separated page formats of the hf_paged caches, of {', '.join(CPU_FORMATS)}: each "
                    "quantized one adds an unbounded row and its own bounded rows (PagedCache(kv_format=...))")
+    p.add_argument("--cold-format", type=value_list(str), default=[],
+                   help="comma-separated cold formats (int4, int8): each adds bounded rows of float pages that hold B "
+                   "float tokens' bytes per layer, the coldest pages re-quantized to it before any eviction "
+                   "(PagedCache(max_pages=B, cold_format=...))")
     p.add_argument("--page-size", type=int, default=1, help="PagedCache page size (1 keeps best when bounded)")
     p.add_argument("--score-decay", type=float, default=None,
                    help="continuation/passkey caches: PagedCache(score_decay=...); none: by page size")
@@ -91,12 +102,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=value_list(int), default="512,1280", help="passkey: prompt lengths (tokens)")
     p.add_argument("--depths", type=value_list(float), default="0.1,0.5,0.9", help="passkey: needle depths")
     p.add_argument("--passkey-budgets", type=value_list(int), default="128,256")
+    p.add_argument("--passkey-prompt", choices=PASSKEY_PROMPTS, default="chat",
+                   help="passkey: the prompt in the model's chat template (the assistant's answer begun), or plain "
+                   "text")
     p.add_argument("--trials", type=int, default=2, help="passkey: keys (and filler offsets) per cell")
     p.add_argument("--new-tokens", type=int, default=6, help="passkey: greedy tokens generated")
     p.add_argument("--max-tokens", type=int, default=4096, help="streaming task: tokens of the text")
     p.add_argument("--streaming-budgets", type=value_list(int), default="128,256,512")
     p.add_argument("--kvpress", default="auto", help="'auto' (.venv-kvpress if present), 'off', or a python path")
-    p.add_argument("--presses", type=value_list(str), default=",".join(PRESSES))
+    p.add_argument("--presses", type=value_list(str), default=",".join(PRESSES),
+                   help="kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets) around <press>")
+    p.add_argument("--block", type=int, default=64,
+                   help="continuation: scored tokens per block of the paired bootstrap intervals")
     p.add_argument("--quick", action="store_true", help="a few small cases (CI)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu", action="store_true")
@@ -108,6 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for k, v in QUICK.items():
             setattr(args, k, v)
     for name, allowed in (("tasks", TASKS), ("regimes", REGIMES), ("policies", POLICIES), ("presses", PRESSES),
+                          ("cold_format", COLD_FORMATS),
                           ("kv_format", CPU_FORMATS if args.cpu or not torch.cuda.is_available() else KV_FORMATS)):
         bad = [x for x in getattr(args, name) if x not in allowed]
         if bad:
@@ -121,8 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--score-decay must be in [0, 1)")
     if (args.observation_window is not None and args.observation_window < 1) or args.recent_pages < 0:
         p.error("--observation-window must be positive and --recent-pages non-negative")
-    if min(args.windows, args.context, args.continuation, args.trials, args.chunk, args.new_tokens) <= 0:
-        p.error("--windows, --context, --continuation, --trials, --chunk, --new-tokens must be positive")
+    if min(args.windows, args.context, args.continuation, args.trials, args.chunk, args.new_tokens, args.block) <= 0:
+        p.error("--windows, --context, --continuation, --trials, --chunk, --new-tokens, --block must be positive")
     return args
 
 

@@ -8,11 +8,16 @@ the standard library. ``scripts/make_kvpress_env.sh`` makes ``.venv-kvpress``, a
 
     .venv-kvpress/bin/python scripts/kvpress_runner.py request.json answer.json
 
-Every press compresses after prefill (what kvpress does): the prompt is prefilled whole, then each
-layer keeps ``budget`` tokens per KV head (``compression_ratio = 1 - budget / prompt length``).
+Every press compresses after prefill (what kvpress does): the prompt is prefilled whole under ``with press(model)``,
+then each layer keeps ``budget`` tokens per KV head (``compression_ratio = 1 - budget / prompt length``).
+``adakv_<press>`` is ``AdaKVPress(<press>)``: the layer's ``budget x KV heads`` tokens chosen across its heads (each
+head at least 20% of ``budget``, kvpress's ``alpha_safeguard``); it masks the keys it prunes (kvpress's attention
+patch, in every later forward) instead of removing them, so its cache holds the whole context and its rows are run
+the real way, per budget.
 Later tokens get explicit positions (the compressed cache's length is not the number of tokens seen).
 - continuation: prefill the context with the press, then one forward of the continuation over the
-  compressed cache (which grows by the continuation); returns the NLL of every continuation token.
+  compressed cache (which grows by the continuation); returns the NLL of every continuation token and the tokens
+  the cache held per layer after the prefill.
 - passkey: prefill the prompt (question included) with the press, then greedy decoding; returns the
   generated token ids.
 """
@@ -41,14 +46,18 @@ def load(name: str):
 nll = load("nll")
 
 
-def presses(names: list[str], ratio: float):
+ADAKV = "adakv_"  # as in hf_paged.evaluation.long_context: AdaKVPress around the press named after it
+
+
+def make_press(name: str, ratio: float):
+    """The kvpress press ``name`` at ``compression_ratio=ratio``; ``adakv_<press>``: AdaKVPress around ``<press>``."""
     import kvpress
 
-    made = {"streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
-            "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
-            "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
-            "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio)}
-    return {name: made[name]() for name in names}
+    single = {"streaming_llm": kvpress.StreamingLLMPress, "tova": kvpress.TOVAPress,
+              "expected_attention": kvpress.ExpectedAttentionPress, "snapkv": kvpress.SnapKVPress}
+    if name.startswith(ADAKV):
+        return kvpress.AdaKVPress(single[name[len(ADAKV):]](compression_ratio=ratio))
+    return single[name](compression_ratio=ratio)
 
 
 def ratio_for(budget: int, length: int) -> float:
@@ -66,9 +75,11 @@ def pressed_prefill(model, press, ids: list[int]):
     return stream, logits
 
 
-def continuation_nll(model, press, ids: list[int], context: int) -> list[float]:
+def continuation_nll(model, press, ids: list[int], context: int) -> tuple[list[float], int]:
+    """(NLL of every token of ``ids[context:]``, tokens the cache held per layer after the pressed prefill)."""
     stream, logits = pressed_prefill(model, press, ids[:context])
-    return stream.score_after(logits, torch.tensor(ids[context:])).tolist()
+    held = stream.cache.get_seq_length()
+    return stream.score_after(logits, torch.tensor(ids[context:])).tolist(), held
 
 
 def greedy(model, press, ids: list[int], new_tokens: int) -> list[int]:
@@ -91,12 +102,13 @@ def main(request_path: str, answer_path: str) -> int:
     if cont:
         jobs = [(name, b) for b in cont["budgets"] for name in req["presses"]]
         for name, budget in tqdm(jobs, desc="kvpress continuation", disable=req.get("quiet")):
-            press = presses([name], ratio_for(budget, cont["context"]))[name]
+            press = make_press(name, ratio_for(budget, cont["context"]))
             scored = [continuation_nll(model, press, ids, cont["context"]) for ids in cont["windows"]]
-            answer["continuation"].append(dict(press=name, budget=budget, nll=scored))
+            answer["continuation"].append(dict(press=name, budget=budget, nll=[n for n, _ in scored],
+                                               held=[h for _, h in scored]))
     for case in tqdm(req.get("passkey", []), desc="kvpress passkey", disable=req.get("quiet")):
         for name in req["presses"]:
-            press = presses([name], ratio_for(case["budget"], len(case["ids"])))[name]
+            press = make_press(name, ratio_for(case["budget"], len(case["ids"])))
             answer["passkey"].append(dict(case=case["case"], budget=case["budget"], press=name,
                                           tokens=greedy(model, press, case["ids"], req["new_tokens"])))
     open(answer_path, "w", encoding="utf-8").write(json.dumps(answer) + "\n")

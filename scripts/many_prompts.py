@@ -18,7 +18,8 @@ alternately (order rotated every repeat), medians over ``--repeats``:
   (`hf_paged.pack_linear_weights`);
 * ``generate_many compiled`` (``--compile``): `generate_many(compile=True)` (`hf_paged.compile_many_steps`: inductor,
   weights frozen and packed, q/k/v and gate/up merged, elementwise work fused) on its own copy of the model, after
-  an untimed pass that compiles it;
+  an untimed pass that compiles it; ``--compile-batch-tokens 256,1024,4096`` runs it once per step budget, a row
+  each (``generate_many compiled (1024)``; the graphs take any step size: one compile serves them all);
 * ``vLLM CPU`` (``--vllm``; when ``.venv-vllm`` exists, made by ``scripts/make_vllm_env.sh``): vLLM's engine on
   the same token ids and weights (float32, greedy, the same threads, its default steps) in its own process
   (scripts/vllm_runner.py); otherwise its row reads "not run".
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 
 from hf_paged.evaluation import many_prompts as study
+from hf_paged.evaluation.formats import int_list
 from hf_paged.kv_formats import KV_FORMATS
 
 
@@ -58,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--systems", default=",".join(study.SYSTEMS), help="the systems to run, comma separated (the "
                    "first is the reference of 'vs' and 'tokens equal'); vLLM CPU joins them when present")
     p.add_argument("--compile", action="store_true", help="add generate_many(compile=True) (its compile pass untimed)")
+    p.add_argument("--compile-batch-tokens", type=int_list, default=None, help="with --compile: the compiled row "
+                   "once per step budget, e.g. 256,1024,4096 (default: --max-batch-tokens)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefix-store", default=None, help="generate_many's prefix store (a folder, file:///dir or "
                    "redis://host:port/db); from the second repeat on it holds every prompt")

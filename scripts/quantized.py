@@ -7,14 +7,15 @@ layer's keys and values as a page scheme would hand them back (quantized, then d
 functions of `hf_paged.kv_formats`). int8 quantizes every token on its own when it is
 written, so one forward scores exactly what decoding would; int4's keys are per channel within a page: one
 forward quantizes every full page as decoding would once it fills, and the last partial page over the tokens
-it holds. Rows: float32 (the reference),
-bfloat16, the formats "int8" and "int4", and the int4 alternatives the choice was made among (keys not
-rotated, key groups of 32 or one a head, values not rotated, and KIVI's keys per channel within each page
-of ``--page-size`` tokens, the partial last page kept in float32: in one forward every full page is
-quantized, which decoding would do only once the page fills). Per row: perplexity relative to float32 with a
-95% paired bootstrap interval over blocks of ``--block`` tokens (`hf_paged.evaluation.intervals`), the mean
-KL divergence from float32's next-token distribution (a steadier measure of the damage than one text's
-perplexity), top-1 agreement, and KV bytes per token of the whole model, scales included, against float32.
+it holds. Rows: float32 (the reference), bfloat16, the formats "int8" and "int4", int4 with its first page (the
+attention sinks) kept in float32, bfloat16 or int8 (bytes counted over the text's tokens) or with values in groups
+of 32, and the int4 alternatives the choice was made among (keys per token: not rotated, groups of 32 or one a
+head, values not rotated; and KIVI's keys per channel within each page of ``--page-size`` tokens, the partial last
+page kept in float32: in one forward every full page is quantized, which decoding would do only once the page
+fills). Per row: perplexity relative to float32 with a 95% paired bootstrap interval over blocks of ``--block``
+tokens (`hf_paged.evaluation.intervals`), the mean KL divergence from float32's next-token distribution (a
+steadier measure of the damage than one text's perplexity), top-1 agreement, and KV bytes per token of the whole
+model, scales included, against float32.
 
 Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query heads, 3 KV heads, head dim
 64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,

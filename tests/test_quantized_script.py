@@ -3,6 +3,7 @@ trips), KIVI's simulation, the speed part end to end on small shapes (fast), and
 SmolLM2 (slow)."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -37,6 +38,28 @@ def test_format_schemes_hand_back_what_the_pages_store_and_count_their_bytes():
         assert schemes[name].bytes_per_head == pages.page_bytes() / (S * H)
     assert schemes["int8"].bytes_per_head / schemes["float32"].bytes_per_head <= 0.27
     assert schemes["int4"].bytes_per_head / schemes["float32"].bytes_per_head <= 0.16
+
+
+def test_first_page_schemes_keep_the_attention_sinks_and_count_their_bytes():
+    """int4 with the first page kept in float32: through `SimulatedPages`, fed in two updates that split the first
+    page, the first page's keys and values read back exact and every later token as int4's; its bytes are int4's
+    plus the first page's extra float32 bytes spread over the text's tokens."""
+    S, H, D, T = 4, 2, 8, 13
+    schemes = {s.name: s for s in quantized.schemes(D, S, tokens=T)}
+    sinks, int4 = schemes["int4, first page float32 (attention sinks)"], schemes["int4"]
+    assert sinks.bytes_per_head == pytest.approx(int4.bytes_per_head + S * (8 * D - int4.bytes_per_head) / T)
+    g = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    got, want = study.SimulatedPages(sinks), study.SimulatedPages(int4)
+    for cache in (got, want):
+        cache.update(keys[:, :, :2], values[:, :, :2], 0)
+        read_keys, read_values = cache.update(keys[:, :, 2:], values[:, :, 2:], 0)
+        if cache is got:
+            assert torch.equal(read_keys[:, :, :S], keys[:, :, :S]) and torch.equal(read_values[:, :, :S],
+                                                                                    values[:, :, :S])
+            sink_read = read_keys[:, :, S:], read_values[:, :, S:]
+    assert torch.equal(sink_read[0], read_keys[:, :, S:]) and torch.equal(sink_read[1], read_values[:, :, S:])
+    assert not torch.equal(read_keys[:, :, :S], keys[:, :, :S])  # int4 alone changes the first page
 
 
 def test_kivi_keys_quantize_full_pages_per_channel_and_leave_the_last_partial_page():
@@ -119,3 +142,17 @@ def test_decode_part_times_every_cache_against_float_pages(tmp_path):
     one, two = ({r["cache"]: r["kv_bytes"] for r in decode["results"] if r["batch"] == b} for b in (1, 2))
     assert all(two[name] > one[name] for name in names)  # the rows of a batch hold pages of their own
     assert "| 48 | 2 | int4 |" in (tmp_path / "quantized.md").read_text()
+    assert all(r["peak_rss"] > 0 for r in decode["results"])
+
+
+def test_release_memory_trims_the_heap(monkeypatch):
+    """The decode part's process grew past what its caches held (a 4k-token batch-8 run to 7.9 GB): once glibc
+    has freed a large block it serves blocks of that size from its heap, whose freed holes stay resident.
+    `release_memory` (between timed runs) collects and hands them back with ``malloc_trim(0)``; without glibc it
+    only collects."""
+    calls = []
+    monkeypatch.setattr(study, "_libc", lambda: types.SimpleNamespace(malloc_trim=calls.append))
+    study.release_memory()
+    assert calls == [0]
+    monkeypatch.setattr(study, "_libc", lambda: False)
+    study.release_memory()

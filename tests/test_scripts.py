@@ -192,6 +192,19 @@ def test_many_prompts_systems_default_to_all_and_unknown_names_are_refused(capsy
     assert "unknown ['vllm']" in capsys.readouterr().err
 
 
+def test_many_prompts_compiled_row_per_step_budget():
+    """--compile-batch-tokens makes one compiled row per step budget; without it the one row keeps its name."""
+    many = load_script("many_prompts")
+    args = many.parse_args(["--compile"])
+    assert args.compile_batch_tokens is None
+    assert many.study.compiled_systems(args) == {"generate_many compiled": 256}
+    args = many.parse_args(["--compile", "--max-batch-tokens", "512", "--compile-batch-tokens", "512"])
+    assert many.study.compiled_systems(args) == {"generate_many compiled": 512}
+    args = many.parse_args(["--compile", "--compile-batch-tokens", "256, 4096"])
+    assert many.study.compiled_systems(args) == {"generate_many compiled (256)": 256,
+                                                 "generate_many compiled (4096)": 4096}
+
+
 def _config(dynamic: list[float], paged: list[float]) -> dict:
     """A benchmark configuration entry with these decode speeds per repetition (other fields constant)."""
     runs = lambda speeds: [dict(decode_tok_s=v, prefill_tok_s=100.0) for v in speeds]  # noqa: E731

@@ -16,6 +16,7 @@ import re
 import subprocess
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -34,11 +35,14 @@ TASKS = ("continuation", "passkey", "streaming")
 REGIMES = ("streaming", "compress", "compress+grow")
 DEFAULT_POLICIES = ("score", "lru", "fifo+sinks")
 POLICIES = (*DEFAULT_POLICIES, "score+heads")  # score+heads: "score" per KV head (per_head_eviction, page size 1)
-PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv")
+# kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets, pruned keys masked) around <press>
+PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv", "adakv_snapkv", "adakv_expected_attention")
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 PROMPT = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+CHAT_QUESTION, CHAT_ANSWER = "\n\nWhat is the pass key?", "The pass key is"
+PASSKEY_PROMPTS = ("chat", "plain")
 QUICK = dict(windows=1, context=96, continuation=32, budgets=[32], lengths=[128], depths=[0.5],
              passkey_budgets=[32], trials=1, max_tokens=128, streaming_budgets=[32], page_size=8, chunk=8)
 
@@ -52,8 +56,17 @@ def policy_kwargs(policy: str) -> dict:
 
 
 def method_name(base: str, kv_format: str) -> str:
-    """A method's name in the tables: ``base`` with the page format unless it is "float"."""
+    """A method's name in the tables: ``base`` with the page format unless it is "float" ("float+int4": float pages
+    demoted to int4 under the budget's bytes)."""
+    if "+" in kv_format:
+        return f"{base}, cold {kv_format.split('+')[1]}"
     return base if kv_format == "float" else f"{base} {kv_format}"
+
+
+def bounded_formats(args) -> list[str]:
+    """The page formats of the bounded rows: each ``--kv-format``, then ``float+<cold>`` per ``--cold-format``
+    (`PagedCache(cold_format=...)`: B float tokens' bytes per layer, the coldest pages re-quantized first)."""
+    return list(args.kv_format) + [f"float+{cold}" for cold in getattr(args, "cold_format", None) or ()]
 
 
 def unbounded_jobs(args, task: str, **where) -> list[dict]:
@@ -79,8 +92,9 @@ def job_cache(job, models, args):
 
 
 def bounded_cache(model, args, policy: str, regime: str, budget: int, kv_format: str = "float") -> hf_paged.PagedCache:
+    kv_format, _, cold_format = kv_format.partition("+")
     return hf_paged.PagedCache(page_size=args.page_size, max_pages=budget // args.page_size, config=model.config,
-                               kv_format=kv_format,
+                               kv_format=kv_format, cold_format=cold_format or None,
                                compress_prompt=regime.startswith("compress"),
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
                                score_decay=args.score_decay, observation_window=args.observation_window,
@@ -129,7 +143,7 @@ def continuation_nll(model, cache, x: torch.Tensor, context: int, regime: str, c
 
 def continuation_jobs(args) -> list[dict]:
     jobs = [job for w in range(args.windows) for job in unbounded_jobs(args, "continuation", window=w)]
-    for kv_format, regime, policy, budget in itertools.product(args.kv_format, args.regimes, args.policies,
+    for kv_format, regime, policy, budget in itertools.product(bounded_formats(args), args.regimes, args.policies,
                                                                args.budgets):
         jobs += [dict(task="continuation", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
                       policy=policy, budget=budget, kv_format=kv_format, window=w) for w in range(args.windows)]
@@ -141,17 +155,72 @@ def run_continuation_job(job, models, ids, args) -> dict:
     x = ids[job["window"] * span:(job["window"] + 1) * span]
     model, cache = job_cache(job, models, args)
     nll, peak = continuation_nll(model, cache, x, args.context, job["regime"], args.chunk)
-    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak)
+    out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak, nll=nll.tolist(),
+               block_nll=[math.fsum(block.tolist()) for block in nll.split(64)])  # (paired intervals, 64-token blocks)
     if isinstance(cache, hf_paged.PagedCache):
         stats = cache.stats()
-        out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"])
+        out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"], kv_bytes=stats["kv_bytes"])
     return out
 
 
-def summarize_continuation(results: list[dict], kv: dict | None) -> dict:
-    groups: dict[tuple, list] = {}
+def window_blocks(rs: list[dict], block: int) -> tuple[list[float], list[int]] | None:
+    """(NLL sums, token counts) of a row's blocks: each window's scored tokens in runs of ``block`` (the last one
+    shorter), windows in order; None when a job kept no per-token NLL."""
+    if any("nll" not in r for r in rs):
+        return None
+    sums, counts = [], []
+    for r in sorted(rs, key=lambda r: r["window"]):
+        for i in range(0, len(r["nll"]), block):
+            sums.append(math.fsum(r["nll"][i:i + block]))
+            counts.append(len(r["nll"][i:i + block]))
+    return sums, counts
+
+
+def best_presses(rows: list[dict]) -> dict:
+    """budget -> the kvpress row of lowest perplexity at that budget."""
+    best: dict = {}
+    for r in rows:
+        if r["library"] == "kvpress" and (r["budget"] not in best or r["perplexity"] < best[r["budget"]]["perplexity"]):
+            best[r["budget"]] = r
+    return best
+
+
+def paired_against(rows: list[dict], blocks: dict, confidence: float = 0.95) -> list[dict]:
+    """Each bounded row's perplexity relative to the full cache's and to the best press of its budget (`best_presses`;
+    not the press itself), ``ratio = ppl / ppl_ref - 1`` with a paired bootstrap interval over the windows' blocks
+    (`intervals.paired_ratio_interval`): an interval that excludes 0 is a difference that holds across the blocks.
+    Rows without blocks (or with other blocks than the reference's) are left out."""
+    from .intervals import paired_ratio_interval
+
+    def key(row):
+        return row["method"], row["regime"], row["budget"]
+
+    full = next(r for r in rows if r["method"] == "full")
+    best = best_presses(rows)
+    out = []
+    for r in rows:
+        if r["budget"] is None:
+            continue
+        for kind, ref in (("full", full), ("best press", best.get(r["budget"]))):
+            if ref is None or ref is r or blocks.get(key(r)) is None or blocks.get(key(ref)) is None:
+                continue
+            (mine, counts), (theirs, ref_counts) = blocks[key(r)], blocks[key(ref)]
+            if counts != ref_counts:
+                continue
+            ratio, low, high = paired_ratio_interval(mine, theirs, counts, confidence)
+            out.append(dict(method=r["method"], regime=r["regime"], budget=r["budget"], against=kind,
+                            reference=ref["method"], ratio=ratio, low=low, high=high, confidence=confidence,
+                            blocks=len(counts)))
+    return out
+
+
+def summarize_continuation(results: list[dict], kv: dict | None, block: int = 64) -> dict:
+    """Rows per (method, regime, budget): pooled perplexity, excess over the full cache, tokens held; and
+    ``paired``: each bounded row against the full cache and the best press of its budget (`paired_against`, over
+    blocks of ``block`` scored tokens)."""
+    groups: dict[tuple, list] = defaultdict(list)
     for r in results:
-        groups.setdefault((r["method"], r["regime"], r["budget"]), []).append(r)
+        groups[(r["method"], r["regime"], r["budget"])].append(r)
     rows = []
     for (method, regime, budget), rs in groups.items():
         nll, tokens = math.fsum(r["nll_sum"] for r in rs), sum(r["tokens"] for r in rs)
@@ -161,24 +230,44 @@ def summarize_continuation(results: list[dict], kv: dict | None) -> dict:
                          peak_tokens_held=max((r.get("peak_tokens_held") or 0) for r in rs),
                          tokens_held_after=max((r.get("tokens_held") or 0) for r in rs),
                          evictions=sum(r.get("evictions", 0) for r in rs)))
+        if any("prefill_tokens_held" in r for r in rs):  # kvpress: what its cache holds after the compressed prefill
+            rows[-1]["prefill_tokens_held"] = max(r.get("prefill_tokens_held") or 0 for r in rs)
     full = next(r["perplexity"] for r in rows if r["method"] == "full")
     for r in rows:
         r["excess"] = r["perplexity"] / full - 1
         r["within_budget"] = r["budget"] is None or r["peak_tokens_held"] <= r["budget"]
-    return dict(full_perplexity=full, rows=rows, kvpress=kv)
+    blocks = {key: window_blocks(rs, block) for key, rs in groups.items()}
+    return dict(full_perplexity=full, rows=rows, kvpress=kv, block=block, paired=paired_against(rows, blocks))
 
 
 # ---------------------------------------------------------------------------------------- passkey
+def passkey_frame(tokenizer, style: str) -> tuple[str, str]:
+    """(text before the filler, text after it) of a pass-key prompt. ``plain``: the intro, then the question ending
+    in "The pass key is"; ``chat``: intro, filler and question as the user's turn of the tokenizer's chat template,
+    then the assistant's turn, begun with "The pass key is"."""
+    if style == "plain":
+        return PROMPT, QUESTION
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("--passkey-prompt chat: the tokenizer has no chat template; use --passkey-prompt plain")
+    marker = "\x00filler\x00"
+    rendered = tokenizer.apply_chat_template([dict(role="user", content=PROMPT + marker + CHAT_QUESTION)],
+                                             tokenize=False, add_generation_prompt=True)
+    before, after = rendered.split(marker)
+    return before, after + CHAT_ANSWER
+
+
 def passkey_cases(args, tokenizer, filler: torch.Tensor) -> list[dict]:
-    """Prompts of exactly ``length`` tokens: intro, filler with the needle at ``depth``, question."""
+    """Prompts of exactly ``length`` tokens: intro, filler with the needle at ``depth``, question
+    (`passkey_frame` of ``args.passkey_prompt``)."""
     g = torch.Generator().manual_seed(0)
     enc = lambda s: tokenizer(s, add_special_tokens=False, return_tensors="pt").input_ids[0]  # noqa: E731
+    before, after = passkey_frame(tokenizer, args.passkey_prompt)
     cases = []
     for length in args.lengths:
         for depth in args.depths:
             for trial in range(args.trials):
                 key = str(int(torch.randint(10000, 100000, (1,), generator=g)))
-                head, needle, question = enc(PROMPT), enc(NEEDLE.format(key=key)), enc(QUESTION)
+                head, needle, question = enc(before), enc(NEEDLE.format(key=key)), enc(after)
                 n = length - len(head) - len(needle) - len(question)
                 if n <= 0:
                     raise SystemExit(f"--lengths: {length} tokens leave no room for filler text")
@@ -195,7 +284,7 @@ def passkey_cases(args, tokenizer, filler: torch.Tensor) -> list[dict]:
 
 def passkey_jobs(args, cases) -> list[dict]:
     jobs = [job for c in cases for job in unbounded_jobs(args, "passkey", case=c["case"])]
-    for kv_format, regime, policy, budget in itertools.product(args.kv_format, args.regimes, args.policies,
+    for kv_format, regime, policy, budget in itertools.product(bounded_formats(args), args.regimes, args.policies,
                                                                args.passkey_budgets):
         jobs += [dict(task="passkey", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
                       policy=policy, budget=budget, kv_format=kv_format, case=c["case"]) for c in cases]
@@ -274,12 +363,9 @@ def kvpress_python(choice: str) -> Path | None:
     return path if path.exists() else None
 
 
-def run_kvpress(args, ids, cases) -> tuple[dict, list, list]:
-    """(status, continuation results, passkey results) of the presses, run in kvpress's environment."""
-    python = kvpress_python(args.kvpress)
-    if python is None:
-        why = "off" if args.kvpress == "off" else f"{KVPRESS_PYTHON if args.kvpress == 'auto' else args.kvpress} absent"
-        return dict(status=f"not run ({why}; scripts/make_kvpress_env.sh makes .venv-kvpress)"), [], []
+def kvpress_request(args, ids, cases) -> dict:
+    """What scripts/kvpress_runner.py runs: the model folder, the presses (`PRESSES`; ``adakv_<press>`` is
+    AdaKVPress around ``<press>``), and the token ids of every continuation window and pass-key case."""
     span = args.context + args.continuation
     request = dict(model=assets.resolve_model_path(args.model), dtype=args.dtype, threads=args.threads,
                    presses=args.presses, new_tokens=args.new_tokens, quiet=args.no_progress)
@@ -288,26 +374,79 @@ def run_kvpress(args, ids, cases) -> tuple[dict, list, list]:
             ids[w * span:(w + 1) * span].tolist() for w in range(args.windows)])
     if "passkey" in args.tasks:
         request["passkey"] = [dict(case=c["case"], budget=b, ids=c["ids"]) for b in args.passkey_budgets for c in cases]
+    return request
+
+
+def kvpress_results(answer: dict) -> tuple[list, list]:
+    """(continuation results, passkey results) of the runner's answer, as job results of the compress+grow regime:
+    per window the NLL of every continuation token, and what the press's cache held after the prefill (the full
+    context for AdaKV, which masks pruned keys instead of removing them); per case the generated tokens."""
+    cont = []
+    for r in answer["continuation"]:
+        held = r.get("held") or [None] * len(r["nll"])
+        cont += [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], window=w,
+                      nll_sum=math.fsum(nll), tokens=len(nll), nll=nll, peak_tokens_held=None,
+                      prefill_tokens_held=h) for w, (nll, h) in enumerate(zip(r["nll"], held))]
+    pk = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], case=r["case"],
+               tokens=r["tokens"], peak_tokens_held=None) for r in answer["passkey"]]
+    return cont, pk
+
+
+def run_kvpress(args, ids, cases) -> tuple[dict, list, list]:
+    """(status, continuation results, passkey results) of the presses, run in kvpress's environment; without it
+    the status says why nothing ran."""
+    python = kvpress_python(args.kvpress)
+    if python is None:
+        why = "off" if args.kvpress == "off" else f"{KVPRESS_PYTHON if args.kvpress == 'auto' else args.kvpress} absent"
+        return dict(status=f"not run ({why}; scripts/make_kvpress_env.sh makes .venv-kvpress)"), [], []
     with tempfile.TemporaryDirectory() as tmp:
         req, ans = Path(tmp) / "request.json", Path(tmp) / "answer.json"
-        req.write_text(json.dumps(request), encoding="utf-8")
+        req.write_text(json.dumps(kvpress_request(args, ids, cases)), encoding="utf-8")
         t0 = time.perf_counter()
         proc = subprocess.run([str(python), str(ROOT / "scripts" / "kvpress_runner.py"), str(req), str(ans)])
         if proc.returncode != 0:
             return dict(status=f"failed (exit status {proc.returncode})"), [], []
         answer = json.loads(ans.read_text(encoding="utf-8"))
     status = dict(status="ok", versions=answer["versions"], wall_s=time.perf_counter() - t0)
-    cont = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], window=w,
-                 nll_sum=math.fsum(nll), tokens=len(nll), peak_tokens_held=None)
-            for r in answer["continuation"] for w, nll in enumerate(r["nll"])]
-    pk = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], case=r["case"],
-               tokens=r["tokens"], peak_tokens_held=None) for r in answer["passkey"]]
-    return status, cont, pk
+    return (status, *kvpress_results(answer))
 
 
 # ----------------------------------------------------------------------------------------- output
 def _pct(x) -> str:
     return "—" if x is None else f"{100 * x:+.1f}%"
+
+
+def _interval(p: dict) -> str:
+    return f"{100 * p['ratio']:+.2f}% [{100 * p['low']:+.2f}, {100 * p['high']:+.2f}]"
+
+
+def paired_tables(cont: dict, budgets: list[int]) -> list[str]:
+    """Markdown of the continuation's paired intervals, against the best press of each budget and the full cache."""
+    lines = []
+    for against in ("best press", "full"):
+        pairs = [p for p in cont.get("paired", ()) if p["against"] == against]
+        if not pairs:
+            continue
+        keyed = {(p["method"], p["regime"], p["budget"]): p for p in pairs}
+        refs = {p["budget"]: p["reference"] for p in pairs}
+        title = ("the best press of each budget (" + ", ".join(f"B={b}: {refs[b]}" for b in budgets if b in refs) + ")"
+                 if against == "best press" else "the full cache")
+        lines += ["", f"Perplexity relative to {title}, with a {100 * pairs[0]['confidence']:g}% paired bootstrap "
+                  f"interval over {pairs[0]['blocks']} blocks of {cont['block']} scored tokens (an interval that "
+                  "excludes 0: a difference that holds across the blocks):", "",
+                  "| method | regime | " + " | ".join(f"B={b}" for b in budgets) + " |",
+                  "|---|---|" + "---:|" * len(budgets)]
+        for method, regime in dict.fromkeys((p["method"], p["regime"]) for p in pairs):
+            cells = [_interval(keyed[(method, regime, b)]) if (method, regime, b) in keyed else "—" for b in budgets]
+            lines.append(f"| {method} | {regime} | " + " | ".join(cells) + " |")
+    held = {(r["method"], r["budget"]): r["prefill_tokens_held"] for r in cont["rows"] if "prefill_tokens_held" in r}
+    if held:
+        methods = list(dict.fromkeys(m for m, _ in held))
+        lines += ["", "Tokens a kvpress cache holds per layer after the compressed prefill (AdaKV masks the keys it "
+                  "prunes: its cache keeps the whole context):", "",
+                  "| press | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---:|" * len(budgets)]
+        lines += [f"| {m} | " + " | ".join(str(held.get((m, b), "—")) for b in budgets) + " |" for m in methods]
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -337,11 +476,13 @@ def markdown(report: dict) -> str:
             lines += ["", "Unbounded caches with quantized pages (every context token held):", "",
                       "| method | perplexity | excess |", "|---|---:|---:|"]
             lines += [f"| {r['method']} | {r['perplexity']:.3f} | {_pct(r['excess'])} |" for r in unbounded]
+        lines += paired_tables(cont, budgets)
         lines += ["", f"kvpress: {cont['kvpress']['status']}", ""]
     pk = report.get("passkey")
     if pk:
+        frame = "the chat template" if s.get("passkey_prompt") == "chat" else "plain text"
         lines += [f"## Pass-key retrieval (lengths {s['lengths']}, depths {s['depths']}, {s['trials']} key(s) per "
-                  "cell; question at the end of the prompt)", "", "| method | regime | budget | accuracy |",
+                  f"cell; question at the end of the prompt, {frame})", "", "| method | regime | budget | accuracy |",
                   "|---|---|---:|---:|"]
         for r in pk["summary"]:
             lines.append(f"| {r['method']} | {r['regime']} | {r['budget'] or '—'} | {100 * r['accuracy']:.0f}% |")
@@ -463,7 +604,7 @@ def main(args) -> int:
         kv_status, kv_cont, kv_pk = run_kvpress(args, ids, cases) if args.tasks != ["streaming"] else ({}, [], [])
         if "continuation" in args.tasks:
             report["continuation"] = summarize_continuation(
-                [r for r in results if r["task"] == "continuation"] + kv_cont, kv_status)
+                [r for r in results if r["task"] == "continuation"] + kv_cont, kv_status, args.block)
         if "passkey" in args.tasks:
             report["passkey"] = summarize_passkey([r for r in results if r["task"] == "passkey"] + kv_pk, cases,
                                                   tokenizer, kv_status)

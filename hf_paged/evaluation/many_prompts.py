@@ -101,15 +101,26 @@ def run_transformers_cb(model, prompts, wanted, args):
     return outputs, first_times, elapsed, 0
 
 
-def run_generate_many(model, prompts, wanted, args, store: StudyStore, compile: bool = False):
+def compiled_systems(args) -> dict[str, int]:
+    """The compiled rows (with ``--compile``) and their steps' token budgets: one row per ``--compile-batch-tokens``
+    value, named ``generate_many compiled`` when it is the only one and equals ``--max-batch-tokens``."""
+    budgets = getattr(args, "compile_batch_tokens", None) or [args.max_batch_tokens]
+    if budgets == [args.max_batch_tokens]:
+        return {COMPILED: args.max_batch_tokens}
+    return {f"{COMPILED} ({n})": n for n in budgets}
+
+
+def run_generate_many(model, prompts, wanted, args, store: StudyStore, compile: bool = False,
+                      max_batch_tokens: int | None = None):
     """`stream_many` on a fresh cache (on ``store``'s prefix store, if any); a packed model
     (`hf_paged.pack_linear_weights`) runs packed; ``compile``: through the model's compiled forward
-    (`hf_paged.compile_many_steps`)."""
+    (`hf_paged.compile_many_steps`); ``max_batch_tokens``: the steps' budget (default ``args.max_batch_tokens``)."""
     cache = hf_paged.RaggedCache(model.config, page_size=16, kv_format=args.kv_format, prefix_store=store.store)
     outputs, first_times = [[] for _ in prompts], [None] * len(prompts)
     start = time.perf_counter()
     for index, token in hf_paged.stream_many(model, prompts, max_new_tokens=wanted, eos_token_id=[], cache=cache,
-                                             max_batch_tokens=args.max_batch_tokens, progress=False,
+                                             max_batch_tokens=max_batch_tokens or args.max_batch_tokens,
+                                             progress=False,
                                              compile=compile):
         first_times[index] = first_times[index] or time.perf_counter() - start
         outputs[index].append(token)
@@ -139,9 +150,9 @@ def measure(args) -> dict:
     prompts, wanted = workload(tokenizer, args)
     store = StudyStore(getattr(args, "prefix_store", None))
     systems = tuple(getattr(args, "systems", SYSTEMS))
-    compile_s = None
-    if getattr(args, "compile", False):
-        systems += (COMPILED,)
+    compile_s, compiled = None, compiled_systems(args) if getattr(args, "compile", False) else {}
+    if compiled:
+        systems += tuple(compiled)
         models["compiled"], _ = assets.load_model_and_tokenizer(args.model, attn_implementation="hf_paged")
         models["compiled"].generation_config.eos_token_id = None
         hf_paged.compile_many_steps(models["compiled"])
@@ -154,8 +165,10 @@ def measure(args) -> dict:
         "transformers CB": lambda: run_transformers_cb(models["sdpa"], prompts, wanted, args),
         "generate_many": lambda: run_generate_many(models["hf_paged"], prompts, wanted, args, store),
         "generate_many packed": lambda: run_generate_many(models["packed"], prompts, wanted, args, store),
-        COMPILED: lambda: run_generate_many(models.get("compiled"), prompts, wanted, args, store, compile=True),
     }
+    for name, budget in compiled.items():
+        runners[name] = lambda budget=budget: run_generate_many(models["compiled"], prompts, wanted, args, store,
+                                                                compile=True, max_batch_tokens=budget)
     peer, vllm_status = VllmPeer.start(args.vllm, assets.resolve_model_path(args.model), prompts, wanted,
                                        torch.get_num_threads())
     systems += ("vLLM CPU",) if peer else ()

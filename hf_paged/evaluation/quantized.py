@@ -29,6 +29,7 @@ from ..model_config import CACHE_KWARG
 from ..page_store import FloatPages
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
+from .memory import MemoryMeter, _libc
 from .run_info import load_average, versions
 from .text import load_token_ids
 
@@ -57,6 +58,8 @@ class Scheme:
     bytes_per_head: float
     note: str = ""
     page_size: int = 0  # > 0: ``keys`` maps a layer's whole key history (pages of this size), not new keys alone
+    first_tokens: int = 0  # > 0 (with page_size): the first tokens' keys and values read back as ``first_read``
+    first_read: Callable[[torch.Tensor], torch.Tensor] | None = None  # makes them (e.g. the attention sinks exact)
 
 
 def codec_roundtrip(codec) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -97,8 +100,9 @@ def kivi_keys(page_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return roundtrip
 
 
-def schemes(head_dim: int, page_size: int) -> list[Scheme]:
-    """float32 (the reference), bfloat16, the formats, and the int4 alternatives (module docstring)."""
+def schemes(head_dim: int, page_size: int, tokens: int = 2048) -> list[Scheme]:
+    """float32 (the reference), bfloat16, the formats, and the int4 alternatives (module docstring); a scheme that
+    keeps the first page otherwise counts its bytes over ``tokens`` tokens."""
     same = lambda x: x  # noqa: E731
     bf16 = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
     int8, int4 = page_format("int8"), page_format("int4")
@@ -108,13 +112,26 @@ def schemes(head_dim: int, page_size: int) -> list[Scheme]:
                       codec_bytes(key, head_dim) + codec_bytes(value, head_dim), note)
 
     value_bytes = codec_bytes(int4.value, head_dim)
+    int4_bytes = head_dim / 2 + 2 * int4.key.params_width(head_dim) / page_size + value_bytes
     token_keys = Int4Codec(KEY_GROUP)  # int4's keys before they went per channel within a page
+    int8_first = codec_bytes(int8.key, head_dim) + codec_bytes(int8.value, head_dim)
+
+    def first_page(name, first_read, first_bytes):  # int4 with the first page (attention sinks) stored otherwise
+        return Scheme(name, page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value),
+                      int4_bytes + page_size * (first_bytes - int4_bytes) / tokens,
+                      f"bytes over {tokens} tokens", page_size, page_size, first_read)
+
     return [
         Scheme("float32", same, same, 2 * 4 * head_dim, "the reference"),
         Scheme("bfloat16", bf16, bf16, 2 * 2 * head_dim),
         of("int8", int8.key, int8.value, "the format"),
-        Scheme("int4", page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value),
-               head_dim / 2 + 2 * int4.key.params_width(head_dim) / page_size + value_bytes, "the format",
+        Scheme("int4", page_keys_roundtrip(int4.key, page_size), codec_roundtrip(int4.value), int4_bytes,
+               "the format", page_size),
+        first_page("int4, first page float32 (attention sinks)", same, 2 * 4 * head_dim),
+        first_page("int4, first page bfloat16", bf16, 2 * 2 * head_dim),
+        first_page("int4, first page int8", codec_roundtrip(int8.key), int8_first),
+        Scheme("int4, values per token in groups of 32", page_keys_roundtrip(int4.key, page_size),
+               codec_roundtrip(Int4Codec(32)), int4_bytes - value_bytes + codec_bytes(Int4Codec(32), head_dim), "",
                page_size),
         of("int4, keys per token in groups of 16", token_keys, int4.value),
         of("int4, keys per token, not rotated", Int4Codec(KEY_GROUP, rotated=False), int4.value),
@@ -141,11 +158,18 @@ class SimulatedPages(DynamicCache):
         self.scheme = scheme
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if not self.scheme.page_size:
-            return super().update(self.scheme.keys(key_states), self.scheme.values(value_states), layer_idx,
-                                  *args, **kwargs)
-        keys, values = super().update(key_states, self.scheme.values(value_states), layer_idx, *args, **kwargs)
-        return self.scheme.keys(keys), values  # the exact keys are kept: their pages are encoded as they fill
+        scheme = self.scheme
+        if not scheme.page_size:
+            return super().update(scheme.keys(key_states), scheme.values(value_states), layer_idx, *args, **kwargs)
+        values, first = scheme.values(value_states), scheme.first_tokens - self.get_seq_length(layer_idx)
+        if first > 0:  # new tokens among the first first_tokens: their values as first_read keeps them
+            values = torch.cat([scheme.first_read(value_states[..., :first, :]), values[..., first:, :]], -2)
+        keys, values = super().update(key_states, values, layer_idx, *args, **kwargs)
+        read = scheme.keys(keys)  # the exact keys are kept: their pages are encoded as they fill
+        if scheme.first_tokens:
+            first = scheme.first_tokens
+            read = torch.cat([scheme.first_read(keys[..., :first, :]), read[..., first:, :]], -2)
+        return read, values
 
 
 # --------------------------------------------------------------------------------------- perplexity
@@ -164,8 +188,8 @@ def perplexity_part(args, progress) -> dict:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = config.num_hidden_layers * config.num_key_value_heads
     rows, reference = [], None
-    bar = progress(total=len(schemes(head_dim, args.page_size)), desc="page schemes")
-    for scheme in schemes(head_dim, args.page_size):
+    bar = progress(total=len(schemes(head_dim, args.page_size, len(ids))), desc="page schemes")
+    for scheme in schemes(head_dim, args.page_size, len(ids)):
         t0 = time.perf_counter()
         logp = log_probs(model, ids, scheme)
         nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
@@ -402,9 +426,20 @@ def _prefilled_kv(model, prompt: torch.Tensor, chunk: int = 2048) -> list[tuple[
     """Every layer's float keys and values ``[1, H, T, D]`` of ``prompt`` (1-D), computed in chunks of ``chunk``."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        for start in range(0, len(prompt), chunk):
-            model(input_ids=prompt[None, start:start + chunk], use_cache=True, **{CACHE_KWARG: cache})
+        for start in range(0, len(prompt), chunk):  # the decoder alone: no logits [chunk, vocab] to hold
+            model.base_model(input_ids=prompt[None, start:start + chunk], use_cache=True, **{CACHE_KWARG: cache})
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (``malloc_trim(0)`` on glibc). glibc raises its
+    mmap threshold when a large block is freed, so later tensors of a few MB come from its heap, whose freed
+    holes a process keeps: a decode benchmark's resident memory then grows round by round well past what its
+    caches hold (a 4k-token, batch-8 run reached 7.9 GB for about 4 GB of live tensors). Called between timed
+    runs, never inside one."""
+    gc.collect()
+    if _libc():
+        _libc().malloc_trim(0)
 
 
 def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
@@ -428,20 +463,23 @@ def decode_part(args, progress) -> dict:
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
     model.generation_config.eos_token_id = None
     sdpa, bits, peer_skipped = _peer_models(args)
-    entries = list(CACHE_FORMATS) + [peer.name(nbits, args.peer_residual) for nbits in bits]
+    peers = {peer.name(nbits, args.peer_residual): nbits for nbits in bits}
+    entries = list(CACHE_FORMATS) + list(peers)
     configs = list(itertools.product(args.decode_contexts, args.decode_batches))
+    meter = MemoryMeter(torch.device("cpu"))
     bar = progress(total=len(configs) * (1 + args.repeats), desc="decode through the caches")
     results = []
     for context in args.decode_contexts:
         prompt = load_token_ids(tokenizer, context)[0]
         kv = _prefilled_kv(sdpa, prompt[:-1])
         for batch in args.decode_batches:
-            caches = {kv_format: _filled(hf_paged.PagedCache(page_size=args.page_size, config=model.config,
-                                                             kv_format=kv_format), kv, batch)
-                      for kv_format in CACHE_FORMATS}
-            caches.update({peer.name(nbits, args.peer_residual): _filled(peer.make_cache(sdpa.config, nbits,
-                                                                                         args.peer_residual), kv, batch)
-                           for nbits in bits})
+            meter.start()  # this configuration's peak resident memory, from what the models and ``kv`` hold
+            caches = {}
+            for name in entries:  # each filled on its own, the memory freed while filling it handed back
+                empty = (hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=name)
+                         if name in CACHE_FORMATS else peer.make_cache(sdpa.config, peers[name], args.peer_residual))
+                caches[name] = _filled(empty, kv, batch)
+                release_memory()
             kv_bytes = {name: (cache.stats()["kv_bytes"] if name in CACHE_FORMATS else peer.kv_bytes(cache))
                         for name, cache in caches.items()}
             bar.update(1)
@@ -462,11 +500,12 @@ def decode_part(args, progress) -> dict:
                     times[name].append(((time.process_time() - cpu) / args.decode_tokens,
                                         (time.perf_counter() - wall) / args.decode_tokens))
                     del kwargs
-                    gc.collect()  # a fork's pages and tensors go now, not at some later round's collection
+                    release_memory()  # a fork's pages and tensors go now, not at some later round's collection
                 bar.update(1)
+            peak_rss = meter.before + meter.stop()  # bytes, the whole process (meter.method says how)
             for name in entries:
                 q1, median, q3 = quartiles([c / f for (c, _), (f, _) in zip(times[name], times["float"])])
-                results.append(dict(context=context, batch=batch, cache=name,
+                results.append(dict(context=context, batch=batch, cache=name, peak_rss=peak_rss,
                                     cpu_ms=1e3 * statistics.median(c for c, _ in times[name]),
                                     wall_ms=1e3 * statistics.median(w for _, w in times[name]),
                                     cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3, kv_bytes=kv_bytes[name]))
@@ -474,7 +513,9 @@ def decode_part(args, progress) -> dict:
         del kv
     bar.close()
     return dict(page_size=args.page_size, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                threads=torch.get_num_threads(), peer_skipped=peer_skipped, results=results)
+                threads=torch.get_num_threads(), peer_skipped=peer_skipped,
+                memory_method="VmHWM, reset at the configuration's start" if meter.hwm else meter.method,
+                results=results)
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -592,6 +633,11 @@ def decode_markdown(r: dict, environment: dict) -> list[str]:
                     [[row["context"], row["batch"], row["cache"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
                       "—" if row["cache"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
                      for row in r["results"]])
+    peaks = {(row["context"], row["batch"]): row["peak_rss"] for row in r["results"] if "peak_rss" in row}
+    if peaks:
+        lines += ["", "Peak resident memory of the process per configuration (both models, the prompt's keys and "
+                  "values, every cache and its forks; " + r.get("memory_method", "") + "): "
+                  + ", ".join(f"{c} tokens x {b}: {v / 2**30:.2f} GiB" for (c, b), v in peaks.items()) + "."]
     return lines + [""]
 
 
