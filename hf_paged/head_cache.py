@@ -199,7 +199,7 @@ class HeadPagedCache(PagedCache):
         per_head = np.concatenate([layer.held for layer in layers]) if layers else np.zeros(1, dtype=np.int64)
         return dict(page_size=1, per_head_eviction=True,
                     pages_total=sum(p.capacity for p in pools), pages_used=sum(p.in_use for p in pools),
-                    pages_free=sum(len(p.free) for p in pools), pages_cached=0, prefix_hits=0,
+                    pages_free=sum(p.capacity - p.in_use for p in pools), pages_cached=0, prefix_hits=0,
                     tokens_stored=sum(-(-int(layer.held.sum()) // layer.heads) for layer in layers),
                     tokens_held=max((-(-int(layer.held.sum()) // layer.heads) for layer in layers), default=0),
                     head_tokens_min=int(per_head.min()), head_tokens_mean=float(per_head.mean()),

@@ -28,9 +28,11 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import logging
 
 from .backends import resolve_backend
+from .block_manager import BlockManager
 from .errors import CacheUsageError, PagePoolExhausted
 from .eviction import EvictionPolicy, page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
+from .page_store import make_layer_pages
 
 logger = logging.get_logger(__name__)
 HOLE = -1
@@ -64,63 +66,48 @@ def refuse_per_head(page_size: int, policy: EvictionPolicy, kv_format: str, mode
 
 
 class HeadPool:
-    """One layer's head pages: keys ``[capacity, 1, 1, D]`` and values (a ``[P, 1, H, D]`` pool viewed per head), a
-    reference count per page (the table rows, of this cache and its forks, that hold it) and a free list, shared by
-    forks. Invariant: a page is on the free list iff its count is 0."""
+    """One layer's head pages, shared by forks: their ids from a `BlockManager` (unbounded: each row's budget is its
+    layer's to keep) and their bytes in one `LayerPages` of the page store (float, one head, one token a page).
+
+    Invariants: a page's reference count is the number of table rows (of this cache and its forks) that hold it, and
+    it is free iff that count is 0; the pages hold at least the manager's ``num_pages`` pages. A head page is full
+    once written (one token), so sharing it never copies it.
+    """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys = keys.new_empty((0, 1, 1, keys.shape[-1]))
-        self.values = values.new_empty((0, 1, 1, values.shape[-1]))
-        self.ref = np.zeros(0, dtype=np.int32)
-        self.free = np.zeros(0, dtype=np.int64)  # a stack: the next pages taken are at its end
+        self.manager = BlockManager(page_size=1)
+        self.pages = make_layer_pages("float", 1, 1, keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
 
     @property
     def capacity(self) -> int:
-        return len(self.ref)
+        return self.manager.num_pages
 
     @property
     def in_use(self) -> int:
-        return self.capacity - len(self.free)
+        return self.manager.num_used
 
     def page_bytes(self) -> int:
-        return self.keys[:1].nbytes + self.values[:1].nbytes if self.capacity else 0
+        return self.pages.page_bytes()
 
-    def take(self, n: int, limit: int | None) -> np.ndarray:
-        """``n`` free pages, each now held once; the pool grows (doubling, at most to ``limit`` pages when more are
-        not needed) when the free list is short."""
-        if n > len(self.free):
-            need = self.capacity + n - len(self.free)
-            target = 2 * self.capacity if limit is None else min(2 * self.capacity, limit)
-            self._grow(max(need, target, 64 if limit is None else 0))
-        ids, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
-        self.ref[ids] = 1
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free pages, each now held once (the pool grows geometrically when none is free)."""
+        ids = np.fromiter((self.manager.allocate() for _ in range(n)), dtype=np.int64, count=n)
+        self.pages.grow_to(self.manager.num_pages)
         return ids
-
-    def _grow(self, capacity: int) -> None:
-        old = self.capacity
-        keys = self.keys.new_empty((capacity, *self.keys.shape[1:]))
-        values = self.values.new_empty((capacity, *self.values.shape[1:]))
-        keys[:old], values[:old] = self.keys, self.values
-        self.keys, self.values = keys, values
-        self.ref = np.concatenate([self.ref, np.zeros(capacity - old, dtype=np.int32)])
-        self.free = np.concatenate([np.arange(capacity - 1, old - 1, -1, dtype=np.int64), self.free])
 
     def write(self, ids: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Pages ``ids`` take ``keys``/``values`` ``[len(ids), D]``."""
-        index = torch.from_numpy(ids).to(self.keys.device)
-        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, index, keys.reshape(len(ids), -1))
-        self.values.view(-1, self.values.shape[-1]).index_copy_(0, index, values.reshape(len(ids), -1))
+        slots = torch.from_numpy(ids).to(self.pages.device)
+        self.pages.write(slots, keys.reshape(len(ids), 1, -1), values.reshape(len(ids), 1, -1))
 
     def share(self, ids: np.ndarray) -> None:
-        np.add.at(self.ref, ids, 1)
+        for page in ids.tolist():
+            self.manager.share(page)
 
     def release(self, ids: np.ndarray) -> None:
-        """One holder fewer for each of ``ids`` (repeats count); pages nobody holds go to the free list."""
-        if not ids.size:
-            return
-        np.subtract.at(self.ref, ids, 1)
-        freed = np.unique(ids[self.ref[ids] == 0])
-        self.free = np.concatenate([self.free, freed])
+        """One holder fewer for each of ``ids`` (repeats count); pages nobody holds become free."""
+        for page in ids.tolist():
+            self.manager.release(page)
 
 
 class HeadLayer(CacheLayerMixin):
@@ -173,7 +160,7 @@ class HeadLayer(CacheLayerMixin):
                     self._evict(excess, before + q, q)
         self._compact()
         R = self.rows
-        ids = self.pool.take(R * q, None if budget is None else R * budget)
+        ids = self.pool.take(R * q)
         self.pool.write(ids, key_states.reshape(R * q, -1), value_states.reshape(R * q, -1))
         w0 = self.width
         self._room(w0 + q)
@@ -195,9 +182,9 @@ class HeadLayer(CacheLayerMixin):
         if self.pool is None:
             self.pool = HeadPool(keys, values)
             self.is_initialized = True
-        pool = self.pool
+        pages = self.pool.pages
         got = (keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
-        want = (pool.keys.shape[-1], pool.values.shape[-1], pool.keys.dtype, pool.keys.device)
+        want = (*pages.shape[1:3], pages.dtype, pages.device)
         if got != want or (self.heads and H != self.heads):
             raise CacheUsageError(f"layer {self.layer_idx}: new keys/values (head dims, dtype, device {got}, {H} kv "
                                   f"heads) do not match this layer's head pages ({want}, {self.heads} kv heads). "
@@ -415,14 +402,14 @@ class HeadRead:
         mask, offset = _row_mask(attention_mask, B, H, G), 0
         if mask is not None:
             offset = layer.tokens - mask.shape[-1]
-        device = layer.pool.keys.device
+        device = layer.pool.pages.device
         if device.type != "cpu":
             table, pos, q_pos = table.to(device), pos.to(device), q_pos.to(device)
         policy = layer.owner.policy
         observing = layer.owner.max_pages is not None or layer.cut_pending
         whole = observing and Q <= policy.observation_window
-        pools = dict(k_pool=layer.pool.keys, v_pool=layer.pool.values, page_table=table, page_pos=pos, q_pos=q_pos,
-                     scale=scaling, mask=mask, mask_offset=offset, sliding_window=sliding_window, softcap=softcap)
+        pools = dict(**layer.pool.pages.kernel_operands(), page_table=table, page_pos=pos, q_pos=q_pos, scale=scaling,
+                     mask=mask, mask_offset=offset, sliding_window=sliding_window, softcap=softcap)
         if layer.backend == "cpu" and Q <= CPU_KERNEL_MAX_QUERIES:
             result = cpu_kernel.paged_attention_cpu(
                 rows_query, **pools, return_page_mass=whole, page_mass_heads=policy.heads if whole else None,
@@ -463,10 +450,8 @@ def gathered_attention(query: torch.Tensor, layer: HeadLayer, pools: dict, polic
     from .attention import attend
 
     table, pos, q_pos = pools["page_table"], pools["page_pos"], pools["q_pos"]
-    pages = table.clamp(min=0)
-    D, Dv = layer.pool.keys.shape[-1], layer.pool.values.shape[-1]
-    keys = layer.pool.keys.view(-1, D)[pages]  # [R, W, D]
-    values = layer.pool.values.view(-1, Dv)[pages]
+    keys, values = layer.pool.pages.gather(table.clamp(min=0))  # [R, W, 1, 1, D]
+    keys, values = keys.flatten(2), values.flatten(2)
     if not usage and pools["mask"] is None and not pools["sliding_window"] and _whole_in_order(table, pos, q_pos):
         return attend(query, keys[:, None], values[:, None], None, pools["scale"], is_causal=True,
                       softcap=pools["softcap"])  # (a prompt no head has evicted from: plain causal attention)

@@ -26,8 +26,8 @@ def llama():
 
 
 def check_head_pages(*caches) -> None:
-    """Every head page's count equals the table rows (of these caches, which share pools) that hold it; free pages
-    are exactly those nobody holds."""
+    """Every head page's count in its block manager equals the table rows (of these caches, which share pools) that
+    hold it; free pages are exactly those nobody holds, and the page store holds every page the manager hands out."""
     pools = {}
     for cache in caches:
         for layer in cache.layers:
@@ -39,8 +39,10 @@ def check_head_pages(*caches) -> None:
             assert (layer.held == (live != HOLE).sum(axis=1)).all()
             assert (layer.table[:, layer.width:] == HOLE).all()
     for pool, count in pools.values():
-        assert (pool.ref == count).all()
-        assert sorted(pool.free.tolist()) == np.flatnonzero(count == 0).tolist()
+        pool.manager.check_invariants()
+        assert pool.manager.ref == count.tolist()
+        assert sorted(pool.manager.free) == np.flatnonzero(count == 0).tolist()
+        assert pool.pages.num_pages >= pool.manager.num_pages
 
 
 def within_budget(cache) -> None:
@@ -165,14 +167,14 @@ def test_the_gathered_path_reads_per_head_tables_as_the_reference(llama):
     layer = cache.layers[1]
     assert (layer.held != layer.held[0]).any()  # the heads kept different numbers of tokens
     torch.manual_seed(0)
-    query = torch.randn(layer.rows, 2, 1, layer.pool.keys.shape[-1])
+    operands = layer.pool.pages.kernel_operands()
+    query = torch.randn(layer.rows, 2, 1, operands["k_pool"].shape[-1])
     index = dict(page_table=torch.from_numpy(layer.table[:, :layer.width]),
                  page_pos=torch.from_numpy(layer.pos[:, :layer.width]),
                  q_pos=torch.full((layer.rows, 1), layer.tokens - 1), scale=0.25)
-    want, want_mass = paged_attention_reference(query, layer.pool.keys, layer.pool.values, **index,
+    want, want_mass = paged_attention_reference(query, operands["k_pool"], operands["v_pool"], **index,
                                                 return_page_mass=True)
-    pools = dict(index, k_pool=layer.pool.keys, v_pool=layer.pool.values, mask=None, mask_offset=0,
-                 sliding_window=None, softcap=None)
+    pools = dict(index, **operands, mask=None, mask_offset=0, sliding_window=None, softcap=None)
     got, usage = gathered_attention(query, layer, pools, cache.policy.__class__.for_pages(1, signal="attention"), True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(usage, want_mass.mean(1), atol=1e-5, rtol=1e-5)
