@@ -18,12 +18,14 @@ from .continuous_batching import generate_many, stream_many
 from .cpu_weights import pack_linear_weights, packed_linear_weights, unpack_linear_weights
 from .errors import CacheUsageError, PagePoolExhausted
 from .generation_options import ManyOutput
+from .head_cache import HeadPagedCache
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .prefix_store import open_store
 from .ragged_cache import RaggedCache
 from .stats import GenerationStats
 
 register()
+PagedCache.per_head_class = HeadPagedCache  # what PagedCache(per_head_eviction=True) makes (cache.py: CacheVariant)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

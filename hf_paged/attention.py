@@ -32,7 +32,6 @@ from transformers.utils import logging
 from .compiled_many import RaggedRead
 from .errors import CacheUsageError
 from .eviction import page_usage
-from .head_eviction import HeadRead
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
@@ -113,7 +112,16 @@ class PagedView:
         return keys, values, positions.clamp(max=plan.num_tokens)
 
 
-class CompiledRead:
+class LayerRead:
+    """What a layer's ``update`` may hand attention in place of keys and values when the layer reads its pages itself:
+    `attend` returns ``[B, Q, Hq, Dv]`` (a compiled step's `CompiledRead`; `hf_paged.head_eviction.HeadRead`, the
+    per-KV-head tables of ``PagedCache(per_head_eviction=True)``)."""
+
+    def attend(self, query, attention_mask, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CompiledRead(LayerRead):
     """What a compiled forward's attention reads of one paged layer in one step: its view's kernel operands and
     kernel index, tensors only, made before the forward's layers run (`PagedCache`'s compiled step begin) and
     returned by the layer's update in place of keys and values. Attention then calls one custom op
@@ -412,9 +420,7 @@ def paged_attention_forward(
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, RaggedRead):
         return key.attend(query, scaling, sliding_window, softcap, s_aux), None
-    if isinstance(key, HeadRead):  # per-head tables (PagedCache(per_head_eviction=True))
-        return key.attend(query, attention_mask, scaling, sliding_window, softcap, s_aux), None
-    if isinstance(key, CompiledRead):
+    if isinstance(key, LayerRead):
         return key.attend(query, attention_mask, scaling, sliding_window, softcap, s_aux), None
     if isinstance(key, PagedKV):
         out = _paged_attention(module, query, key.paged, attention_mask, scaling, sliding_window, softcap, s_aux)

@@ -236,6 +236,28 @@ def _check_arguments(config, model, lru_threshold, kv_format: str) -> None:
         check_kv_format(kv_format, device)
 
 
+def check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format: str) -> None:
+    """What a `PagedCache` (of either variant) checks first: page size, bound, backend and `_check_arguments`."""
+    check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
+    check_positive_int("max_pages", max_pages, allow_none=True)
+    _check_arguments(config, model, lru_threshold, kv_format)
+    check_backend(backend)
+
+
+class CacheVariant:
+    """Which cache ``PagedCache(...)`` makes: with ``per_head_eviction=True``, the one that evicts per KV head,
+    registered as ``per_head_class`` by hf_paged/__init__ (`hf_paged.head_cache.HeadPagedCache`, a subclass of
+    `PagedCache` that this module does not import). ``head_floor`` belongs to that variant only."""
+
+    per_head_class: type | None = None
+
+    def __new__(cls, *args, per_head_eviction: bool = False, head_floor: float | None = None, **kwargs):
+        variant = cls.per_head_class if per_head_eviction else cls
+        if head_floor is not None and variant is not cls.per_head_class:
+            raise CacheUsageError("head_floor is the per-head floor of per_head_eviction=True; set both, or neither.")
+        return super().__new__(variant)
+
+
 def _row_indices(name: str, indices, groups: LayerGroups) -> list[int]:
     """``indices`` as rows of the cache, else a clear error (a negative index would silently wrap around)."""
     order = torch.as_tensor(indices).reshape(-1)
@@ -258,7 +280,7 @@ def _crop_count(tokens_to_remove) -> int:
     return int(tokens_to_remove)
 
 
-class PagedCache(PrefixReuse, CompiledSteps, Cache):
+class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
     """A paged KV cache for ``model.generate`` (``past_key_values=`` or ``cache=``).
 
     Args:
@@ -289,20 +311,11 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
         cold_format: "int4", "int8": ``max_pages`` bounds float pages' bytes, cold pages re-quantized first (demotion).
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
-
-        per_head_eviction: each (layer, row, KV head) keeps and evicts its own tokens (page_size 1, "score"):
-            makes a `hf_paged.head_cache.HeadPagedCache`, whose ``head_floor`` is the share of an even split of the
-            budget each head keeps at least (`hf_paged.head_eviction`).
+        per_head_eviction / head_floor: each (layer, row, KV head) keeps its own tokens (page_size 1, "score"), each
+            head at least ``head_floor`` of an even split: a `hf_paged.head_cache.HeadPagedCache` (`CacheVariant`).
 
     ``get_seq_length()`` counts tokens processed, never tokens stored, so positions stay right.
     """
-
-    def __new__(cls, *args, per_head_eviction: bool = False, **kwargs):
-        if per_head_eviction and cls is PagedCache:
-            from .head_cache import HeadPagedCache
-
-            return super().__new__(HeadPagedCache)
-        return super().__new__(cls)
 
     def __init__(self, page_size: int = 16, max_pages: int | None = None, config=None, backend: str | None = None,
                  model=None, eviction: str | EvictionPolicy | None = None, sink_pages: int | None = None,
@@ -310,13 +323,8 @@ class PagedCache(PrefixReuse, CompiledSteps, Cache):
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
                  prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
-                 per_head_eviction: bool = False, head_floor: float | None = None):
-        if head_floor is not None:
-            raise CacheUsageError("head_floor is the per-head floor of per_head_eviction=True; set both, or neither.")
-        check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
-        check_positive_int("max_pages", max_pages, allow_none=True)
-        _check_arguments(config, model, lru_threshold, kv_format)
-        check_backend(backend)
+                 per_head_eviction: bool = False, head_floor: float | None = None):  # (these two: `CacheVariant`)
+        check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         check_cold_format(cold_format, max_pages, kv_format, config or getattr(model, "config", None), prefix_store)
         self.backend, self.kv_format, self.cold_format = backend, kv_format, cold_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,

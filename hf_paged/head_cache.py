@@ -12,9 +12,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from .backends import check_backend
-from .block_manager import MAX_PAGE_SIZE
-from .cache import PagedCache, _check_arguments, _crop_count, _refuse_rewind
+from .cache import PagedCache, _check_arguments, _crop_count, _refuse_rewind, check_cache_arguments
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .head_eviction import DEFAULT_HEAD_FLOOR, HeadLayer, refuse_per_head
@@ -37,10 +35,7 @@ class HeadPagedCache(PagedCache):
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
                  prefix_store=None, store_spill: bool = True, per_head_eviction: bool = True,
                  head_floor: float | None = None):
-        check_positive_int("page_size", page_size, most=MAX_PAGE_SIZE)
-        check_positive_int("max_pages", max_pages, allow_none=True)
-        _check_arguments(config, model, lru_threshold, kv_format)
-        check_backend(backend)
+        check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         head_floor = DEFAULT_HEAD_FLOOR if head_floor is None else head_floor
         policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                    observation_window, score_heads, compress_prompt, score_signal)

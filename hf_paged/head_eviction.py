@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import logging
 
+from .attention import CPU_KERNEL_MAX_QUERIES, LayerRead, attend
 from .backends import resolve_backend
 from .block_manager import BlockManager
 from .errors import CacheUsageError, PagePoolExhausted
@@ -37,7 +38,6 @@ from .page_store import make_layer_pages
 logger = logging.get_logger(__name__)
 HOLE = -1
 DEFAULT_HEAD_FLOOR = 0.2  # AdaKV's alpha: each head keeps at least this share of an even split of the budget
-CPU_KERNEL_MAX_QUERIES = 8  # (as attention.py: longer queries go to SDPA)
 
 
 def refuse_per_head(page_size: int, policy: EvictionPolicy, kv_format: str, model, prefix_store,
@@ -381,7 +381,7 @@ def choose_victims(rank: np.ndarray, cap: np.ndarray, count: int):
     return heads, order[heads, chosen % W]
 
 
-class HeadRead:
+class HeadRead(LayerRead):
     """What the "hf_paged" attention reads of a `HeadLayer` in one step (returned by its update in place of keys and
     values): `attend` runs the paged kernels over the per-head tables, rows = (batch row, KV head)."""
 
@@ -447,8 +447,6 @@ def _row_mask(mask: torch.Tensor | None, B: int, H: int, G: int) -> torch.Tensor
 def gathered_attention(query: torch.Tensor, layer: HeadLayer, pools: dict, policy: EvictionPolicy, usage: bool):
     """SDPA over each kernel row's gathered head pages (query ``[R, G, Q, D]``): ``out [R, Q, G, D]``, and with
     ``usage`` the usage per head page ``[R, W]`` (reduced over the G query heads by the policy)."""
-    from .attention import attend
-
     table, pos, q_pos = pools["page_table"], pools["page_pos"], pools["q_pos"]
     keys, values = layer.pool.pages.gather(table.clamp(min=0))  # [R, W, 1, 1, D]
     keys, values = keys.flatten(2), values.flatten(2)
