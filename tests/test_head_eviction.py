@@ -160,6 +160,44 @@ def test_per_head_tables_in_the_triton_kernel_match_the_reference():
     torch.testing.assert_close(mass, want_mass, atol=1e-5, rtol=1e-5)
 
 
+def test_the_triton_backend_reads_the_per_head_tables_of_the_page_store(llama, monkeypatch):
+    """A bounded generate through the Triton kernel (the interpreter on the CPU) reads each (row, KV head) table of
+    the layer's store and evicts as SDPA on the gathered head pages does."""
+    triton_kernel = pytest.importorskip("hf_paged.kernels.triton_paged_attention")
+    _, paged = llama
+    batch = left_padded_batch((4, 6))
+    runs, calls, original = {}, [], triton_kernel.paged_attention_triton
+    monkeypatch.setattr(triton_kernel, "paged_attention_triton",
+                        lambda *a, **k: calls.append(k["k_pool"].shape) or original(*a, **k))
+    for backend in ("torch", "triton"):
+        cache = hf_paged.PagedCache(page_size=1, max_pages=6, config=paged.config, per_head_eviction=True,
+                                    backend=backend, score_signal="attention", sink_pages=1)
+        runs[backend] = paged.generate(**batch, max_new_tokens=4, **GEN, cache=cache, return_dict_in_generate=True,
+                                       output_scores=True), cache.stats()["evictions"]
+    (want, evictions), (got, triton_evictions) = runs["torch"], runs["triton"]
+    assert calls and all(shape[1:3] == (1, 1) for shape in calls)  # one-token, one-head pages of the store
+    assert evictions > 0 and triton_evictions == evictions
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_evicted_head_pages_are_reused_so_memory_stays_at_the_budget(llama):
+    """Head pages an eviction frees go back to the layer's block manager and serve the next tokens: the pools stay
+    near ``rows × max_pages × kv_heads`` head pages a layer however long the generation (the full cache would hold
+    ``rows × tokens × kv_heads``), and ``kv_bytes`` counts the head pages in use."""
+    _, paged = llama
+    cache = hf_paged.PagedCache(page_size=1, max_pages=8, config=paged.config, per_head_eviction=True)
+    paged.generate(**left_padded_batch((7, 5)), max_new_tokens=40, **GEN, cache=cache)
+    stats, layers = cache.stats(), len(cache.layers)
+    heads = cache.layers[0].heads
+    in_budget = layers * 2 * 8 * heads
+    assert stats["evictions"] > 0 and stats["pages_used"] <= in_budget
+    assert stats["pages_total"] <= 1.25 * in_budget + layers * 2 * heads  # (+25% growth, one step's new tokens)
+    assert stats["kv_bytes"] == stats["pages_used"] * cache.layers[0].pool.page_bytes()
+    check_head_pages(cache)
+
+
 def test_the_gathered_path_reads_per_head_tables_as_the_reference(llama):
     _, paged = llama
     cache = hf_paged.PagedCache(page_size=1, max_pages=8, config=paged.config, per_head_eviction=True, sink_pages=1)
