@@ -89,8 +89,13 @@ class HeadPool:
     def page_bytes(self) -> int:
         return self.pages.page_bytes()
 
-    def take(self, n: int) -> np.ndarray:
-        """``n`` free pages, each now held once (the pool grows geometrically when none is free)."""
+    def take(self, n: int, limit: int | None) -> np.ndarray:
+        """``n`` free pages, each now held once. When too few are free the pool grows by a quarter (amortised), but
+        past ``limit`` pages (a bounded layer's budget, all rows) only as far as needed."""
+        short = n - len(self.manager.free)
+        if short > 0:
+            grown = self.capacity + max(short, self.capacity // 4)
+            self.manager.grow_to(grown if limit is None else max(self.capacity + short, min(grown, limit)))
         ids = np.fromiter((self.manager.allocate() for _ in range(n)), dtype=np.int64, count=n)
         self.pages.grow_to(self.manager.num_pages)
         return ids
@@ -160,7 +165,7 @@ class HeadLayer(CacheLayerMixin):
                     self._evict(excess, before + q, q)
         self._compact()
         R = self.rows
-        ids = self.pool.take(R * q)
+        ids = self.pool.take(R * q, None if budget is None else R * budget)
         self.pool.write(ids, key_states.reshape(R * q, -1), value_states.reshape(R * q, -1))
         w0 = self.width
         self._room(w0 + q)

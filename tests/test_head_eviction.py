@@ -193,7 +193,7 @@ def test_evicted_head_pages_are_reused_so_memory_stays_at_the_budget(llama):
     heads = cache.layers[0].heads
     in_budget = layers * 2 * 8 * heads
     assert stats["evictions"] > 0 and stats["pages_used"] <= in_budget
-    assert stats["pages_total"] <= 1.25 * in_budget + layers * 2 * heads  # (+25% growth, one step's new tokens)
+    assert stats["pages_total"] <= in_budget  # (the pools grow no further than the budget)
     assert stats["kv_bytes"] == stats["pages_used"] * cache.layers[0].pool.page_bytes()
     check_head_pages(cache)
 
