@@ -193,12 +193,13 @@ class HeadPagedCache(PagedCache):
         pools = {id(layer.pool): layer.pool for layer in layers}.values()
         per_head = np.concatenate([layer.held for layer in layers]) if layers else np.zeros(1, dtype=np.int64)
         return dict(page_size=1, per_head_eviction=True,
-                    pages_total=sum(p.capacity for p in pools), pages_used=sum(p.in_use for p in pools),
-                    pages_free=sum(p.capacity - p.in_use for p in pools), pages_cached=0, prefix_hits=0,
+                    pages_total=sum(p.manager.num_pages for p in pools),
+                    pages_used=sum(p.manager.num_used for p in pools),
+                    pages_free=sum(len(p.manager.free) for p in pools), pages_cached=0, prefix_hits=0,
                     tokens_stored=sum(-(-int(layer.held.sum()) // layer.heads) for layer in layers),
                     tokens_held=max((-(-int(layer.held.sum()) // layer.heads) for layer in layers), default=0),
                     head_tokens_min=int(per_head.min()), head_tokens_mean=float(per_head.mean()),
                     head_tokens_max=int(per_head.max()),
                     evictions=sum(layer.evictions for layer in self.layers),
-                    kv_bytes=sum(p.in_use * p.page_bytes() for p in pools),
-                    pool_bytes=sum(p.capacity * p.page_bytes() for p in pools))
+                    kv_bytes=sum(p.manager.num_used * p.pages.page_bytes() for p in pools),
+                    pool_bytes=sum(p.pages.num_pages * p.pages.page_bytes() for p in pools))

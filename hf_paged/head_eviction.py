@@ -78,24 +78,13 @@ class HeadPool:
         self.manager = BlockManager(page_size=1)
         self.pages = make_layer_pages("float", 1, 1, keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
 
-    @property
-    def capacity(self) -> int:
-        return self.manager.num_pages
-
-    @property
-    def in_use(self) -> int:
-        return self.manager.num_used
-
-    def page_bytes(self) -> int:
-        return self.pages.page_bytes()
-
     def take(self, n: int, limit: int | None) -> np.ndarray:
         """``n`` free pages, each now held once. When too few are free the pool grows by a quarter (amortised), but
         past ``limit`` pages (a bounded layer's budget, all rows) only as far as needed."""
-        short = n - len(self.manager.free)
+        short, capacity = n - len(self.manager.free), self.manager.num_pages
         if short > 0:
-            grown = self.capacity + max(short, self.capacity // 4)
-            self.manager.grow_to(grown if limit is None else max(self.capacity + short, min(grown, limit)))
+            grown = capacity + max(short, capacity // 4)
+            self.manager.grow_to(grown if limit is None else max(capacity + short, min(grown, limit)))
         ids = np.fromiter((self.manager.allocate() for _ in range(n)), dtype=np.int64, count=n)
         self.pages.grow_to(self.manager.num_pages)
         return ids

@@ -33,7 +33,8 @@ def check_head_pages(*caches) -> None:
         for layer in cache.layers:
             if layer.pool is None:
                 continue
-            count = pools.setdefault(id(layer.pool), (layer.pool, np.zeros(layer.pool.capacity, dtype=np.int64)))[1]
+            empty = np.zeros(layer.pool.manager.num_pages, dtype=np.int64)
+            count = pools.setdefault(id(layer.pool), (layer.pool, empty))[1]
             live = layer.table[:, :layer.width]
             np.add.at(count, live[live != HOLE], 1)
             assert (layer.held == (live != HOLE).sum(axis=1)).all()
@@ -83,7 +84,7 @@ def test_a_concentrated_head_gives_up_pages_to_the_others():
     observe(layer)
     step(cache, 1)
     assert layer.held.tolist() == [7, 9]  # both victims from head 0; head 1 took the freed pages
-    assert layer.pool.in_use == 16 and cache.stats()["head_tokens_max"] == 9
+    assert layer.pool.manager.num_used == 16 and cache.stats()["head_tokens_max"] == 9
     kept0 = set(layer.pos[0][layer.table[0] != HOLE].tolist())
     assert 0 in kept0 and len(kept0 & {1, 2, 3, 4, 5, 6, 7}) == 5  # the token head 0 attends stays
     check_head_pages(cache)
@@ -194,7 +195,7 @@ def test_evicted_head_pages_are_reused_so_memory_stays_at_the_budget(llama):
     in_budget = layers * 2 * 8 * heads
     assert stats["evictions"] > 0 and stats["pages_used"] <= in_budget
     assert stats["pages_total"] <= in_budget  # (the pools grow no further than the budget)
-    assert stats["kv_bytes"] == stats["pages_used"] * cache.layers[0].pool.page_bytes()
+    assert stats["kv_bytes"] == stats["pages_used"] * cache.layers[0].pool.pages.page_bytes()
     check_head_pages(cache)
 
 
@@ -243,8 +244,8 @@ def test_beams_share_head_pages_and_stay_within_budget(llama):
     within_budget(cache)
     check_head_pages(cache)
     cache.reset()
+    assert cache.stats()["pages_used"] == 0 and cache.stats()["pages_free"] == cache.stats()["pages_total"]
     check_head_pages(cache)
-    assert cache.stats()["pages_used"] == 0
 
 
 def test_a_fork_evicts_on_its_own(llama):
@@ -270,13 +271,13 @@ def test_a_failed_step_is_rolled_back(llama):
     ids = left_padded_batch((9,))["input_ids"]
     with torch.no_grad():
         paged(ids, past_key_values=cache)
-    before = [(layer.table.copy(), layer.held.copy(), layer.pool.in_use) for layer in cache.layers]
+    before = [(layer.table.copy(), layer.held.copy(), layer.pool.manager.num_used) for layer in cache.layers]
     keys = torch.randn(1, 2, 1, 16)
     cache.update(keys, keys, 0)  # one layer wrote the next step, then the forward failed
     assert cache.get_seq_length(0) == 9  # the question of a new forward rolls it back
     for layer, (table, held, in_use) in zip(cache.layers, before):
         assert (layer.table[:, :layer.width] == table[:, :layer.width]).all()
-        assert (layer.held == held).all() and layer.pool.in_use == in_use
+        assert (layer.held == held).all() and layer.pool.manager.num_used == in_use
     check_head_pages(cache)
     with torch.no_grad():
         logits = paged(torch.tensor([[5]]), past_key_values=cache).logits
