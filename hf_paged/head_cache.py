@@ -33,13 +33,14 @@ class HeadPagedCache(PagedCache):
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
-                 prefix_store=None, store_spill: bool = True, per_head_eviction: bool = True,
-                 head_floor: float | None = None):
+                 prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
+                 per_head_eviction: bool = True, head_floor: float | None = None):
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         head_floor = DEFAULT_HEAD_FLOOR if head_floor is None else head_floor
         policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                    observation_window, score_heads, compress_prompt, score_signal)
-        refuse_per_head(page_size, policy, kv_format, model, prefix_store, per_layer_eviction, head_floor)
+        refuse_per_head(page_size, policy, (kv_format, cold_format), model, prefix_store, per_layer_eviction,
+                        head_floor)
         Cache.__init__(self, layers=[])
         self.page_size, self.max_pages, self.backend, self.kv_format, self.policy = (page_size, max_pages, backend,
                                                                                     kv_format, policy)

@@ -40,7 +40,7 @@ HOLE = -1
 DEFAULT_HEAD_FLOOR = 0.2  # AdaKV's alpha: each head keeps at least this share of an even split of the budget
 
 
-def refuse_per_head(page_size: int, policy: EvictionPolicy, kv_format: str, model, prefix_store,
+def refuse_per_head(page_size: int, policy: EvictionPolicy, formats: tuple[str, str | None], model, prefix_store,
                     per_layer_eviction, head_floor) -> None:
     """Raise `CacheUsageError` for what per-head eviction cannot serve."""
     if page_size != 1:
@@ -51,8 +51,9 @@ def refuse_per_head(page_size: int, policy: EvictionPolicy, kv_format: str, mode
     if policy.name != "score":
         raise CacheUsageError(f"per_head_eviction ranks each head's tokens by their usage: it needs eviction='score', "
                               f"got {policy.name!r}. ('fifo' keeps the same tokens in every head.)")
-    if kv_format != "float":
-        raise CacheUsageError(f"per_head_eviction keeps float pages only, got kv_format={kv_format!r}.")
+    if formats != ("float", None):
+        raise CacheUsageError(f"per_head_eviction keeps float pages only, got kv_format={formats[0]!r}, cold_format="
+                              f"{formats[1]!r}: use kv_format='float' and no cold_format.")
     if model is not None or prefix_store is not None:
         raise CacheUsageError("per_head_eviction does no prefix caching (model=, prefix_store=): a prefix's heads "
                               "hold different tokens once evicted, so a page's content is not its tokens' hash. "

@@ -1,6 +1,8 @@
 """Eviction per KV head (`PagedCache(per_head_eviction=True)`): victims per head, the per-head floor, exactness within
 budget, per-head tables in the kernels, batches / beams / forks, rollback, the budget."""
 
+from argparse import Namespace
+
 import numpy as np
 import pytest
 import torch
@@ -316,9 +318,21 @@ def test_compress_prompt_cuts_the_prompt_to_the_budget(llama):
         page_size=1, config=paged.config, per_head_eviction=True))
 
 
+def test_the_evaluation_builds_its_per_head_policy(llama):
+    """scripts/evaluation.py's ``score+heads`` policy: the bounded cache it builds (with main's ``cold_format=None``
+    among the arguments) is a per-head cache of the job's budget."""
+    from hf_paged.evaluation import long_context
+
+    args = Namespace(page_size=1, per_layer_eviction="on", score_decay=None, observation_window=None, score_heads=None,
+                     recent_pages=1, score_signal=None)
+    cache = long_context.bounded_cache(llama[1], args, "score+heads", "streaming", 16)
+    assert isinstance(cache, HeadPagedCache) and cache.max_pages == 16 and cache.policy.name == "score"
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(page_size=4), "page_size=1"), (dict(eviction="lru"), "eviction='score'"),
-    (dict(kv_format="int8"), "float pages"), (dict(per_layer_eviction=False), "per_layer_eviction"),
+    (dict(kv_format="int8"), "float pages"), (dict(cold_format="int4"), "float pages"),
+    (dict(per_layer_eviction=False), "per_layer_eviction"),
     (dict(head_floor=1.5), "head_floor"), (dict(prefix_store="memory://x"), "prefix caching")])
 def test_what_per_head_eviction_refuses(bad, match):
     with pytest.raises(CacheUsageError, match=match):
