@@ -2,10 +2,11 @@
 
 With pages of one token, a layer's pool ``[P, 1, H, D]`` is a contiguous ``[P·H, 1, 1, D]``: one *head page* per
 (token, KV head). A `HeadLayer` keeps a page table per (row, KV head), table row ``b·H + h``, over its `HeadPool`
-of head pages, and attention regroups the query ``[B, Hq, Q, D]`` as ``[B·H, Hq/H, Q, D]`` and runs the paged
-kernels unchanged (the C kernel, the Triton kernel, SDPA on gathered pages, the float64 reference): one KV head a
-table row, ``Hkv = 1``. A head that needs few tokens holds few pages; the pages it frees serve the other heads, rows
-and forks.
+of head pages (ids from a `BlockManager`, bytes in one float `LayerPages` of the page store: one head, one token a
+page; written with ``write``, read with ``gather`` or the kernel operands), and attention regroups the query
+``[B, Hq, Q, D]`` as ``[B·H, Hq/H, Q, D]`` and runs the paged kernels unchanged (the C kernel, the Triton kernel,
+SDPA on gathered pages, the float64 reference): one KV head a table row, ``Hkv = 1``. A head that needs few tokens
+holds few pages; the pages it frees serve the other heads, rows and forks.
 
 Budget: ``max_pages`` tokens per layer per row, i.e. ``max_pages × H`` head pages shared by the row's heads of the
 layer. When a step would exceed it, the row gives up its lowest-scored head pages across its heads (the layer's
