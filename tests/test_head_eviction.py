@@ -168,14 +168,14 @@ def test_the_triton_backend_reads_the_per_head_tables_of_the_page_store(llama, m
     the layer's store and evicts as SDPA on the gathered head pages does."""
     triton_kernel = pytest.importorskip("hf_paged.kernels.triton_paged_attention")
     _, paged = llama
-    batch = left_padded_batch((4, 6))
+    batch = left_padded_batch((6,))
     runs, calls, original = {}, [], triton_kernel.paged_attention_triton
     monkeypatch.setattr(triton_kernel, "paged_attention_triton",
                         lambda *a, **k: calls.append(k["k_pool"].shape) or original(*a, **k))
     for backend in ("torch", "triton"):
         cache = hf_paged.PagedCache(page_size=1, max_pages=6, config=paged.config, per_head_eviction=True,
                                     backend=backend, score_signal="attention", sink_pages=1)
-        runs[backend] = paged.generate(**batch, max_new_tokens=4, **GEN, cache=cache, return_dict_in_generate=True,
+        runs[backend] = paged.generate(**batch, max_new_tokens=3, **GEN, cache=cache, return_dict_in_generate=True,
                                        output_scores=True), cache.stats()["evictions"]
     (want, evictions), (got, triton_evictions) = runs["torch"], runs["triton"]
     assert calls and all(shape[1:3] == (1, 1) for shape in calls)  # one-token, one-head pages of the store
