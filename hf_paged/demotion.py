@@ -16,7 +16,9 @@ The pieces:
   ``require``, the eviction loop) holds the byte budget without knowing of it. A freed id is hot again.
 * `MixedPages`: one layer's pages of both tiers (the `LayerPages` interface of `hf_paged.page_store`): float
   storage for hot pages, per-token quantized storage (`hf_paged.kv_formats.QuantizedPages`) for cold ones,
-  and per page id the row it occupies in either; attention reads them through gathers (the torch path).
+  and per page id the row it occupies in either; the paged kernels read both tiers in place (`kernel_operands`:
+  the hot pools, and the cold ones with the row maps as a `hf_paged.kernels.arguments.ColdTier`), the torch path
+  through `gather`.
 
 Invariants: every layer of a group has the same pages cold (all take the same writes, copies and demotions);
 a page is in at most one tier of a layer; hot pages are written, cold pages only read (a write into a cold page
@@ -37,6 +39,7 @@ import torch
 
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
+from .kernels.arguments import ColdTier
 from .kv_formats import KEY_GROUP, Int4Codec, PageFormat, QuantizedPages, check_kv_format, page_format
 from .model_config import head_dim
 from .page_store import FloatPages
@@ -204,10 +207,8 @@ class TieredBlockManager(BlockManager):
 
 class MixedPages:
     """One layer's pages in two tiers (module docstring): ``hot`` float rows and ``cold`` quantized rows, and per
-    page id its row in each (``hot_row``/``cold_row``, -1: none). Read only through `gather` (``kernel_readable`` is
-    False: no kernel walks two pools)."""
-
-    kernel_readable = False
+    page id its row in each (``hot_row``/``cold_row``, -1: none). Read through `gather` or, in place, by the paged
+    kernels (`kernel_operands`)."""
 
     def __init__(self, tiers: ColdPages, page_size: int, heads: int, head_dim: int, value_dim: int,
                  dtype: torch.dtype, device):
@@ -321,8 +322,13 @@ class MixedPages:
         return keys.reshape(*pages.shape, S, H, D), values.reshape(*pages.shape, S, H, Dv)
 
     def kernel_operands(self) -> dict:
-        raise CacheUsageError("pages of a cache with cold_format are read by the 'torch' backend only (two pools: no "
-                              "paged kernel reads them); use backend='auto' or 'torch', and no torch.compile")
+        """The paged kernels' arguments: the hot pools (float), and the cold pools with both row maps (`ColdTier`;
+        the maps share the numpy tables' memory on the CPU)."""
+        maps = {name: torch.from_numpy(table).to(self.device) for name, table in
+                (("hot_row", self.hot_row), ("cold_row", self.cold_row))}
+        cold = self.cold.kernel_operands()
+        pools = (cold["k_pool"], cold["v_pool"], cold["k_scale"], cold["v_scale"])
+        return {**self.hot.kernel_operands(), "cold": ColdTier(*pools, self.cold.format, **maps)}
 
     def page_bytes(self) -> int:
         return self.hot_page_bytes  # (a hot page: what the budget counts in)
