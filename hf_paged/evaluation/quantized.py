@@ -33,17 +33,18 @@ from .memory import MemoryMeter, _libc
 from .run_info import load_average, versions
 from .text import load_token_ids
 
-PARTS = ("perplexity", "speed", "cache", "decode")
+PARTS = ("perplexity", "speed", "cache", "decode", "mixed")
 CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4")
 LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
 TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
 DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20,
                 cache_tokens="2048,8192", decode_contexts="1024,4096,16384", decode_batches="1,8", decode_tokens=16,
-                num_prompts=16, peer_bits="4,2", peer_residual=128)
+                num_prompts=16, peer_bits="4,2", peer_residual=128, mixed_budget=0.25)
 QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3, cache_tokens="256",
              decode_contexts="128,256", decode_batches="1,2", decode_tokens=4, num_prompts=4, peer_bits="4,2",
-             peer_residual=128)
+             peer_residual=128, mixed_budget=0.25)
+MIXED_ENTRIES = ("float", "bounded float", "mixed int4", "mixed int4, torch path")  # part "mixed"
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -518,6 +519,106 @@ def decode_part(args, progress) -> dict:
                 results=results)
 
 
+# ------------------------------------------------------------------------------------ mixed precision
+def _fork_reading(cache, backend: str):
+    """A fork of ``cache`` whose layers read their pages through ``backend`` ("torch": the gathers)."""
+    fork = cache.fork()
+    for layer in fork.layers:  # (a layer resolves its backend on its first read)
+        layer.backend = backend
+    return fork
+
+
+def _streamed(cache, model, ids: torch.Tensor, chunk: int):
+    """``cache`` after a forward of ``ids [B, T]`` in chunks of ``chunk`` tokens (a bounded cache demotes and
+    evicts as they come, by the attention they get)."""
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            model.base_model(input_ids=ids[:, start:start + chunk], **{CACHE_KWARG: cache})
+    return cache
+
+
+def mixed_part(args, progress) -> dict:
+    """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a mixed-precision
+    cache (``cold_format="int4"``, read in place by the C kernel, and for contrast through the torch path's gathers)
+    against float32 pages holding the whole prompt and the plain bounded cache of the same bytes (``--mixed-budget``
+    of the context's float32 bytes), all in pages of one token, entries alternating."""
+    import hf_paged
+
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
+    model.generation_config.eos_token_id = None
+    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
+    bar = progress(total=len(configs) * (1 + args.repeats), desc="decode, mixed precision")
+    results = []
+    for context in args.decode_contexts:
+        prompt = load_token_ids(tokenizer, context)[0]
+        kv = _prefilled_kv(model, prompt[:-1])
+        budget = max(8, round(context * args.mixed_budget))  # float pages of one token, per layer group
+        for batch in args.decode_batches:
+            ids = prompt[None].expand(batch, -1)
+            full = _filled(hf_paged.PagedCache(page_size=1, config=model.config), kv, batch)
+            release_memory()
+
+            def bounded(cold):  # a full bounded cache evicts in steady state: no fork (its parent would pin the pages)
+                cache = hf_paged.PagedCache(page_size=1, max_pages=budget, config=model.config, cold_format=cold)
+                return _streamed(cache, model, ids[:, :-1], max(1, min(256, budget // (4 * batch))))
+
+            held = {}
+            bar.update(1)
+            inputs = dict(input_ids=ids, attention_mask=torch.ones(batch, context, dtype=torch.long), do_sample=False,
+                          max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, pad_token_id=0)
+            times = {name: [] for name in MIXED_ENTRIES}
+            for round_ in range(args.repeats):
+                shift = round_ % len(MIXED_ENTRIES)
+                mixed = bounded("int4")  # read by forks: its demotions make room for both
+                made = dict(float=full.fork, mixed=mixed.fork)
+                made.update({"bounded float": lambda: bounded(None), "mixed int4": mixed.fork,
+                             "mixed int4, torch path": lambda: _fork_reading(mixed, "torch")})
+                for name in MIXED_ENTRIES[shift:] + MIXED_ENTRIES[:shift]:
+                    cache = made[name]()
+                    release_memory()
+                    held.setdefault(name, {k: cache.stats().get(k, 0) for k in ("kv_bytes", "tokens_held",
+                                                                                   "pages_cold")})
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    model.generate(**inputs, **{CACHE_KWARG: cache})
+                    times[name].append(((time.process_time() - cpu) / args.decode_tokens,
+                                        (time.perf_counter() - wall) / args.decode_tokens))
+                    del cache
+                    release_memory()
+                del mixed, made
+                bar.update(1)
+            for name in MIXED_ENTRIES:
+                q1, median, q3 = quartiles([c / f for (c, _), (f, _) in zip(times[name], times["float"])])
+                results.append(dict(context=context, batch=batch, cache=name, budget=budget, **held[name],
+                                    cpu_ms=1e3 * statistics.median(c for c, _ in times[name]),
+                                    wall_ms=1e3 * statistics.median(w for _, w in times[name]),
+                                    cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3))
+            del full
+        del kv
+    bar.close()
+    return dict(decode_tokens=args.decode_tokens, repeats=args.repeats, threads=torch.get_num_threads(),
+                mixed_budget=args.mixed_budget, results=results)
+
+
+def mixed_markdown(r: dict, environment: dict) -> list[str]:
+    """The `mixed_part` table."""
+    lines = ["## Mixed precision: `generate` decode speed of a cache with cold int4 pages, pages of one token", "",
+             "float: float32 pages holding the whole prompt; bounded float: `PagedCache(max_pages=B)` (score eviction); "
+             "mixed int4: `PagedCache(max_pages=B, cold_format=\"int4\")`, its hot float32 and cold int4 pages read in "
+             "place by the C kernel; its torch path: the same pages gathered (dequantized copies) each step. B: the "
+             f"float32 bytes of {r['mixed_budget']:g} of the context per layer; the bounded caches take the prompt in "
+             f"chunks (demoting and evicting by attention as it comes); each round decodes {r['decode_tokens']} new "
+             f"tokens from a fork of each, entries alternating, {r['repeats']} rounds, {r['threads']} thread(s). Ratio: "
+             "CPU time per new token against float32 pages in the same round, median [quartiles]. "
+             f"Load average {environment['load_avg_start']} before, {environment.get('load_avg_end')} after.", ""]
+    lines += _table("| context | batch | cache< | B | tokens held | cold | CPU ms/token | wall ms/token | "
+                    "vs float32 pages (CPU) | KV MiB |",
+                    [[row["context"], row["batch"], row["cache"], "" if row["cache"] == "float" else row["budget"],
+                      row["tokens_held"], row["pages_cold"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
+                      "—" if row["cache"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
+                     for row in r["results"]])
+    return lines + [""]
+
+
 # ------------------------------------------------------------------------------------------- output
 def _interval(row: dict) -> str:
     return f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]"
@@ -566,6 +667,8 @@ def markdown(report: dict) -> str:
         lines += cache_markdown(report["cache"])
     if "decode" in report:
         lines += decode_markdown(report["decode"], report["environment"])
+    if "mixed" in report:
+        lines += mixed_markdown(report["mixed"], report["environment"])
     return "\n".join(lines)
 
 
@@ -685,8 +788,8 @@ def plot(report: dict, path: Path) -> None:
             ax.set_ylabel("perplexity vs float32 pages (%), 95% interval")
             ax.set_title(f"{title}Perplexity against bytes through the real caches")
             ax.legend(fontsize=6)
-        elif part == "decode":
-            results = report["decode"]["results"]
+        elif part in ("decode", "mixed"):
+            results = report[part]["results"]
             names = list(dict.fromkeys(r["cache"] for r in results))
             for i, name in enumerate(names[1:], start=1):
                 for batch, style in zip(sorted({r["batch"] for r in results}), ("-o", "--s", ":^")):
@@ -694,7 +797,8 @@ def plot(report: dict, path: Path) -> None:
                            if r["cache"] == name and r["batch"] == batch]
                     ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}, batch {batch}")
             ax.set_yscale("log", base=2)
-            _ratio_axes(ax, "CPU time per new token / float32 pages'", f"{title}generate decode through the caches")
+            _ratio_axes(ax, "CPU time per new token / float32 pages'",
+                        f"{title}generate decode" + (", mixed precision" if part == "mixed" else " through the caches"))
         else:
             results = report["speed"]["results"]
             batches = sorted({r["batch"] for r in results})
@@ -725,7 +829,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     for part in args.parts:
         report[part] = {"perplexity": perplexity_part, "speed": speed_part, "cache": cache_part,
-                        "decode": decode_part}[part](args, progress)
+                        "decode": decode_part, "mixed": mixed_part}[part](args, progress)
     environment.update(load_avg_end=load_average(), wall_s=time.perf_counter() - t0)
     table = markdown(report)
     write_report(Path(args.out), "quantized", table, report, plot=lambda path: plot(report, path))

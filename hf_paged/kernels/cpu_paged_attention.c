@@ -689,6 +689,36 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     }
 }
 
+/* A value row of ``t``'s pools (format fmt) as fp32: in place for fp32 pools, else converted into ``buf`` (D floats;
+ * a group's scale and zero point read once). */
+static const float *value_row(const PagedArgs *t, Row at, int fmt, float *buf) {
+    const int64_t D = t->D;
+    if (fmt == FMT_F32) return (const float *)t->v + at.row;
+    if (fmt == FMT_BF16) {
+        for (int64_t d = 0; d < D; d++) buf[d] = load_bf16((const uint16_t *)t->v, at.row + d);
+        return buf;
+    }
+    for (int64_t g0 = 0; g0 < D; g0 += t->v_group) {
+        float scale, zero;
+        group_of(t, 1, at, g0, fmt, &scale, &zero);
+        if (t->v_group % 16 == 0) { /* 16 lanes at a time */
+            for (int64_t d = g0; d < g0 + t->v_group; d += 16) {
+                const v16 x = fmt == FMT_I8 ? codes16(t, 1, at, d, FMT_I8) : codes16(t, 1, at, d, FMT_I4);
+                const v16 y = (x - zero) * scale;
+                memcpy(buf + d, &y, sizeof y);
+            }
+        } else if (fmt == FMT_I8) {
+            const int8_t *codes = (const int8_t *)t->v + at.row;
+            for (int64_t d = g0; d < g0 + t->v_group; d++) buf[d] = (float)codes[d] * scale;
+        } else {
+            const uint8_t *codes = (const uint8_t *)t->v + at.row;
+            for (int64_t d = g0; d < g0 + t->v_group; d++)
+                buf[d] = ((float)(d % 2 ? codes[d / 2] >> 4 : codes[d / 2] & 15) - zero) * scale;
+        }
+    }
+    return buf;
+}
+
 /* Merge the splits of row r = (query, head) of batch row b: sink, normalisation, page mass. */
 static void finalize(const PagedArgs *a, int64_t item) {
     const int64_t R = a->Q * a->Hq, D = a->D, N = a->N;
@@ -713,7 +743,7 @@ static void finalize(const PagedArgs *a, int64_t item) {
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
     /* two tiers: out is in the cold values' basis; hot values are compared with it in the model's */
     const int v_rotated = a->cold ? (int)a->cold->v_rotated : (int)a->v_rotated;
-    float model[a->cold && a->mass_output ? D : 1];
+    float model[a->cold && a->mass_output ? D : 1], row[a->mass_output ? D : 1];
     if (a->cold && a->mass_output) {
         memcpy(model, out, sizeof(float) * D);
         if (v_rotated) rotate(model, D);
@@ -740,11 +770,10 @@ static void finalize(const PagedArgs *a, int64_t item) {
             }
             const Row at = {page * t->v_stride[0] + kvh * t->v_stride[2],
                             page * t->vs_stride[0] + kvh * t->vs_stride[2]};
+            const float *v = value_row(t, at, (int)t->format, row);
             float d2 = 0.0f;
-            for (int64_t d = 0; d < D; d++) {
-                const float v = load1(t, 1, at, d, (int)t->format);
-                d2 += (v - o[d]) * (v - o[d]);
-            }
+#pragma omp simd reduction(+ : d2)
+            for (int64_t d = 0; d < D; d++) d2 += (v[d] - o[d]) * (v[d] - o[d]);
             const float rest = 1.0f - p;
             mass[n] += p / (rest > LEAVE_OUT_FLOOR ? rest : LEAVE_OUT_FLOOR) * sqrtf(d2) / (float)a->Q;
         }
