@@ -119,16 +119,18 @@ class ColdPages:
         S = manager.page_size
         start = max(sink_pages - first_page, 0)
         full = num_tokens // S - first_page  # entries before it are full pages
-        candidates: dict[int, int] = {}  # page -> its logical index (the oldest, if rows share it)
-        for row in rows:
-            for index in range(start, min(full, len(row))):
-                page = row[index]
-                if page != EVICTED and page not in self.ids and page not in candidates:
-                    candidates[page] = index
-        if not candidates:
+        spans = [np.asarray(row[start:full], dtype=np.int64) for row in rows]
+        pages = np.concatenate([np.zeros(0, dtype=np.int64), *spans])
+        age = np.concatenate([np.zeros(0, dtype=np.int64), *(start + np.arange(len(span)) for span in spans)])
+        cold_row = next(iter(self.layers.values())).cold_row  # (every layer's: the group's cold ids, `ids`)
+        held = pages != EVICTED
+        held[held] = cold_row[pages[held]] < 0
+        pages, age = pages[held], age[held]
+        if not len(pages):
             return 0
-        pages = np.fromiter(candidates, dtype=np.int64, count=len(candidates))
-        age = np.fromiter(candidates.values(), dtype=np.int64, count=len(candidates))
+        _, first = np.unique(pages, return_index=True)  # a page shared by rows: its first place (the oldest)
+        first.sort()
+        pages, age = pages[first], age[first]
         order = np.lexsort((age, rank(pages, age)))
         hot, cold = self.page_bytes()
         demoted = 0
