@@ -19,7 +19,8 @@ model, scales included, against float32.
 
 Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query heads, 3 KV heads, head dim
 64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,
-int8 and int4 pages holding the same random keys and values. Every round times each format once (the order
+int8 and int4 pages holding the same random keys and values, and a two-tier layer ("float32+int4": float32 pages,
+7 of 8 demoted to int4, as a ``cold_format="int4"`` cache holds them at a quarter of the context's bytes). Every round times each format once (the order
 rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.process_time``) and wall time;
 the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
 quartiles), with the load average before and after.

@@ -5,7 +5,7 @@ the embedded text through `SimulatedPages`, a DynamicCache that keeps what each 
 `speed_part` times the C kernel's decode call on one SmolLM2-shaped layer with pages of each format; `cache_part`
 measures the real caches with quantized pages (`PagedCache(kv_format=...)`, `generate_many(kv_format=...)`): KV bytes
 per token from ``stats()``, perplexity, greedy agreement with float pages over the many-prompts workload, and
-``generate``'s decode speed.
+``generate``'s decode speed; `mixed_part` the decode speed of a mixed-precision cache (``cold_format="int4"``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -35,7 +36,8 @@ from .text import load_token_ids
 
 PARTS = ("perplexity", "speed", "cache", "decode", "mixed")
 CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
-SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4")
+SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4", "float32+int4")  # the last: two tiers, 7 of 8 pages cold
+COLD_SHARE = 8  # "float32+int4": every page but each 8th is cold (a cache at a quarter of the context's bytes)
 LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
 TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
 DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20,
@@ -218,10 +220,21 @@ def layer_pages(name: str, num_pages: int, page_size: int):
     shape = (page_size, LAYER["kv_heads"], LAYER["head_dim"], LAYER["head_dim"])
     if name in ("float32", "bfloat16"):
         pages = FloatPages(*shape, getattr(torch, name), "cpu")
+    elif "+" in name:  # a two-tier layer (`hf_paged.demotion.MixedPages`), demoted once written (`speed_part`)
+        from ..demotion import ColdPages
+
+        pages = ColdPages(name.partition("+")[2]).make_layer(0, *shape, torch.float32, "cpu")
     else:
         pages = QuantizedPages(page_format(name), *shape, torch.float32, "cpu")
     pages.grow_to(num_pages)
     return pages
+
+
+def _layer_bytes(pages, num_pages: int, cold: int) -> int:
+    """Bytes of ``num_pages`` pages of a `layer_pages` layer, ``cold`` of them cold in a two-tier one."""
+    if hasattr(pages, "cold_page_bytes"):
+        return (num_pages - cold) * pages.hot_page_bytes + cold * pages.cold_page_bytes
+    return pages.page_bytes() * num_pages
 
 
 def time_calls(call: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -266,6 +279,8 @@ def speed_part(args, progress) -> dict:
             values = torch.randn(len(slots), LAYER["kv_heads"], D, generator=g)
             for pages in pools.values():
                 pages.write(slots, keys, values)
+        cold = np.flatnonzero(np.arange(batch * per_row) % COLD_SHARE != 0)
+        pools["float32+int4"].demote(cold)  # (every slot written: demoted pages are full)
         calls = {name: (lambda p=pages: kernel.paged_attention_cpu(query, **p.kernel_operands(), page_table=table,
                                                                    page_pos=page_pos, q_pos=q_pos, scale=D**-0.5))
                  for name, pages in pools.items()}
@@ -284,7 +299,7 @@ def speed_part(args, progress) -> dict:
             results.append(dict(context=context, batch=batch, format=name, cpu_ms=1e3 * statistics.median(cpu),
                                 wall_ms=1e3 * statistics.median(w for _, w in times[name]),
                                 cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3,
-                                kv_bytes=pools[name].page_bytes() * batch * per_row))
+                                kv_bytes=_layer_bytes(pools[name], batch * per_row, len(cold))))
         del pools, calls
     bar.close()
     return dict(layer=LAYER, page_size=S, threads=torch.get_num_threads(), calls=args.calls, repeats=args.repeats,

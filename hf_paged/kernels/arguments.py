@@ -91,7 +91,8 @@ def _check_cold(hot: PageFormat, D: int, k_pool, v_pool, cold: ColdTier, device)
         for tensor in (rows, cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale):
             if tensor.device != device:
                 raise ValueError(f"the ColdTier's tensors must be on the query's device {device}")
-        if rows.numel() and not -1 <= int(rows.aminmax()[0]) <= int(rows.aminmax()[1]) < size:
+        low, high = (int(x) for x in rows.aminmax()) if rows.numel() else (-1, -1)
+        if low < -1 or high >= size:
             raise ValueError(f"ColdTier.{name} holds rows outside [-1, {size}) (its pools' pages)")
     return cold.hot_row.shape[0]
 

@@ -21,7 +21,15 @@
  * page, head and channel; a page's parameters [P, Hkv, D + D / 2] float16 hold the D float16 minima, then the
  * D float8 e4m3 steps as bytes (passed with a slot stride of 0, so a slot's "scales" are its page's). Quantized
  * rows are dequantized to fp32 as they are read, 16 lanes at a time (keys: once per slot and KV head, into a
- * row that the group's query heads share; int4 keys' page parameters once per page).
+ * row that the group's query heads share; int4 keys' page parameters once per page). int4 keys per token (the cold
+ * pages of a two-tier layer): like int4 values, in groups of gcd(D, 16), stored rotated (k_page_params = 0).
+ *
+ * Two tiers (hf_paged/demotion.py, `ColdTier`): the pools are a layer's hot float pages, `cold` points at a copy of
+ * the arguments whose pool fields hold its cold int8 / int4 pages, and table ids are page ids that hot_row /
+ * cold_row map to a row of either. A work item walks its entries twice, in the same running (max, sum, acc): the
+ * hot pages first, skipping cold ones like holes, then the cold ones, after rotating the query (q.k = (q R).(k R))
+ * and the accumulator (sum p v R = (sum p v) R) into the cold basis when that format is rotated; `finalize`
+ * rotates the output back. Nothing is copied at full precision: cold rows are dequantized as they are read.
  */
 #include <float.h>
 #include <math.h>
