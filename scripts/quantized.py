@@ -20,8 +20,8 @@ model, scales included, against float32.
 Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query heads, 3 KV heads, head dim
 64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,
 int8 and int4 pages holding the same random keys and values, and a two-tier layer ("float32+int4": float32 pages,
-7 of 8 demoted to int4, as a ``cold_format="int4"`` cache holds them at a quarter of the context's bytes). Every round times each format once (the order
-rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.process_time``) and wall time;
+7 of 8 demoted to int4, as a ``cold_format="int4"`` cache holds them at a quarter of the context's bytes). Every
+round times each format once (the order rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.process_time``) and wall time;
 the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
 quartiles), with the load average before and after.
 
@@ -58,7 +58,7 @@ Examples:
     python scripts/quantized.py --parts cache --out results/quantized/cache
     python scripts/quantized.py --parts decode --decode-contexts 1024,4096 --repeats 5 --out results/quantized/decode
     python scripts/quantized.py --parts speed --contexts 4096 --batches 1
-    python scripts/quantized.py --parts mixed --decode-contexts 1024,4096 --decode-batches 1 --out results/quantized/mixed
+    python scripts/quantized.py --parts mixed --decode-contexts 1024,4096 --decode-batches 1 --out runs/mixed
     python scripts/quantized.py --quick                  # smoke test, not a result
 """
 

@@ -553,8 +553,8 @@ def _streamed(cache, model, ids: torch.Tensor, chunk: int):
 
 
 def mixed_part(args, progress) -> dict:
-    """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a mixed-precision
-    cache (``cold_format="int4"``, read in place by the C kernel, and for contrast through the torch path's gathers)
+    """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a
+    mixed-precision cache (``cold_format="int4"``, read in place by the C kernel, and through the torch path's gathers)
     against float32 pages holding the whole prompt and the plain bounded cache of the same bytes (``--mixed-budget``
     of the context's float32 bytes), all in pages of one token, entries alternating."""
     import hf_paged
@@ -617,16 +617,17 @@ def mixed_part(args, progress) -> dict:
 def mixed_markdown(r: dict, environment: dict) -> list[str]:
     """The `mixed_part` table."""
     lines = ["## Mixed precision: `generate` decode speed of a cache with cold int4 pages, pages of one token", "",
-             "float: float32 pages holding the whole prompt; bounded float: `PagedCache(max_pages=B)` (score eviction); "
-             "mixed int4: `PagedCache(max_pages=B, cold_format=\"int4\")`, its hot float32 and cold int4 pages read in "
-             "place by the C kernel; its torch path: the same pages gathered (dequantized copies) each step. B: the "
+             "float: float32 pages holding the whole prompt; bounded float: `PagedCache(max_pages=B)` (score "
+             "eviction); mixed int4: `PagedCache(max_pages=B, cold_format=\"int4\")`, its hot float32 and cold int4 "
+             "pages read in place by the C kernel; its torch path: the same pages gathered (dequantized copies) each "
+             "step. B: the "
              f"float32 bytes of {r['mixed_budget']:g} of the context per layer; the bounded caches take the prompt in "
              f"chunks (demoting and evicting by attention as it comes); each round decodes {r['decode_tokens']} new "
-             f"tokens from a fork of each, entries alternating, {r['repeats']} rounds, {r['threads']} thread(s). Ratio: "
-             "CPU time per new token against float32 pages in the same round, median [quartiles]. "
+             f"tokens from a fork of each, entries alternating, {r['repeats']} rounds, {r['threads']} thread(s). "
+             "Ratio: CPU time per new token against float32 pages in the same round, median [quartiles]. "
              f"Load average {environment['load_avg_start']} before, {environment.get('load_avg_end')} after.", ""]
-    lines += _table("| context | batch | cache< | B | tokens held | cold | CPU ms/token | wall ms/token | "
-                    "vs float32 pages (CPU) | KV MiB |",
+    lines += _table("| context | batch | cache< | B | tokens held | cold pages (all layers) | CPU ms/token | "
+                    "wall ms/token | vs float32 pages (CPU) | KV MiB |",
                     [[row["context"], row["batch"], row["cache"], "" if row["cache"] == "float" else row["budget"],
                       row["tokens_held"], row["pages_cold"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
                       "—" if row["cache"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]

@@ -444,7 +444,8 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                 if (fmt == FMT_I4 && !a->k_page_params) { /* per token: a group of 16 is a block of 16 lanes */
                     const int64_t at_scale = ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
                     for (int64_t b = 0; b < D / 16; b++)
-                        key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b]) * cs->k_scale[at_scale + b];
+                        key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b])
+                                 * cs->k_scale[at_scale + b];
                 } else if (fmt == FMT_I4) {
                     const float *step = page_params + kvh * 2 * D, *low = step + D;
                     for (int64_t b = 0; b < D / 16; b++) {

@@ -354,11 +354,10 @@ def _paged_attention_kernel(
         PAGE_SIZE, HEAD_DIM, FORMAT, KEY_FORMAT, K_GROUP, V_GROUP, BLOCK_N, TWO_TIERS,
         HAS_MASK, HAS_SLIDING, HAS_SOFTCAP, INTERPRET)
     if TWO_TIERS:  # then the cold pages, in their basis: q.k = (q R).(k R), sum p v R = (sum p v) R
-        rot = _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM)
         if COLD_K_ROTATED:
-            q = _dot(q.to(tl.float32), rot, INTERPRET).to(q.dtype)
+            q = _dot(q.to(tl.float32), _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM), INTERPRET).to(q.dtype)
         if COLD_V_ROTATED:
-            acc = _dot(acc, rot, INTERPRET)
+            acc = _dot(acc, _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM), INTERPRET)
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, CK, CV, CKScale, CVScale, ColdRow, PageTable, PagePos, Mask, b, kv_head, q_pos, row_ok,
             head, q_idx, offs_d, d_ok, slot_begin, slot_end, scale, softcap, sliding_window, mask_offset, mask_len,
@@ -494,7 +493,6 @@ def _page_mass_kernel(
     if TWO_TIERS:
         cold_page = tl.load(ColdRow + page, mask=page >= 0, other=-1)
         page = tl.load(HotRow + page, mask=page >= 0, other=-1)
-        rot = _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM)
     heads = head + tl.zeros([BLOCK_Q], tl.int32)
 
     total = tl.zeros([BLOCK_Q], tl.float32)
@@ -527,7 +525,7 @@ def _page_mass_kernel(
                                + kv_head * stride_cksh, offs_d[:, None], cold_ok[None, :] & d_ok[:, None], 1,
                                COLD_KEY_FORMAT, COLD_K_GROUP, HEAD_DIM)
                 if COLD_K_ROTATED:
-                    q = _dot(q.to(tl.float32), rot, INTERPRET).to(q.dtype)
+                    q = _dot(q.to(tl.float32), _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM), INTERPRET).to(q.dtype)
                 s = tl.where((cold_page >= 0)[None, :], _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET), s)
             lse_ref = tl.where(row_ok, lse, 0.0)
             p = tl.where(ok, tl.exp(s - lse_ref[:, None]), 0.0)
