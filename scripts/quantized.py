@@ -45,7 +45,7 @@ Part ``mixed``: ``generate``'s decode speed at each ``--decode-contexts`` length
 mixed-precision cache (``PagedCache(page_size=1, max_pages=B, cold_format="int4")``: hot float32 and cold int4 pages
 read in place by the C kernel; and the same cache read through the torch path's gathers) against float32 pages
 holding the whole prompt and the plain bounded cache of the same bytes (B: the float32 bytes of ``--mixed-budget``
-of the context), entries alternating (CPU time per token, medians and quartiles of per-round ratios against float32
+of the batch's tokens, per layer), entries alternating (CPU time per token, medians and quartiles of per-round ratios against float32
 pages over ``--repeats`` rounds).
 
 Without optimum-quanto (the ``eval`` extra) the QuantizedCache rows are skipped with the reason printed and recorded.
@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"cache: prompts of the many-prompts workload, 0: none (default {DEFAULTS['num_prompts']})")
     p.add_argument("--mixed-budget", type=float, default=None,
-                   help=f"mixed: the bounded caches' bytes, as a share of the context's float32 bytes (default "
+                   help=f"mixed: the bounded caches' bytes, as a share of the batch's float32 bytes (default "
                    f"{DEFAULTS['mixed_budget']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
     p.add_argument("--quick", action="store_true", help="smoke test (seconds to a minute, not a result)")

@@ -556,7 +556,7 @@ def mixed_part(args, progress) -> dict:
     """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a
     mixed-precision cache (``cold_format="int4"``, read in place by the C kernel, and through the torch path's gathers)
     against float32 pages holding the whole prompt and the plain bounded cache of the same bytes (``--mixed-budget``
-    of the context's float32 bytes), all in pages of one token, entries alternating."""
+    of the batch's float32 bytes), all in pages of one token, entries alternating."""
     import hf_paged
 
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
@@ -567,8 +567,8 @@ def mixed_part(args, progress) -> dict:
     for context in args.decode_contexts:
         prompt = load_token_ids(tokenizer, context)[0]
         kv = _prefilled_kv(model, prompt[:-1])
-        budget = max(8, round(context * args.mixed_budget))  # float pages of one token, per layer group
         for batch in args.decode_batches:
+            budget = max(8, round(batch * context * args.mixed_budget))  # float pages of one token, per layer group
             ids = prompt[None].expand(batch, -1)
             full = _filled(hf_paged.PagedCache(page_size=1, config=model.config), kv, batch)
             release_memory()
@@ -621,7 +621,7 @@ def mixed_markdown(r: dict, environment: dict) -> list[str]:
              "eviction); mixed int4: `PagedCache(max_pages=B, cold_format=\"int4\")`, its hot float32 and cold int4 "
              "pages read in place by the C kernel; its torch path: the same pages gathered (dequantized copies) each "
              "step. B: the "
-             f"float32 bytes of {r['mixed_budget']:g} of the context per layer; the bounded caches take the prompt in "
+             f"float32 bytes of {r['mixed_budget']:g} of the batch's tokens per layer; the bounded caches take the prompt in "
              f"chunks (demoting and evicting by attention as it comes); each round decodes {r['decode_tokens']} new "
              f"tokens from a fork of each, entries alternating, {r['repeats']} rounds, {r['threads']} thread(s). "
              "Ratio: CPU time per new token against float32 pages in the same round, median [quartiles]. "
