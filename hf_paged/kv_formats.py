@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CacheUsageError
+from .kernels import cpu_page_codecs
 
 __all__ = ["KV_FORMATS", "KEY_GROUP", "PageChannelCodec", "PageFormat", "QuantizedPages", "check_kv_format",
            "page_format", "rotation",
@@ -378,7 +379,7 @@ class QuantizedPages:
         fmt, heads = self.format, keys.shape[1]
         if getattr(fmt.key, "per_page", False):
             self._write_page_keys(slots, keys)
-            encoded = (("v", *quantize(fmt.value, values)),)
+            encoded = () if self._values_in_c(slots, values) else (("v", *quantize(fmt.value, values)),)
         elif fmt.key == fmt.value and self.head_dim == self.value_dim:  # one codec: keys and values in one call
             codes, scale = quantize(fmt.key, torch.cat([keys, values], 1))
             encoded = (("k", codes[:, :heads], scale[:, :heads]), ("v", codes[:, heads:], scale[:, heads:]))
@@ -391,7 +392,7 @@ class QuantizedPages:
     def _write_page_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Per-page keys: each page written gets its residual (or, holding tokens without one, its decoded keys)
         with the new keys in their slots, and is encoded again over the slots up to the write's last one."""
-        S, device = self.page_size, self.device
+        S = self.page_size
         slot_list = slots.tolist()
         if not slot_list:
             return
@@ -402,6 +403,36 @@ class QuantizedPages:
             span[0], span[1] = min(span[0], offset), max(span[1], offset + 1)
         page_list = list(spans)
         self.forget_residuals(self._just_filled.difference(page_list))
+        buffer = None if self._page_keys_in_c(spans, slot_list, keys) else self._page_keys_in_torch(spans, slots, keys)
+        keep = [i for i, page in enumerate(page_list) if spans[page][1] < S or spans[page][0] > 0]
+        self._just_filled = {page_list[i] for i in keep if spans[page_list[i]][1] == S}
+        self.forget_residuals(set(page_list).difference(page_list[i] for i in keep))
+        if keep and buffer is not None:
+            rows = [self._residual_row_of(page_list[i]) for i in keep]  # first: it may grow k_residual
+            self.k_residual[rows] = buffer[keep].to(self.dtype)
+
+    def _page_keys_in_c(self, spans: dict[int, list[int]], slot_list: list[int], keys: torch.Tensor) -> bool:
+        """`_write_page_keys` through the C encoder (`cpu_page_codecs`, bit-exact): for float32 keys on the CPU
+        when every page written holds a residual or is written from its first slot. The new keys go into the
+        pages' residuals (a fresh page's zeroed first), which are then encoded in place. -> False when it does
+        not serve (nothing encoded; residuals it gave hold the new keys, as the torch path would make them)."""
+        if not (self.device.type == "cpu" and self.dtype == keys.dtype == torch.float32
+                and all(page in self._residual_row or span[0] == 0 for page, span in spans.items())
+                and cpu_page_codecs.available()):
+            return False
+        S, fresh = self.page_size, [page for page in spans if page not in self._residual_row]
+        rows = {page: self._residual_row_of(page) for page in spans}  # first: it may grow k_residual
+        if fresh:
+            self.k_residual[[rows[page] for page in fresh]] = 0.0
+        targets = [rows[slot // S] * S + slot % S for slot in slot_list]
+        return cpu_page_codecs.encode_page_keys(keys, targets, self.k_residual, list(rows.values()),
+                                                [span[1] for span in spans.values()], list(spans), self.k_codes,
+                                                self.k_scale)
+
+    def _page_keys_in_torch(self, spans: dict[int, list[int]], slots: torch.Tensor,
+                            keys: torch.Tensor) -> torch.Tensor:
+        """`_write_page_keys` in torch: encodes the pages written; -> their float32 keys ``[U, S, H, D]``."""
+        S, device, page_list = self.page_size, self.device, list(spans)
         index = {page: i for i, page in enumerate(page_list)}
         rows = [self._residual_row.get(page, -1) for page in page_list]
         pages = torch.tensor(page_list, device=device)
@@ -413,16 +444,20 @@ class QuantizedPages:
         if stale:
             buffer[stale] = self.format.key.decode_pages(self.k_codes[pages[stale]], self.k_scale[pages[stale]],
                                                          self.head_dim)
-        buffer[torch.tensor([index[slot // S] for slot in slot_list], device=device), slots % S] = keys.float()
+        buffer[torch.tensor([index[slot // S] for slot in slots.tolist()], device=device), slots % S] = keys.float()
         filled = torch.tensor([spans[page][1] for page in page_list], device=device)
         self.k_codes[pages], self.k_scale[pages] = self.format.key.encode_pages(
             buffer, torch.arange(S, device=device) < filled[:, None])
-        keep = [i for i, page in enumerate(page_list) if spans[page][1] < S or spans[page][0] > 0]
-        self._just_filled = {page_list[i] for i in keep if spans[page_list[i]][1] == S}
-        self.forget_residuals(set(page_list).difference(page_list[i] for i in keep))
-        if keep:
-            rows = [self._residual_row_of(page_list[i]) for i in keep]  # first: it may grow k_residual
-            self.k_residual[rows] = buffer[keep].to(self.dtype)
+        return buffer
+
+    def _values_in_c(self, slots: torch.Tensor, values: torch.Tensor) -> bool:
+        """Values of `Int4Codec(None)` encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the CPU, after
+        the rotation in torch, as `quantize` does; -> False when it does not serve (nothing written)."""
+        codec = self.format.value
+        if not (self.device.type == "cpu" and codec == Int4Codec(None) and cpu_page_codecs.available()):
+            return False
+        rotated = (values.float() @ rotation(self.value_dim)).contiguous()
+        return cpu_page_codecs.encode_int4_values(rotated, slots, self.v_codes, self.v_scale)
 
     def _residual_row_of(self, page: int) -> int:
         """The residual row of ``page``, given one if it has none (k_residual grows by doubling)."""

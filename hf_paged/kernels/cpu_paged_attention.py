@@ -18,20 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
 from ..kv_formats import PageFormat, slot_scale_strides
-from ..paths import cache_dir, private_folder
 from . import library_cache
 from .arguments import ColdTier, check_paged_args, mask_strides
 
@@ -77,70 +69,14 @@ class _PagedArgs(ctypes.Structure):
     ]
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags: ``-march=native`` code is only valid on the same kind of CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel library, or a string saying why it cannot be built or loaded."""
-    compiler = _compiler()
-    if compiler is None:
-        return f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r}; set $CC)"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as error:
-        return f"the C compiler {compiler} does not run: {error}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
-    try:
-        folder, refused = private_folder(cache_dir() / "kernels", "hf_paged-kernels-")
-    except OSError as error:
-        return f"no private folder to build into ({error}); set HF_PAGED_CACHE_DIR to a folder only you can write"
-    if refused:
-        warnings.warn(f"hf_paged: not using the kernel cache because {refused}; building the CPU kernel into the "
-                      f"private folder {folder} instead. Set HF_PAGED_CACHE_DIR to a folder only you can write.",
-                      stacklevel=2)
-    target = folder / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-    try:
-        library = _load_or_build(compiler, target)
-    except library_cache.Unusable as error:
-        return f"{error}; delete it to rebuild"
-    except (library_cache.Rejected, RuntimeError) as error:
-        return str(error)
-    for name in SYMBOLS:
+    library = library_cache.compiled_library(SOURCE, FLAGS, SYMBOLS)
+    for name in SYMBOLS if not isinstance(library, str) else ():
         getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs)]
         getattr(library, name).restype = ctypes.c_int
     return library
-
-
-def _load_or_build(compiler: str, target: Path) -> ctypes.CDLL:
-    """The verified library at ``target``; (re)built first when missing or rejected."""
-    try:
-        return library_cache.load(target, SYMBOLS)
-    except library_cache.Rejected as error:
-        if target.exists() or target.is_symlink():
-            warnings.warn(f"hf_paged: rebuilding the CPU kernel: {error}.", stacklevel=3)
-    try:
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-2000:]}")
-            library_cache.publish(built, target)
-    except OSError as error:
-        raise RuntimeError(f"cannot build into {target.parent} ({error}); set HF_PAGED_CACHE_DIR to a folder "
-                           "only you can write") from None
-    return library_cache.load(target, SYMBOLS)
 
 
 def unavailable_reason() -> str | None:

@@ -21,11 +21,15 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
+import shutil
 import stat
+import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
-from ..paths import UntrustedFile, read_trusted, unsafe_reason
+from ..paths import UntrustedFile, cache_dir, private_folder, read_trusted, unsafe_reason
 
 ELF_MAGIC = b"\x7fELF"
 RECORD_LIMIT = 256  # bytes: a record is one line, "<sha256 hex> <size>"
@@ -106,3 +110,64 @@ def load(path: Path, symbols: tuple[str, ...]) -> ctypes.CDLL:
     if missing:
         raise Unusable(f"{path} lacks the symbols {missing}")
     return library
+
+
+# ------------------------------------------------------------------------------------------ building
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: ``-march=native`` code is only valid on the same kind of CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def compiled_library(source: Path, flags: list[str], symbols: tuple[str, ...]) -> ctypes.CDLL | str:
+    """The library built from the C file ``source`` with ``flags`` by the system compiler (``$CC``, default
+    ``cc``) into this user's cache (``$HF_PAGED_CACHE_DIR/kernels``, keyed by the source, the compiler, the flags
+    and the CPU), loaded after `load`'s checks; or a string saying why it cannot be built or loaded."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r}; set $CC)"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        return f"the C compiler {compiler} does not run: {error}"
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(flags), _cpu_signature()]).encode())
+    try:
+        folder, refused = private_folder(cache_dir() / "kernels", "hf_paged-kernels-")
+    except OSError as error:
+        return f"no private folder to build into ({error}); set HF_PAGED_CACHE_DIR to a folder only you can write"
+    if refused:
+        warnings.warn(f"hf_paged: not using the kernel cache because {refused}; building the CPU kernel into the "
+                      f"private folder {folder} instead. Set HF_PAGED_CACHE_DIR to a folder only you can write.",
+                      stacklevel=3)
+    target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    try:
+        return _load_or_build(compiler, source, flags, target, symbols)
+    except Unusable as error:
+        return f"{error}; delete it to rebuild"
+    except (Rejected, RuntimeError) as error:
+        return str(error)
+
+
+def _load_or_build(compiler: str, source: Path, flags: list[str], target: Path,
+                   symbols: tuple[str, ...]) -> ctypes.CDLL:
+    """The verified library at ``target``; (re)built from ``source`` first when missing or rejected."""
+    try:
+        return load(target, symbols)
+    except Rejected as error:
+        if target.exists() or target.is_symlink():
+            warnings.warn(f"hf_paged: rebuilding the CPU kernel: {error}.", stacklevel=4)
+    try:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then publish atomically
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *flags, "-o", str(built), str(source), "-lm"], capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"building {source.name} with {compiler} failed:\n{result.stderr[-2000:]}")
+            publish(built, target)
+    except OSError as error:
+        raise RuntimeError(f"cannot build into {target.parent} ({error}); set HF_PAGED_CACHE_DIR to a folder "
+                           "only you can write") from None
+    return load(target, symbols)
