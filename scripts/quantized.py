@@ -21,9 +21,9 @@ Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query 
 64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,
 int8 and int4 pages holding the same random keys and values, and a two-tier layer ("float32+int4": float32 pages,
 7 of 8 demoted to int4, as a ``cold_format="int4"`` cache holds them at a quarter of the context's bytes). Every
-round times each format once (the order rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.process_time``) and wall time;
-the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
-quartiles), with the load average before and after.
+round times each format once (the order rotated round by round), ``--calls`` kernel calls each, in CPU seconds
+(``time.process_time``) and wall time; the table gives medians over ``--repeats`` rounds and each format's
+per-round ratio to float32 (median and quartiles), with the load average before and after.
 
 Part ``cache``: the real caches with each format the CPU reads (float, int8, int4) on the embedded SmolLM2
 (float32, "hf_paged"), with transformers' ``QuantizedCache`` (optimum-quanto backend, ``--peer-bits`` 4 and 2, its
@@ -45,8 +45,8 @@ Part ``mixed``: ``generate``'s decode speed at each ``--decode-contexts`` length
 mixed-precision cache (``PagedCache(page_size=1, max_pages=B, cold_format="int4")``: hot float32 and cold int4 pages
 read in place by the C kernel; and the same cache read through the torch path's gathers) against float32 pages
 holding the whole prompt and the plain bounded cache of the same bytes (B: the float32 bytes of ``--mixed-budget``
-of the batch's tokens, per layer), entries alternating (CPU time per token, medians and quartiles of per-round ratios against float32
-pages over ``--repeats`` rounds).
+of the batch's tokens, per layer), entries alternating (CPU time per token, medians and quartiles of per-round
+ratios against float32 pages over ``--repeats`` rounds).
 
 Without optimum-quanto (the ``eval`` extra) the QuantizedCache rows are skipped with the reason printed and recorded.
 
