@@ -287,3 +287,18 @@ def test_the_evaluation_script_adds_cold_format_rows_at_the_same_budgets():
     assert (cache.kv_format, cache.cold_format, cache.max_pages) == ("float", "int4", 128)
     with pytest.raises(SystemExit):
         script.parse_args(["--cold-format", "int3"])
+
+
+def test_torch_compile_is_refused_with_a_reason():
+    """A compiled forward's custom op reads one pool per layer: a cache with two tiers is refused, saying so."""
+    _, model = shared_pair("llama")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(hf_paged.plan_compiled_steps(model), backend="eager")
+        cache = hf_paged.PagedCache(page_size=1, max_pages=24, config=model.config, cold_format="int4",
+                                    eviction="fifo")
+        with torch.no_grad(), pytest.raises(hf_paged.CacheUsageError, match="cold_format=None under torch.compile"):
+            for start in range(0, 12, 4):
+                compiled(_ids(1, 12)[:, start:start + 4], **{hf_paged.CACHE_KWARG: cache})
+    finally:
+        torch._dynamo.reset()
