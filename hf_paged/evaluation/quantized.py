@@ -469,6 +469,15 @@ def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
     return cache
 
 
+def _decode_setup(args, progress, desc: str):
+    """(the float32 model with 'hf_paged' attention and no end of sequence, its tokenizer, a progress bar over the
+    decode configurations and their rounds)."""
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
+    model.generation_config.eos_token_id = None
+    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
+    return model, tokenizer, progress(total=len(configs) * (1 + args.repeats), desc=desc)
+
+
 def decode_part(args, progress) -> dict:
     """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size, float32, int8
     and int4 pages and QuantizedCache int4/int2 holding the same keys and values, entries alternating."""
@@ -476,14 +485,11 @@ def decode_part(args, progress) -> dict:
 
     from . import quantized_peer as peer
 
-    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
-    model.generation_config.eos_token_id = None
+    model, tokenizer, bar = _decode_setup(args, progress, "decode through the caches")
     sdpa, bits, peer_skipped = _peer_models(args)
     peers = {peer.name(nbits, args.peer_residual): nbits for nbits in bits}
     entries = list(CACHE_FORMATS) + list(peers)
-    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
     meter = MemoryMeter(torch.device("cpu"))
-    bar = progress(total=len(configs) * (1 + args.repeats), desc="decode through the caches")
     results = []
     for context in args.decode_contexts:
         prompt = load_token_ids(tokenizer, context)[0]
@@ -559,10 +565,7 @@ def mixed_part(args, progress) -> dict:
     of the batch's float32 bytes), all in pages of one token, entries alternating."""
     import hf_paged
 
-    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
-    model.generation_config.eos_token_id = None
-    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
-    bar = progress(total=len(configs) * (1 + args.repeats), desc="decode, mixed precision")
+    model, tokenizer, bar = _decode_setup(args, progress, "decode, mixed precision")
     results = []
     for context in args.decode_contexts:
         prompt = load_token_ids(tokenizer, context)[0]
