@@ -130,7 +130,7 @@ def quantize_case(case: dict, kv_format: str) -> dict:
 def two_tier_case(case: dict, cold_format: str, seed: int = 0, cold_share: float = 0.5) -> dict:
     """``case`` with its pages in a two-tier layer (`hf_paged.demotion.MixedPages`): every page written hot, then a
     random ``cold_share`` of them (interleaved with the hot ones in every row) demoted to ``cold_format``; the pools
-    replaced by the layer's ``kernel_operands()`` (hot pools, and the cold ones with the row maps)."""
+    replaced by the layer's ``kernel_operands()`` (hot pools, and the cold ones with the row maps). -> (case, layer)"""
     from hf_paged.demotion import ColdPages
 
     P, S, H, D = case["k_pool"].shape
