@@ -136,6 +136,9 @@ class CompiledRead(LayerRead):
                 "eviction='fifo' or 'error' (or no max_pages) under torch.compile, or do not compile the model.")
         self.view, self.slots = view, slots
         self.operands = view.pages.kernel_operands()
+        if self.operands.get("cold") is not None:
+            raise CacheUsageError("torch.compile reads one pool of pages per layer; a cache with cold_format keeps two "
+                                  "tiers. Use cold_format=None under torch.compile, or do not compile the model.")
         self.index = view.kernel_index()
         for tensor in self.index:
             torch._dynamo.maybe_mark_dynamic(tensor, 1)

@@ -36,15 +36,15 @@ def resolve_backend(choice: str | None, device: torch.device) -> str:
 
 def layer_backend(choice: str | None, pages) -> str:
     """`resolve_backend` for a layer's `LayerPages`: the C kernel reads its page formats (int8 and int4 whatever the
-    model's dtype; float pages of its supported dtypes), else "torch" (which reads every format through gathers)."""
+    model's dtype; float pages of its supported dtypes; both tiers of "float+int4" / "float+int8" pages), else
+    "torch" (which reads every format through gathers)."""
     backend = resolve_backend(choice, pages.device)
-    if not getattr(pages, "kernel_readable", True):  # (pages in two tiers, `hf_paged.demotion`: gathered)
-        return "torch"
     if backend != "cpu":
         return backend
-    if pages.kv_format == "float":
-        return backend if pages.dtype in cpu_kernel.SUPPORTED_DTYPES else "torch"
-    return backend if pages.kv_format in cpu_kernel.KV_FORMATS else "torch"
+    formats = pages.kv_format.split("+")  # (two tiers, `hf_paged.demotion`: "float+int4")
+    if formats[0] == "float" and pages.dtype not in cpu_kernel.SUPPORTED_DTYPES:
+        return "torch"
+    return backend if all(name in cpu_kernel.KV_FORMATS for name in formats) else "torch"
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,9 @@ The pieces:
   ``require``, the eviction loop) holds the byte budget without knowing of it. A freed id is hot again.
 * `MixedPages`: one layer's pages of both tiers (the `LayerPages` interface of `hf_paged.page_store`): float
   storage for hot pages, per-token quantized storage (`hf_paged.kv_formats.QuantizedPages`) for cold ones,
-  and per page id the row it occupies in either; attention reads them through gathers (the torch path).
+  and per page id the row it occupies in either; the paged kernels read both tiers in place (`kernel_operands`:
+  the hot pools, and the cold ones with the row maps as a `hf_paged.kernels.arguments.ColdTier`), the torch path
+  through `gather`.
 
 Invariants: every layer of a group has the same pages cold (all take the same writes, copies and demotions);
 a page is in at most one tier of a layer; hot pages are written, cold pages only read (a write into a cold page
@@ -37,6 +39,7 @@ import torch
 
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
+from .kernels.arguments import ColdTier
 from .kv_formats import KEY_GROUP, Int4Codec, PageFormat, QuantizedPages, check_kv_format, page_format
 from .model_config import head_dim
 from .page_store import FloatPages
@@ -116,16 +119,18 @@ class ColdPages:
         S = manager.page_size
         start = max(sink_pages - first_page, 0)
         full = num_tokens // S - first_page  # entries before it are full pages
-        candidates: dict[int, int] = {}  # page -> its logical index (the oldest, if rows share it)
-        for row in rows:
-            for index in range(start, min(full, len(row))):
-                page = row[index]
-                if page != EVICTED and page not in self.ids and page not in candidates:
-                    candidates[page] = index
-        if not candidates:
+        spans = [np.asarray(row[start:full], dtype=np.int64) for row in rows]
+        pages = np.concatenate([np.zeros(0, dtype=np.int64), *spans])
+        age = np.concatenate([np.zeros(0, dtype=np.int64), *(start + np.arange(len(span)) for span in spans)])
+        cold_row = next(iter(self.layers.values())).cold_row  # (every layer's: the group's cold ids, `ids`)
+        held = pages != EVICTED
+        held[held] = cold_row[pages[held]] < 0
+        pages, age = pages[held], age[held]
+        if not len(pages):
             return 0
-        pages = np.fromiter(candidates, dtype=np.int64, count=len(candidates))
-        age = np.fromiter(candidates.values(), dtype=np.int64, count=len(candidates))
+        _, first = np.unique(pages, return_index=True)  # a page shared by rows: its first place (the oldest)
+        first.sort()
+        pages, age = pages[first], age[first]
         order = np.lexsort((age, rank(pages, age)))
         hot, cold = self.page_bytes()
         demoted = 0
@@ -204,10 +209,8 @@ class TieredBlockManager(BlockManager):
 
 class MixedPages:
     """One layer's pages in two tiers (module docstring): ``hot`` float rows and ``cold`` quantized rows, and per
-    page id its row in each (``hot_row``/``cold_row``, -1: none). Read only through `gather` (``kernel_readable`` is
-    False: no kernel walks two pools)."""
-
-    kernel_readable = False
+    page id its row in each (``hot_row``/``cold_row``, -1: none). Read through `gather` or, in place, by the paged
+    kernels (`kernel_operands`)."""
 
     def __init__(self, tiers: ColdPages, page_size: int, heads: int, head_dim: int, value_dim: int,
                  dtype: torch.dtype, device):
@@ -321,8 +324,13 @@ class MixedPages:
         return keys.reshape(*pages.shape, S, H, D), values.reshape(*pages.shape, S, H, Dv)
 
     def kernel_operands(self) -> dict:
-        raise CacheUsageError("pages of a cache with cold_format are read by the 'torch' backend only (two pools: no "
-                              "paged kernel reads them); use backend='auto' or 'torch', and no torch.compile")
+        """The paged kernels' arguments: the hot pools (float), and the cold pools with both row maps (`ColdTier`;
+        the maps share the numpy tables' memory on the CPU)."""
+        maps = {name: torch.from_numpy(table).to(self.device) for name, table in
+                (("hot_row", self.hot_row), ("cold_row", self.cold_row))}
+        cold = self.cold.kernel_operands()
+        pools = (cold["k_pool"], cold["v_pool"], cold["k_scale"], cold["v_scale"])
+        return {**self.hot.kernel_operands(), "cold": ColdTier(*pools, self.cold.format, **maps)}
 
     def page_bytes(self) -> int:
         return self.hot_page_bytes  # (a hot page: what the budget counts in)

@@ -19,10 +19,11 @@ model, scales included, against float32.
 
 Part ``speed``: the C kernel's decode call on one SmolLM2-shaped layer (9 query heads, 3 KV heads, head dim
 64, pages of ``--page-size``) over each ``--contexts`` length and ``--batches`` size, with float32, bfloat16,
-int8 and int4 pages holding the same random keys and values. Every round times each format once (the order
-rotated round by round), ``--calls`` kernel calls each, in CPU seconds (``time.process_time``) and wall time;
-the table gives medians over ``--repeats`` rounds and each format's per-round ratio to float32 (median and
-quartiles), with the load average before and after.
+int8 and int4 pages holding the same random keys and values, and a two-tier layer ("float32+int4": float32 pages,
+7 of 8 demoted to int4, as a ``cold_format="int4"`` cache holds them at a quarter of the context's bytes). Every
+round times each format once (the order rotated round by round), ``--calls`` kernel calls each, in CPU seconds
+(``time.process_time``) and wall time; the table gives medians over ``--repeats`` rounds and each format's
+per-round ratio to float32 (median and quartiles), with the load average before and after.
 
 Part ``cache``: the real caches with each format the CPU reads (float, int8, int4) on the embedded SmolLM2
 (float32, "hf_paged"), with transformers' ``QuantizedCache`` (optimum-quanto backend, ``--peer-bits`` 4 and 2, its
@@ -40,6 +41,13 @@ batch's rows made distinct): each round decodes ``--decode-tokens`` tokens from 
 alternating (CPU time per token, medians and quartiles of per-round ratios against float32 pages over ``--repeats``
 rounds).
 
+Part ``mixed``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a
+mixed-precision cache (``PagedCache(page_size=1, max_pages=B, cold_format="int4")``: hot float32 and cold int4 pages
+read in place by the C kernel; and the same cache read through the torch path's gathers) against float32 pages
+holding the whole prompt and the plain bounded cache of the same bytes (B: the float32 bytes of ``--mixed-budget``
+of the batch's tokens, per layer), entries alternating (CPU time per token, medians and quartiles of per-round
+ratios against float32 pages over ``--repeats`` rounds).
+
 Without optimum-quanto (the ``eval`` extra) the QuantizedCache rows are skipped with the reason printed and recorded.
 
 Writes ``--out`` (default runs/quantized, git-ignored)/quantized.md, quantized.json and quantized.png. The
@@ -50,6 +58,7 @@ Examples:
     python scripts/quantized.py --parts cache --out results/quantized/cache
     python scripts/quantized.py --parts decode --decode-contexts 1024,4096 --repeats 5 --out results/quantized/decode
     python scripts/quantized.py --parts speed --contexts 4096 --batches 1
+    python scripts/quantized.py --parts mixed --decode-contexts 1024,4096 --decode-batches 1 --out runs/mixed
     python scripts/quantized.py --quick                  # smoke test, not a result
 """
 
@@ -105,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(default {DEFAULTS['peer_residual']}, transformers' own)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"cache: prompts of the many-prompts workload, 0: none (default {DEFAULTS['num_prompts']})")
+    p.add_argument("--mixed-budget", type=float, default=None,
+                   help=f"mixed: the bounded caches' bytes, as a share of the batch's float32 bytes (default "
+                   f"{DEFAULTS['mixed_budget']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's); 1 measures CPU time cleanly")
     p.add_argument("--quick", action="store_true", help="smoke test (seconds to a minute, not a result)")
     p.add_argument("--out", default="runs/quantized", help="output folder (git-ignored runs/)")
@@ -122,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "peer_residual"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 < args.mixed_budget < 1:
+        p.error(f"--mixed-budget is a share of the context's bytes, between 0 and 1, got {args.mixed_budget}")
     if args.num_prompts < 0:
         p.error("--num-prompts must be 0 (no agreement table) or positive")
     return args

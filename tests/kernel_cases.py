@@ -127,6 +127,22 @@ def quantize_case(case: dict, kv_format: str) -> dict:
     return {**{k: v for k, v in case.items() if k not in ("k_pool", "v_pool")}, **pages.kernel_operands()}
 
 
+def two_tier_case(case: dict, cold_format: str, seed: int = 0, cold_share: float = 0.5) -> dict:
+    """``case`` with its pages in a two-tier layer (`hf_paged.demotion.MixedPages`): every page written hot, then a
+    random ``cold_share`` of them (interleaved with the hot ones in every row) demoted to ``cold_format``; the pools
+    replaced by the layer's ``kernel_operands()`` (hot pools, and the cold ones with the row maps). -> (case, layer)"""
+    from hf_paged.demotion import ColdPages
+
+    P, S, H, D = case["k_pool"].shape
+    layer = ColdPages(cold_format).make_layer(0, S, H, D, D, case["k_pool"].dtype, case["k_pool"].device)
+    layer.grow_to(P)
+    layer.write(torch.arange(P * S, device=case["k_pool"].device), case["k_pool"].flatten(0, 1),
+                case["v_pool"].flatten(0, 1))
+    g = torch.Generator().manual_seed(seed)
+    layer.demote(torch.nonzero(torch.rand(P, generator=g) < cold_share)[:, 0].numpy())
+    return {**{k: v for k, v in case.items() if k not in ("k_pool", "v_pool")}, **layer.kernel_operands()}, layer
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))

@@ -81,6 +81,8 @@ def test_speed_part_writes_its_table_json_and_plot(tmp_path):
     assert {(r["batch"], r["format"]) for r in results} == {(b, f) for b in (1, 2) for f in quantized.SPEED_FORMATS}
     assert all(r["cpu_ratio"] == 1 for r in results if r["format"] == "float32")
     assert all(r["cpu_ms"] > 0 and r["kv_bytes"] > 0 for r in results)
+    kv_bytes = {r["format"]: r["kv_bytes"] for r in results if r["batch"] == 1}
+    assert kv_bytes["int4"] < kv_bytes["float32+int4"] < kv_bytes["float32"]  # some pages float32, most int4
     assert report["environment"]["load_avg_start"] is not None and "perplexity" not in report
     assert "| 40 | 2 | int4 |" in (tmp_path / "quantized.md").read_text()
     assert (tmp_path / "quantized.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -128,6 +130,21 @@ def test_cache_part_measures_the_real_caches(tmp_path):
     assert [row["kv_format"] for row in cache["agreement"]] == ["int8", "int4"]
     assert all(len(row["tokens_before_divergence"]) == 2 for row in cache["agreement"])
     assert "## Through the real caches" in (tmp_path / "quantized.md").read_text()
+
+
+@pytest.mark.slow
+def test_mixed_part_times_the_mixed_cache_against_float_pages_and_the_bounded_cache(tmp_path):
+    """The mixed cache (read by the kernel, and by the torch path) holds every token in the bounded cache's bytes,
+    most of them cold; float32 pages are the reference of each round."""
+    assert quantized.main(["--quick", "--parts", "mixed", "--decode-contexts", "96", "--decode-batches", "1",
+                           "--decode-tokens", "2", "--repeats", "2", "--out", str(tmp_path), "--no-progress"]) == 0
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "quantized.json").read_text())["mixed"]["results"]}
+    assert list(rows) == list(quantized.MIXED_ENTRIES) and rows["float"]["cpu_ratio"] == 1
+    assert rows["bounded float"]["tokens_held"] == rows["bounded float"]["budget"] == 24
+    for name in ("mixed int4", "mixed int4, torch path"):
+        assert rows[name]["tokens_held"] == 95 and rows[name]["pages_cold"] > 0
+        assert rows[name]["kv_bytes"] <= rows["bounded float"]["kv_bytes"]
+    assert "## Mixed precision" in (tmp_path / "quantized.md").read_text()
 
 
 @pytest.mark.slow

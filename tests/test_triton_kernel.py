@@ -18,7 +18,8 @@ import sys
 import kernel_cases
 import pytest
 import torch
-from kernel_cases import KERNEL_CASES, QUANTIZED_FORMATS, assert_matches_reference, quantize_case, rel_err
+from kernel_cases import (KERNEL_CASES, QUANTIZED_FORMATS, assert_matches_reference, quantize_case, rel_err,
+                          two_tier_case)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -56,7 +57,8 @@ def check_against_reference(case: dict, **kw) -> None:
     rounded to the query's dtype for its dot (what tensor cores multiply), a rounding the reference does not
     have: twice the dtype's tolerance then for half-precision queries."""
     dtype = case["query"].dtype
-    half_quantized = case.get("kv_format", "float") != "float" and dtype != torch.float32
+    quantized = case.get("kv_format", "float") != "float" or case.get("cold") is not None
+    half_quantized = quantized and dtype != torch.float32
     assert_matches_reference(case, *run_kernel(case, **kw), tol=2 * kernel_cases.TOL[dtype] if half_quantized else None)
 
 
@@ -164,6 +166,27 @@ def test_quantized_split_k_and_head_dim_24(kv_format):
     """Split partials of quantized pools (int4: the output rotated back after the splits are merged); head dim
     24 (int4 keys: a step per channel; a tile wider than the head)."""
     case = quantize_case(make_case(B=2, Hq=4, Hkv=2, D=24, S=5, Q=2, lengths=[70, 23], sink=True, seed=9), kv_format)
+    for splits in (1, 3):
+        check_against_reference(case, num_splits=splits)
+
+
+@pytest.mark.parametrize("cold", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["mha-page1-decode-fp32", "gqa-page3-chunk-leftpad-fp32",
+                                  "mqa-page16-decode-bf16-window-softcap-sink"])
+def test_two_tier_pages_match_reference(cold, name):
+    """A two-tier layer (`hf_paged.demotion.MixedPages`: hot float pages, a random half of the pages cold in
+    int8 / int4, interleaved; holes, an evicted page, page sizes 1, 3 and 16, masks, a window, a softcap, sinks,
+    page mass): each program reads its hot pages, then its cold ones dequantized (int4: the query and the running
+    sum rotated into the cold basis in the kernel, the output rotated back after it)."""
+    check_against_reference(two_tier_case(make_case(seed=4, **KERNEL_CASES[name]), cold, seed=2)[0])
+
+
+@pytest.mark.parametrize("cold", ["int8", "int4"])
+def test_two_tier_split_k_and_head_dim_24(cold):
+    """Split partials of two tiers (each split ends in the cold basis); head dim 24 (int4 keys in groups of 8, a
+    rotation of blocks of 8 padded into the tile)."""
+    case, _ = two_tier_case(make_case(B=2, Hq=4, Hkv=2, D=24, S=1, Q=2, lengths=[40, 23], sink=True, seed=9), cold,
+                            seed=3)
     for splits in (1, 3):
         check_against_reference(case, num_splits=splits)
 

@@ -5,7 +5,7 @@ the embedded text through `SimulatedPages`, a DynamicCache that keeps what each 
 `speed_part` times the C kernel's decode call on one SmolLM2-shaped layer with pages of each format; `cache_part`
 measures the real caches with quantized pages (`PagedCache(kv_format=...)`, `generate_many(kv_format=...)`): KV bytes
 per token from ``stats()``, perplexity, greedy agreement with float pages over the many-prompts workload, and
-``generate``'s decode speed.
+``generate``'s decode speed; `mixed_part` the decode speed of a mixed-precision cache (``cold_format="int4"``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -33,17 +34,19 @@ from .memory import MemoryMeter, _libc
 from .run_info import load_average, versions
 from .text import load_token_ids
 
-PARTS = ("perplexity", "speed", "cache", "decode")
+PARTS = ("perplexity", "speed", "cache", "decode", "mixed")
 CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
-SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4")
+SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4", "float32+int4")  # the last: two tiers, 7 of 8 pages cold
+COLD_SHARE = 8  # "float32+int4": every page but each 8th is cold (a cache at a quarter of the context's bytes)
 LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
 TARGETS = {"int8": (0.27, 0.1), "int4": (0.16, 1.5)}  # issue 32: bytes / float32's at most, perplexity +% at most
 DEFAULTS = dict(max_tokens=2048, contexts="1024,4096,16384", batches="1,8", repeats=9, calls=20,
                 cache_tokens="2048,8192", decode_contexts="1024,4096,16384", decode_batches="1,8", decode_tokens=16,
-                num_prompts=16, peer_bits="4,2", peer_residual=128)
+                num_prompts=16, peer_bits="4,2", peer_residual=128, mixed_budget=0.25)
 QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, calls=3, cache_tokens="256",
              decode_contexts="128,256", decode_batches="1,2", decode_tokens=4, num_prompts=4, peer_bits="4,2",
-             peer_residual=128)
+             peer_residual=128, mixed_budget=0.25)
+MIXED_ENTRIES = ("float", "bounded float", "mixed int4", "mixed int4, torch path")  # part "mixed"
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -217,10 +220,21 @@ def layer_pages(name: str, num_pages: int, page_size: int):
     shape = (page_size, LAYER["kv_heads"], LAYER["head_dim"], LAYER["head_dim"])
     if name in ("float32", "bfloat16"):
         pages = FloatPages(*shape, getattr(torch, name), "cpu")
+    elif "+" in name:  # a two-tier layer (`hf_paged.demotion.MixedPages`), demoted once written (`speed_part`)
+        from ..demotion import ColdPages
+
+        pages = ColdPages(name.partition("+")[2]).make_layer(0, *shape, torch.float32, "cpu")
     else:
         pages = QuantizedPages(page_format(name), *shape, torch.float32, "cpu")
     pages.grow_to(num_pages)
     return pages
+
+
+def _layer_bytes(pages, num_pages: int, cold: int) -> int:
+    """Bytes of ``num_pages`` pages of a `layer_pages` layer, ``cold`` of them cold in a two-tier one."""
+    if hasattr(pages, "cold_page_bytes"):
+        return (num_pages - cold) * pages.hot_page_bytes + cold * pages.cold_page_bytes
+    return pages.page_bytes() * num_pages
 
 
 def time_calls(call: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -265,6 +279,8 @@ def speed_part(args, progress) -> dict:
             values = torch.randn(len(slots), LAYER["kv_heads"], D, generator=g)
             for pages in pools.values():
                 pages.write(slots, keys, values)
+        cold = np.flatnonzero(np.arange(batch * per_row) % COLD_SHARE != 0)
+        pools["float32+int4"].demote(cold)  # (every slot written: demoted pages are full)
         calls = {name: (lambda p=pages: kernel.paged_attention_cpu(query, **p.kernel_operands(), page_table=table,
                                                                    page_pos=page_pos, q_pos=q_pos, scale=D**-0.5))
                  for name, pages in pools.items()}
@@ -283,7 +299,7 @@ def speed_part(args, progress) -> dict:
             results.append(dict(context=context, batch=batch, format=name, cpu_ms=1e3 * statistics.median(cpu),
                                 wall_ms=1e3 * statistics.median(w for _, w in times[name]),
                                 cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3,
-                                kv_bytes=pools[name].page_bytes() * batch * per_row))
+                                kv_bytes=_layer_bytes(pools[name], batch * per_row, len(cold))))
         del pools, calls
     bar.close()
     return dict(layer=LAYER, page_size=S, threads=torch.get_num_threads(), calls=args.calls, repeats=args.repeats,
@@ -453,6 +469,15 @@ def _filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
     return cache
 
 
+def _decode_setup(args, progress, desc: str):
+    """(the float32 model with 'hf_paged' attention and no end of sequence, its tokenizer, a progress bar over the
+    decode configurations and their rounds)."""
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
+    model.generation_config.eos_token_id = None
+    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
+    return model, tokenizer, progress(total=len(configs) * (1 + args.repeats), desc=desc)
+
+
 def decode_part(args, progress) -> dict:
     """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size, float32, int8
     and int4 pages and QuantizedCache int4/int2 holding the same keys and values, entries alternating."""
@@ -460,14 +485,11 @@ def decode_part(args, progress) -> dict:
 
     from . import quantized_peer as peer
 
-    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
-    model.generation_config.eos_token_id = None
+    model, tokenizer, bar = _decode_setup(args, progress, "decode through the caches")
     sdpa, bits, peer_skipped = _peer_models(args)
     peers = {peer.name(nbits, args.peer_residual): nbits for nbits in bits}
     entries = list(CACHE_FORMATS) + list(peers)
-    configs = list(itertools.product(args.decode_contexts, args.decode_batches))
     meter = MemoryMeter(torch.device("cpu"))
-    bar = progress(total=len(configs) * (1 + args.repeats), desc="decode through the caches")
     results = []
     for context in args.decode_contexts:
         prompt = load_token_ids(tokenizer, context)[0]
@@ -518,6 +540,104 @@ def decode_part(args, progress) -> dict:
                 results=results)
 
 
+# ------------------------------------------------------------------------------------ mixed precision
+def _fork_reading(cache, backend: str):
+    """A fork of ``cache`` whose layers read their pages through ``backend`` ("torch": the gathers)."""
+    fork = cache.fork()
+    for layer in fork.layers:  # (a layer resolves its backend on its first read)
+        layer.backend = backend
+    return fork
+
+
+def _streamed(cache, model, ids: torch.Tensor, chunk: int):
+    """``cache`` after a forward of ``ids [B, T]`` in chunks of ``chunk`` tokens (a bounded cache demotes and
+    evicts as they come, by the attention they get)."""
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            model.base_model(input_ids=ids[:, start:start + chunk], **{CACHE_KWARG: cache})
+    return cache
+
+
+def mixed_part(args, progress) -> dict:
+    """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a
+    mixed-precision cache (``cold_format="int4"``, read in place by the C kernel, and through the torch path's gathers)
+    against float32 pages holding the whole prompt and the plain bounded cache of the same bytes (``--mixed-budget``
+    of the batch's float32 bytes), all in pages of one token, entries alternating."""
+    import hf_paged
+
+    model, tokenizer, bar = _decode_setup(args, progress, "decode, mixed precision")
+    results = []
+    for context in args.decode_contexts:
+        prompt = load_token_ids(tokenizer, context)[0]
+        kv = _prefilled_kv(model, prompt[:-1])
+        for batch in args.decode_batches:
+            budget = max(8, round(batch * context * args.mixed_budget))  # float pages of one token, per layer group
+            ids = prompt[None].expand(batch, -1)
+            full = _filled(hf_paged.PagedCache(page_size=1, config=model.config), kv, batch)
+            release_memory()
+
+            def bounded(cold):  # a full bounded cache evicts in steady state: no fork (its parent would pin the pages)
+                cache = hf_paged.PagedCache(page_size=1, max_pages=budget, config=model.config, cold_format=cold)
+                return _streamed(cache, model, ids[:, :-1], max(1, min(256, budget // (4 * batch))))
+
+            held = {}
+            bar.update(1)
+            inputs = dict(input_ids=ids, attention_mask=torch.ones(batch, context, dtype=torch.long), do_sample=False,
+                          max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, pad_token_id=0)
+            times = {name: [] for name in MIXED_ENTRIES}
+            for round_ in range(args.repeats):
+                shift = round_ % len(MIXED_ENTRIES)
+                mixed = bounded("int4")  # read by forks: its demotions make room for both
+                made = dict(float=full.fork, mixed=mixed.fork)
+                made.update({"bounded float": lambda: bounded(None), "mixed int4": mixed.fork,
+                             "mixed int4, torch path": lambda: _fork_reading(mixed, "torch")})
+                for name in MIXED_ENTRIES[shift:] + MIXED_ENTRIES[:shift]:
+                    cache = made[name]()
+                    release_memory()
+                    held.setdefault(name, {k: cache.stats().get(k, 0) for k in ("kv_bytes", "tokens_held",
+                                                                                   "pages_cold")})
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    model.generate(**inputs, **{CACHE_KWARG: cache})
+                    times[name].append(((time.process_time() - cpu) / args.decode_tokens,
+                                        (time.perf_counter() - wall) / args.decode_tokens))
+                    del cache
+                    release_memory()
+                del mixed, made
+                bar.update(1)
+            for name in MIXED_ENTRIES:
+                q1, median, q3 = quartiles([c / f for (c, _), (f, _) in zip(times[name], times["float"])])
+                results.append(dict(context=context, batch=batch, cache=name, budget=budget, **held[name],
+                                    cpu_ms=1e3 * statistics.median(c for c, _ in times[name]),
+                                    wall_ms=1e3 * statistics.median(w for _, w in times[name]),
+                                    cpu_ratio=median, cpu_ratio_q1=q1, cpu_ratio_q3=q3))
+            del full
+        del kv
+    bar.close()
+    return dict(decode_tokens=args.decode_tokens, repeats=args.repeats, threads=torch.get_num_threads(),
+                mixed_budget=args.mixed_budget, results=results)
+
+
+def mixed_markdown(r: dict, environment: dict) -> list[str]:
+    """The `mixed_part` table."""
+    lines = ["## Mixed precision: `generate` decode speed of a cache with cold int4 pages, pages of one token", "",
+             "float: float32 pages holding the whole prompt; bounded float: `PagedCache(max_pages=B)` (score "
+             "eviction); mixed int4: `PagedCache(max_pages=B, cold_format=\"int4\")`, its hot float32 and cold int4 "
+             "pages read in place by the C kernel; its torch path: the same pages gathered (dequantized copies) each "
+             f"step. B: the float32 bytes of {r['mixed_budget']:g} of the batch's tokens per layer; the bounded caches "
+             "take the prompt in chunks (demoting and evicting by attention as it comes); each round decodes "
+             f"{r['decode_tokens']} new tokens from a fork of each, entries alternating, {r['repeats']} rounds, "
+             f"{r['threads']} thread(s). "
+             "Ratio: CPU time per new token against float32 pages in the same round, median [quartiles]. "
+             f"Load average {environment['load_avg_start']} before, {environment.get('load_avg_end')} after.", ""]
+    lines += _table("| context | batch | cache< | B | tokens held | cold pages (all layers) | CPU ms/token | "
+                    "wall ms/token | vs float32 pages (CPU) | KV MiB |",
+                    [[row["context"], row["batch"], row["cache"], "" if row["cache"] == "float" else row["budget"],
+                      row["tokens_held"], row["pages_cold"], f"{row['cpu_ms']:.1f}", f"{row['wall_ms']:.1f}",
+                      "—" if row["cache"] == "float" else _quartiles(row), f"{row['kv_bytes'] / 2**20:.1f}"]
+                     for row in r["results"]])
+    return lines + [""]
+
+
 # ------------------------------------------------------------------------------------------- output
 def _interval(row: dict) -> str:
     return f"{100 * row['relative']:+.2f}% [{100 * row['low']:+.2f}, {100 * row['high']:+.2f}]"
@@ -566,6 +686,8 @@ def markdown(report: dict) -> str:
         lines += cache_markdown(report["cache"])
     if "decode" in report:
         lines += decode_markdown(report["decode"], report["environment"])
+    if "mixed" in report:
+        lines += mixed_markdown(report["mixed"], report["environment"])
     return "\n".join(lines)
 
 
@@ -685,8 +807,8 @@ def plot(report: dict, path: Path) -> None:
             ax.set_ylabel("perplexity vs float32 pages (%), 95% interval")
             ax.set_title(f"{title}Perplexity against bytes through the real caches")
             ax.legend(fontsize=6)
-        elif part == "decode":
-            results = report["decode"]["results"]
+        elif part in ("decode", "mixed"):
+            results = report[part]["results"]
             names = list(dict.fromkeys(r["cache"] for r in results))
             for i, name in enumerate(names[1:], start=1):
                 for batch, style in zip(sorted({r["batch"] for r in results}), ("-o", "--s", ":^")):
@@ -694,7 +816,8 @@ def plot(report: dict, path: Path) -> None:
                            if r["cache"] == name and r["batch"] == batch]
                     ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}, batch {batch}")
             ax.set_yscale("log", base=2)
-            _ratio_axes(ax, "CPU time per new token / float32 pages'", f"{title}generate decode through the caches")
+            _ratio_axes(ax, "CPU time per new token / float32 pages'",
+                        f"{title}generate decode" + (", mixed precision" if part == "mixed" else " through the caches"))
         else:
             results = report["speed"]["results"]
             batches = sorted({r["batch"] for r in results})
@@ -725,7 +848,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     for part in args.parts:
         report[part] = {"perplexity": perplexity_part, "speed": speed_part, "cache": cache_part,
-                        "decode": decode_part}[part](args, progress)
+                        "decode": decode_part, "mixed": mixed_part}[part](args, progress)
     environment.update(load_avg_end=load_average(), wall_s=time.perf_counter() - t0)
     table = markdown(report)
     write_report(Path(args.out), "quantized", table, report, plot=lambda path: plot(report, path))

@@ -4,12 +4,17 @@ index checks, and the mask's broadcast strides. Layout and semantics: :mod:`hf_p
 Pools hold keys and values in a page format (`hf_paged.kv_formats`): ``"float"`` pools ``[P, S, Hkv, D]`` of a
 floating dtype, or codes and float16 scales (``k_scale``/``v_scale``) in the shapes their format defines.
 
+A layer of two tiers (`hf_paged.demotion`) passes its hot float pools as ``k_pool``/``v_pool`` and its cold ones as
+a `ColdTier`: then the table's ids are page ids, and the tier's row maps say which pool row holds each.
+
 The kernels read the pools at the page ids of ``page_table`` without bounds checks, so no call reaches
 them unless every id is a hole (-1) or a page of the pools. Checking ids costs a reduction over the
 table; a `PagedCache` step does it once per step and device (`mark_checked`), not once per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,12 +23,30 @@ from ..kv_formats import PageFormat, page_format
 _CHECKED = "_hf_paged_checked_pages"  # attribute of a page table: the pool size its ids were checked against
 
 
+@dataclass(frozen=True)
+class ColdTier:
+    """The cold pools of a two-tier layer and where each page lives: page id ``p`` of a page table is row
+    ``hot_row[p]`` of the hot (float) pools, or else row ``cold_row[p]`` of these pools in ``format`` (int8 or
+    int4 codes with their float16 scales, layout of `hf_paged.kv_formats`; a `PageFormat`, since cold int4 pages
+    use per-token keys, not the per-page keys of the "int4" page format); -1 in both: the id holds nothing and is
+    skipped like a hole. Invariant (the owner's): no id has a row in both."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    format: PageFormat
+    hot_row: torch.Tensor  # [ids] int64
+    cold_row: torch.Tensor  # [ids] int64
+
+
 def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale=None, v_scale=None,
-                     kv_format: str = "float") -> PageFormat:
+                     kv_format: str = "float", cold: ColdTier | None = None) -> PageFormat:
     """Raise ValueError/TypeError (naming the argument) unless the arguments meet the contract; -> the format."""
     B, Hq, Q, D = query.shape
     fmt = page_format(kv_format)
     _check_pools(fmt, D, k_pool, v_pool, k_scale, v_scale)
+    num_ids = k_pool.shape[0] if cold is None else _check_cold(fmt, D, k_pool, v_pool, cold, query.device)
     Hkv = k_pool.shape[2]
     N = page_table.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
@@ -44,9 +67,34 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
     if s_aux is not None and s_aux.shape != (Hq,):
         raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
     checked = getattr(page_table, _CHECKED, None)
-    if checked is None or checked > k_pool.shape[0]:
-        check_index(page_table, page_pos, q_pos, k_pool.shape[0])
+    if checked is None or checked > num_ids:
+        check_index(page_table, page_pos, q_pos, num_ids)
     return fmt
+
+
+def _check_cold(hot: PageFormat, D: int, k_pool, v_pool, cold: ColdTier, device) -> int:
+    """The cold tier matches the hot pools (float, same slots and heads) and its row maps point into the pools of
+    their tier; -> the number of page ids."""
+    fmt = cold.format
+    if hot.quantized or not fmt.quantized:
+        raise ValueError(f"a ColdTier pairs float hot pools with quantized cold ones, got kv_format={hot.name!r} and "
+                         f"cold kv_format={fmt.name!r}")
+    _check_pools(fmt, D, cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale)
+    if tuple(cold.k_pool.shape[1:3]) != tuple(k_pool.shape[1:3]):
+        raise ValueError(f"cold pools hold pages of {tuple(cold.k_pool.shape[1:3])} (slots, heads), the hot pools "
+                         f"{tuple(k_pool.shape[1:3])}")
+    maps = (("hot_row", cold.hot_row, k_pool.shape[0]), ("cold_row", cold.cold_row, cold.k_pool.shape[0]))
+    for name, rows, size in maps:
+        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.shape != cold.hot_row.shape or not rows.is_contiguous():
+            raise ValueError(f"ColdTier.{name} must be a contiguous int64 [ids] tensor like hot_row, got {rows.dtype} "
+                             f"{list(rows.shape)}")
+        for tensor in (rows, cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale):
+            if tensor.device != device:
+                raise ValueError(f"the ColdTier's tensors must be on the query's device {device}")
+        low, high = (int(x) for x in rows.aminmax()) if rows.numel() else (-1, -1)
+        if low < -1 or high >= size:
+            raise ValueError(f"ColdTier.{name} holds rows outside [-1, {size}) (its pools' pages)")
+    return cold.hot_row.shape[0]
 
 
 def _check_pools(fmt: PageFormat, D: int, k_pool, v_pool, k_scale, v_scale) -> None:

@@ -21,7 +21,15 @@
  * page, head and channel; a page's parameters [P, Hkv, D + D / 2] float16 hold the D float16 minima, then the
  * D float8 e4m3 steps as bytes (passed with a slot stride of 0, so a slot's "scales" are its page's). Quantized
  * rows are dequantized to fp32 as they are read, 16 lanes at a time (keys: once per slot and KV head, into a
- * row that the group's query heads share; int4 keys' page parameters once per page).
+ * row that the group's query heads share; int4 keys' page parameters once per page). int4 keys per token (the cold
+ * pages of a two-tier layer): like int4 values, in groups of gcd(D, 16), stored rotated (k_page_params = 0).
+ *
+ * Two tiers (hf_paged/demotion.py, `ColdTier`): the pools are a layer's hot float pages, `cold` points at a copy of
+ * the arguments whose pool fields hold its cold int8 / int4 pages, and table ids are page ids that hot_row /
+ * cold_row map to a row of either. A work item walks its entries twice, in the same running (max, sum, acc): the
+ * hot pages first, skipping cold ones like holes, then the cold ones, after rotating the query (q.k = (q R).(k R))
+ * and the accumulator (sum p v R = (sum p v) R) into the cold basis when that format is rotated; `finalize`
+ * rotates the output back. Nothing is copied at full precision: cold rows are dequantized as they are read.
  */
 #include <float.h>
 #include <math.h>
@@ -38,7 +46,7 @@
 
 enum { FMT_F32, FMT_BF16, FMT_I8, FMT_I4 }; /* pool formats, one compiled entry point each */
 
-typedef struct {
+typedef struct PagedArgs {
     const float *q;        /* [B, Hq, Q, D] fp32, strides q_stride */
     int64_t q_stride[4];
     const void *k, *v;     /* [P, S, Hkv, W] in format `format`, last stride 1; W = D, or D / 2 + groups for int4 */
@@ -69,6 +77,11 @@ typedef struct {
     int64_t threads;
     float *partial;        /* set by run(): [B, splits, R, D + 2]: acc | max | sum, R = Q * Hq */
     float *entry_stats;    /* set by run() when page_mass: [B, R, N, 2]: max | sum of each entry */
+    int64_t k_page_params; /* 1: int4 keys per channel within a page (page parameters); 0: per token in groups */
+    /* Two tiers (hf_paged/demotion.py): table ids are page ids; hot_row[id] (its row in k/v, -1: none) and
+     * cold_row[id] (its row in cold's pools) say where each page is; NULL for one pool read directly. */
+    const int64_t *hot_row, *cold_row;
+    const struct PagedArgs *cold; /* the cold pools: a copy of these args with the pool fields of its format */
 } PagedArgs;
 
 /* exp(x) for x <= 88, ~2 ulp; plain arithmetic so that loops over it vectorise. */
@@ -135,7 +148,7 @@ static inline __attribute__((always_inline)) float load1(const PagedArgs *a, int
     if (fmt == FMT_F32) return ((const float *)pool)[at.row + d];
     if (fmt == FMT_BF16) return load_bf16((const uint16_t *)pool, at.row + d);
     float scale, zero;
-    if (fmt == FMT_I4 && !value) { /* x = low + step * code, the page's parameters of channel d */
+    if (fmt == FMT_I4 && !value && a->k_page_params) { /* x = low + step * code, the page's parameters of channel d */
         const uint8_t byte = ((const uint8_t *)pool)[at.row + d / 2];
         const float step = fp8_to_float(((const uint8_t *)(a->k_scale + at.scales + a->D))[d]);
         return (float)(d % 2 ? byte >> 4 : byte & 15) * step + half_to_float(a->k_scale[at.scales + d]);
@@ -423,12 +436,17 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
             /* add_values reads V head by head: fetch the slot's whole V row in order now */
             prefetch_slot(a, 1, ch->v_off[c0 + j], ch->vs_off[c0 + j], fmt);
-            if (fmt == FMT_I4 && ch->ks_off[c0 + j] != *page_at) /* a new page: its steps and minima as floats */
+            if (fmt == FMT_I4 && a->k_page_params && ch->ks_off[c0 + j] != *page_at) /* a new page: as floats */
                 page_parameters(a, ch->ks_off[c0 + j], page_params, page_at);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
                 const Row at = slot_row(a, ch, c0 + j, kvh, 0);
                 float after = 1.0f; /* int8: the row's one scale multiplies the dot products instead */
-                if (fmt == FMT_I4) {
+                if (fmt == FMT_I4 && !a->k_page_params) { /* per token: a group of 16 is a block of 16 lanes */
+                    const int64_t at_scale = ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
+                    for (int64_t b = 0; b < D / 16; b++)
+                        key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b])
+                                 * cs->k_scale[at_scale + b];
+                } else if (fmt == FMT_I4) {
                     const float *step = page_params + kvh * 2 * D, *low = step + D;
                     for (int64_t b = 0; b < D / 16; b++) {
                         v16 s, l;
@@ -488,12 +506,15 @@ static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *
 }
 
 /* Fill ``ch`` with the next CHUNK slots (fewer at the end, none past n_end) of row b's entries from slot *s0
- * of entry *n, skipping -1 entries; *n and *s0 then name the slot after the chunk. */
-static inline void next_chunk(const PagedArgs *a, int64_t b, int64_t *n, int64_t *s0, int64_t n_end, Chunk *ch) {
+ * of entry *n, skipping -1 entries (and, with ``rows``, ids whose row there is -1: pages of the other tier);
+ * *n and *s0 then name the slot after the chunk. */
+static inline void next_chunk(const PagedArgs *a, const int64_t *rows, int64_t b, int64_t *n, int64_t *s0,
+                              int64_t n_end, Chunk *ch) {
     const int64_t S = a->S;
     ch->C = 0;
     while (*n < n_end && ch->C < CHUNK) {
-        const int64_t page = a->table[b * a->N + *n];
+        int64_t page = a->table[b * a->N + *n];
+        if (page >= 0 && rows) page = rows[page];
         if (page < 0) {
             ++*n;
             *s0 = 0;
@@ -519,15 +540,15 @@ static inline void next_chunk(const PagedArgs *a, int64_t b, int64_t *n, int64_t
 
 /* Fold row r's probability weights ``p`` of a chunk (relative to ``max``) into its entries' (max, sum),
  * entry_stats [B, R, N, 2] (sum 0: nothing seen yet); an entry's slots are consecutive in the chunk. */
-static inline void add_entry_stats(const PagedArgs *a, int64_t b, int64_t r, const Chunk *ch, const float *p,
-                                   float max) {
+static inline void add_entry_stats(const PagedArgs *a, float *entry_stats, int64_t b, int64_t r, const Chunk *ch,
+                                   const float *p, float max) {
     const int64_t R = a->Q * a->Hq;
     for (int64_t c = 0; c < ch->C;) {
         const int64_t e = ch->entry[c];
         float sum = 0.0f;
         for (; c < ch->C && ch->entry[c] == e; c++) sum += p[c];
         if (sum <= 0.0f) continue;
-        float *st = a->entry_stats + ((b * R + r) * a->N + e) * 2;
+        float *st = entry_stats + ((b * R + r) * a->N + e) * 2;
         if (st[1] <= 0.0f) {
             st[0] = max;
             st[1] = sum;
@@ -544,7 +565,7 @@ static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8
     for (int64_t c = 0; c < ch->C; c++) {
         if (!slot_used[c]) continue;
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
-            for (int value = a->format == FMT_I4; value < 2; value++) { /* int4 keys: per page, not here */
+            for (int value = a->format == FMT_I4 && a->k_page_params; value < 2; value++) { /* int4 keys: per page */
                 const int64_t groups = value ? cs->v_groups : cs->k_groups, at = (c * a->Hkv + kvh) * groups;
                 const Row row = slot_row(a, ch, c, kvh, value);
                 for (int64_t g = 0; g < groups; g++)
@@ -554,43 +575,32 @@ static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8
     }
 }
 
-static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int fmt,
-                                                                float *work) {
-    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, N = a->N;
-    const int64_t split = item % a->splits, b = item / a->splits;
-    const int64_t per_split = (N + a->splits - 1) / a->splits;
-    const int64_t n_begin = split * per_split, n_end = n_begin + per_split < N ? n_begin + per_split : N;
-    float *partial16 = work;                              /* [R][16][16], 64-byte aligned at the start */
-    float *q = partial16 + R * 256, *acc = q + R * D, *run_max = acc + R * D, *run_sum = run_max + R;
-    float *slot = run_sum + R;                            /* Hkv * D */
-    float *score = slot + a->Hkv * D;                     /* [R][CHUNK] */
-    uint8_t *allowed = (uint8_t *)(score + R * CHUNK);   /* [R][CHUNK] */
-    ChunkScales cs = {.k_groups = fmt == FMT_I4 ? 0 : D / a->k_group, .v_groups = D / a->v_group};
-    cs.k_scale = (float *)(allowed + R * CHUNK);          /* [CHUNK][Hkv][groups] each */
-    cs.k_zero = cs.k_scale + CHUNK * a->Hkv * cs.k_groups;
-    cs.v_scale = cs.k_zero + CHUNK * a->Hkv * cs.k_groups;
-    cs.v_zero = cs.v_scale + CHUNK * a->Hkv * cs.v_groups;
-    float *page_params = cs.v_zero + CHUNK * a->Hkv * cs.v_groups; /* int4 keys: [Hkv][2][D], of page_at */
+/* A work item's scratch (carved from `work` by `attend_split`). */
+typedef struct {
+    float *partial16, *q, *acc, *run_max, *run_sum, *slot, *score, *page_params;
+    float *entry_stats; /* run()'s, or NULL (the cold tier's args are a copy made before run() set it) */
+    uint8_t *allowed;
+    ChunkScales cs;
+} Scratch;
+
+/* Fold entries [n_begin, n_end) of row b held in the pools of ``a`` (format fmt) into the running (max, sum, acc):
+ * ``rows`` maps a table id to its row of these pools (-1: not here, skipped like a hole), NULL: ids are rows. */
+static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *a, const int64_t *rows, int64_t b,
+                                                                int64_t n_begin, int64_t n_end, int fmt,
+                                                                Scratch *w) {
+    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D;
+    float *q = w->q, *acc = w->acc, *run_max = w->run_max, *run_sum = w->run_sum, *score = w->score;
+    uint8_t *allowed = w->allowed;
     int64_t page_at = -1;
     uint8_t slot_used[CHUNK];
-
-    for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
-        const float *src = a->q + b * a->q_stride[0] + (r % Hq) * a->q_stride[1] + (r / Hq) * a->q_stride[2];
-        for (int64_t d = 0; d < D; d++) q[r * D + d] = src[d * a->q_stride[3]];
-        if (a->k_rotated) rotate(q + r * D, D);
-        run_max[r] = MASKED;
-        run_sum[r] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * R * D);
-
     /* the chunk being read, and the next one, whose K rows are fetched meanwhile (pages may lie anywhere) */
     Chunk chunks[2];
     int64_t n = n_begin, s0 = 0; /* the slot after the next chunk: slot s0 of entry n */
-    next_chunk(a, b, &n, &s0, n_end, &chunks[0]);
+    next_chunk(a, rows, b, &n, &s0, n_end, &chunks[0]);
     for (int cur = 0; chunks[cur].C > 0; cur ^= 1) {
         const Chunk *ch = &chunks[cur];
         Chunk *next = &chunks[cur ^ 1];
-        next_chunk(a, b, &n, &s0, n_end, next);
+        next_chunk(a, rows, b, &n, &s0, n_end, next);
         for (int64_t c = 0; c < next->C; c++)
             prefetch_slot(a, 0, next->k_off[c], next->ks_off[c], fmt);
         const int64_t C = ch->C;
@@ -606,11 +616,12 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
             for (int64_t c = 0; c < C; c++) { slot_used[c] |= ok[c]; any |= ok[c]; }
         }
         if (!any) continue;
-        if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &cs);
-        if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel */
-            chunk_scores16(a, ch, slot_used, allowed, q, &cs, score, fmt, (v16 *)partial16, page_params, &page_at);
+        if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &w->cs);
+        if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel, or groups of 16 */
+            chunk_scores16(a, ch, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_params,
+                           &page_at);
         else
-            chunk_scores(a, ch, slot_used, allowed, q, score, fmt, slot);
+            chunk_scores(a, ch, slot_used, allowed, q, score, fmt, w->slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
         for (int64_t r = 0; r < R; r++) {
             float *sr = score + r * CHUNK;
@@ -633,16 +644,88 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
             if (rescale != 1.0f)
                 for (int64_t d = 0; d < D; d++) acc[r * D + d] *= rescale;
             run_max[r] = new_max;
-            if (a->entry_stats) add_entry_stats(a, b, r, ch, sr, new_max);
+            if (w->entry_stats) add_entry_stats(a, w->entry_stats, b, r, ch, sr, new_max);
         }
-        add_values(a, ch, slot_used, score, &cs, acc, fmt);
+        add_values(a, ch, slot_used, score, &w->cs, acc, fmt);
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int fmt,
+                                                                int cold_fmt, float *work) {
+    const PagedArgs *c = cold_fmt < 0 ? a : a->cold; /* the args whose quantized layout sizes the scratch */
+    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, N = a->N;
+    const int64_t split = item % a->splits, b = item / a->splits;
+    const int64_t per_split = (N + a->splits - 1) / a->splits;
+    const int64_t n_begin = split * per_split, n_end = n_begin + per_split < N ? n_begin + per_split : N;
+    const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
+    Scratch w;
+    w.entry_stats = a->entry_stats;
+    w.partial16 = work;                                   /* [R][16][16], 64-byte aligned at the start */
+    w.q = w.partial16 + R * 256, w.acc = w.q + R * D, w.run_max = w.acc + R * D, w.run_sum = w.run_max + R;
+    w.slot = w.run_sum + R;                               /* Hkv * D */
+    w.score = w.slot + a->Hkv * D;                        /* [R][CHUNK] */
+    w.allowed = (uint8_t *)(w.score + R * CHUNK);         /* [R][CHUNK] */
+    w.cs = (ChunkScales){.k_groups = scaled == FMT_I4 && c->k_page_params ? 0 : D / c->k_group,
+                         .v_groups = D / c->v_group};
+    w.cs.k_scale = (float *)(w.allowed + R * CHUNK);      /* [CHUNK][Hkv][groups] each */
+    w.cs.k_zero = w.cs.k_scale + CHUNK * a->Hkv * w.cs.k_groups;
+    w.cs.v_scale = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups;
+    w.cs.v_zero = w.cs.v_scale + CHUNK * a->Hkv * w.cs.v_groups;
+    w.page_params = w.cs.v_zero + CHUNK * a->Hkv * w.cs.v_groups; /* int4 keys: [Hkv][2][D], of one page */
+    float *q = w.q, *acc = w.acc;
+
+    for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
+        const float *src = a->q + b * a->q_stride[0] + (r % Hq) * a->q_stride[1] + (r / Hq) * a->q_stride[2];
+        for (int64_t d = 0; d < D; d++) q[r * D + d] = src[d * a->q_stride[3]];
+        if (a->k_rotated) rotate(q + r * D, D);
+        w.run_max[r] = MASKED;
+        w.run_sum[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * R * D);
+    walk_entries(a, a->hot_row, b, n_begin, n_end, fmt, &w);
+    if (cold_fmt >= 0) { /* then the cold tier, in its basis: q.k = (q R).(k R), sum p v R = (sum p v) R */
+        for (int64_t r = 0; r < R; r++) {
+            if (c->k_rotated) rotate(q + r * D, D);
+            if (c->v_rotated) rotate(acc + r * D, D);
+        }
+        walk_entries(c, a->cold_row, b, n_begin, n_end, cold_fmt, &w);
     }
     float *dst = a->partial + (b * a->splits + split) * R * (D + 2);
     for (int64_t r = 0; r < R; r++) {
         memcpy(dst + r * (D + 2), acc + r * D, sizeof(float) * D);
-        dst[r * (D + 2) + D] = run_max[r];
-        dst[r * (D + 2) + D + 1] = run_sum[r];
+        dst[r * (D + 2) + D] = w.run_max[r];
+        dst[r * (D + 2) + D + 1] = w.run_sum[r];
     }
+}
+
+/* A value row of ``t``'s pools (format fmt) as fp32: in place for fp32 pools, else converted into ``buf`` (D floats;
+ * a group's scale and zero point read once). */
+static const float *value_row(const PagedArgs *t, Row at, int fmt, float *buf) {
+    const int64_t D = t->D;
+    if (fmt == FMT_F32) return (const float *)t->v + at.row;
+    if (fmt == FMT_BF16) {
+        for (int64_t d = 0; d < D; d++) buf[d] = load_bf16((const uint16_t *)t->v, at.row + d);
+        return buf;
+    }
+    for (int64_t g0 = 0; g0 < D; g0 += t->v_group) {
+        float scale, zero;
+        group_of(t, 1, at, g0, fmt, &scale, &zero);
+        if (t->v_group % 16 == 0) { /* 16 lanes at a time */
+            for (int64_t d = g0; d < g0 + t->v_group; d += 16) {
+                const v16 x = fmt == FMT_I8 ? codes16(t, 1, at, d, FMT_I8) : codes16(t, 1, at, d, FMT_I4);
+                const v16 y = (x - zero) * scale;
+                memcpy(buf + d, &y, sizeof y);
+            }
+        } else if (fmt == FMT_I8) {
+            const int8_t *codes = (const int8_t *)t->v + at.row;
+            for (int64_t d = g0; d < g0 + t->v_group; d++) buf[d] = (float)codes[d] * scale;
+        } else {
+            const uint8_t *codes = (const uint8_t *)t->v + at.row;
+            for (int64_t d = g0; d < g0 + t->v_group; d++)
+                buf[d] = ((float)(d % 2 ? codes[d / 2] >> 4 : codes[d / 2] & 15) - zero) * scale;
+        }
+    }
+    return buf;
 }
 
 /* Merge the splits of row r = (query, head) of batch row b: sink, normalisation, page mass. */
@@ -667,6 +750,13 @@ static void finalize(const PagedArgs *a, int64_t item) {
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    /* two tiers: out is in the cold values' basis; hot values are compared with it in the model's */
+    const int v_rotated = a->cold ? (int)a->cold->v_rotated : (int)a->v_rotated;
+    float model[a->cold && a->mass_output ? D : 1], row[a->mass_output ? D : 1];
+    if (a->cold && a->mass_output) {
+        memcpy(model, out, sizeof(float) * D);
+        if (v_rotated) rotate(model, D);
+    }
     if (a->page_mass && total > 0.0f) {
         const float *st = a->entry_stats + (b * R + r) * N * 2;
         float *mass = a->page_mass + (b * a->Hq + h) * N;
@@ -678,19 +768,26 @@ static void finalize(const PagedArgs *a, int64_t item) {
                 mass[n] += p / (float)a->Q;
                 continue;
             }
-            const int64_t page = a->table[b * N + n];
-            const Row at = {page * a->v_stride[0] + kvh * a->v_stride[2],
-                            page * a->vs_stride[0] + kvh * a->vs_stride[2]};
-            float d2 = 0.0f;
-            for (int64_t d = 0; d < D; d++) {
-                const float v = load1(a, 1, at, d, (int)a->format);
-                d2 += (v - out[d]) * (v - out[d]);
+            int64_t page = a->table[b * N + n];
+            const PagedArgs *t = a; /* the pools holding the page, and what its values are compared with */
+            const float *o = out;
+            if (a->cold) {
+                const int hot = a->hot_row[page] >= 0;
+                page = hot ? a->hot_row[page] : a->cold_row[page];
+                t = hot ? a : a->cold;
+                o = hot ? model : out;
             }
+            const Row at = {page * t->v_stride[0] + kvh * t->v_stride[2],
+                            page * t->vs_stride[0] + kvh * t->vs_stride[2]};
+            const float *v = value_row(t, at, (int)t->format, row);
+            float d2 = 0.0f;
+#pragma omp simd reduction(+ : d2)
+            for (int64_t d = 0; d < D; d++) d2 += (v[d] - o[d]) * (v[d] - o[d]);
             const float rest = 1.0f - p;
             mass[n] += p / (rest > LEAVE_OUT_FLOOR ? rest : LEAVE_OUT_FLOOR) * sqrtf(d2) / (float)a->Q;
         }
     }
-    if (a->v_rotated) rotate(out, D); /* (after the page mass, which measured in the values' basis) */
+    if (v_rotated) rotate(out, D); /* (after the page mass, which measured in the values' basis) */
 }
 
 /* The heads' mean or max of the page mass per head [B, Hq, N] into out [B, N]. */
@@ -712,7 +809,7 @@ static void reduce_heads(const PagedArgs *a, const float *per_head, float *out) 
 }
 
 /* Returns 0, or -1 when scratch memory cannot be allocated (nothing written). */
-static int run(PagedArgs *a, int fmt) {
+static int run(PagedArgs *a, int fmt, int cold_fmt) {
     float *reduced = NULL; /* with mass_heads: the caller's [B, N]; the page mass per head goes to scratch */
     if (a->page_mass && a->mass_heads) {
         reduced = a->page_mass;
@@ -720,7 +817,9 @@ static int run(PagedArgs *a, int fmt) {
         if (a->page_mass == NULL) return -1;
     }
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
-    const int64_t groups = (fmt == FMT_I4 ? 0 : a->D / a->k_group) + a->D / a->v_group; /* of the chunk scales */
+    const PagedArgs *c = cold_fmt < 0 ? a : a->cold; /* the pools whose scales a chunk converts */
+    const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
+    const int64_t groups = (scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group) + a->D / c->v_group;
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
                                                + 2 * CHUNK * a->Hkv * groups + 2 * a->Hkv * a->D) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
@@ -729,7 +828,7 @@ static int run(PagedArgs *a, int fmt) {
     if (!failed && a->threads <= 1) { /* no parallel region: a decode step of a short row takes microseconds */
         float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
         failed = work == NULL;
-        for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, fmt, work);
+        for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, fmt, cold_fmt, work);
         for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i);
         free(work);
     } else if (!failed) {
@@ -743,7 +842,7 @@ static int run(PagedArgs *a, int fmt) {
 #pragma omp barrier
             if (!failed) {
 #pragma omp for schedule(dynamic)
-                for (int64_t i = 0; i < items; i++) attend_split(a, i, fmt, work);
+                for (int64_t i = 0; i < items; i++) attend_split(a, i, fmt, cold_fmt, work);
             }
             free(work);
         }
@@ -764,7 +863,12 @@ static int run(PagedArgs *a, int fmt) {
     return failed ? -1 : 0;
 }
 
-int paged_attention_f32(PagedArgs *a) { return run(a, FMT_F32); }
-int paged_attention_bf16(PagedArgs *a) { return run(a, FMT_BF16); }
-int paged_attention_int8(PagedArgs *a) { return run(a, FMT_I8); }
-int paged_attention_int4(PagedArgs *a) { return run(a, FMT_I4); }
+int paged_attention_f32(PagedArgs *a) { return run(a, FMT_F32, -1); }
+int paged_attention_bf16(PagedArgs *a) { return run(a, FMT_BF16, -1); }
+int paged_attention_int8(PagedArgs *a) { return run(a, FMT_I8, -1); }
+int paged_attention_int4(PagedArgs *a) { return run(a, FMT_I4, -1); }
+/* Two tiers: hot pages in float32 / bfloat16 (a's pools), cold pages in int8 / int4 (a->cold's). */
+int paged_attention_f32_int8(PagedArgs *a) { return run(a, FMT_F32, FMT_I8); }
+int paged_attention_f32_int4(PagedArgs *a) { return run(a, FMT_F32, FMT_I4); }
+int paged_attention_bf16_int8(PagedArgs *a) { return run(a, FMT_BF16, FMT_I8); }
+int paged_attention_bf16_int4(PagedArgs *a) { return run(a, FMT_BF16, FMT_I4); }

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..kv_formats import slot_scale_strides
+from ..kv_formats import PageFormat, slot_scale_strides
 from . import library_cache
-from .arguments import check_paged_args, mask_strides
+from .arguments import ColdTier, check_paged_args, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
@@ -34,7 +34,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
          "-fassociative-math", "-fno-signed-zeros"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)  # of float pools
 KV_FORMATS = ("float", "int8", "int4")  # the page formats it reads (hf_paged.kv_formats)
-SYMBOLS = ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8", "paged_attention_int4")
+SYMBOLS = ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8", "paged_attention_int4",
+           "paged_attention_f32_int8", "paged_attention_f32_int4", "paged_attention_bf16_int8",
+           "paged_attention_bf16_int4")  # the last four: hot float pages and cold pages (`ColdTier`)
 MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
 PAGE_MASS_SIGNALS = ("attention", "output")  # what the page mass measures (`page_mass_signal`, reference.py)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
@@ -63,6 +65,7 @@ class _PagedArgs(ctypes.Structure):
         ("mask_per_head", _i64),
         ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr), ("mass_heads", _i64), ("mass_output", _i64),
         ("splits", _i64), ("threads", _i64), ("partial", _ptr), ("entry_stats", _ptr),
+        ("k_page_params", _i64), ("hot_row", _ptr), ("cold_row", _ptr), ("cold", _ptr),
     ]
 
 
@@ -80,6 +83,22 @@ def unavailable_reason() -> str | None:
     """None when the kernel is ready to run, else why not (it is built on the first call)."""
     library = _library()
     return library if isinstance(library, str) else None
+
+
+def _set_pools(args: _PagedArgs, fmt: PageFormat, k_pool, v_pool, k_scale, v_scale) -> None:
+    """The pool fields of ``args``: pointers, strides, format, and a quantized format's scales and groups."""
+    D = args.D
+    args.k, args.v = k_pool.data_ptr(), v_pool.data_ptr()
+    args.k_stride, args.v_stride = _i64x3(*k_pool.stride()[:3]), _i64x3(*v_pool.stride()[:3])
+    args.format = KV_FORMATS.index(fmt.name) + 1 if fmt.quantized else int(k_pool.dtype == torch.bfloat16)
+    args.k_width, args.v_width = k_pool.shape[3], v_pool.shape[3]
+    if fmt.quantized:
+        args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        args.ks_stride = _i64x3(*slot_scale_strides(fmt.key, k_scale))
+        args.vs_stride = _i64x3(*slot_scale_strides(fmt.value, v_scale))
+        args.k_group, args.v_group = fmt.key.group_size(D), fmt.value.group_size(D)
+        args.k_rotated, args.v_rotated = fmt.key.rotated, fmt.value.rotated  # the kernel rotates q and out itself
+        args.k_page_params = int(getattr(fmt.key, "per_page", False))
 
 
 def _choose_num_splits(rows: int, num_slots: int, threads: int) -> int:
@@ -115,12 +134,15 @@ def paged_attention_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_format: str = "float",
+    cold: ColdTier | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention of ``query [B, Hq, Q, D]`` over ``k_pool/v_pool [P, S, Hkv, D]`` (CPU tensors).
 
     Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; float pools must
     be float32 or bfloat16 with a unit last stride; ``kv_format`` may be any of `KV_FORMATS` (``"int8"`` and
-    ``"int4"`` pools are dequantized as they are read, their ``k_scale``/``v_scale`` beside them). Returns
+    ``"int4"`` pools are dequantized as they are read, their ``k_scale``/``v_scale`` beside them). With ``cold``
+    (a `ColdTier` of int8 or int4 pages) the pools are a two-tier layer's hot float pages: a row's hot entries are
+    read first, then its cold ones, dequantized as they are read (never copied at full precision). Returns
     ``out [B, Q, Hq, D]`` in ``query.dtype``, and float32 ``page_mass [B, Hq, N]`` (averaged over the queries)
     with ``return_page_mass``, or its heads' ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``;
     ``page_mass_signal="output"`` (pages of one token): instead of each token's probability, how far it moves
@@ -133,10 +155,13 @@ def paged_attention_cpu(
     S, Hkv = k_pool.shape[1:3]
     N = page_table.shape[1]
     fmt = check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale, v_scale,
-                           kv_format)
-    if kv_format not in KV_FORMATS:
-        raise ValueError(f"the CPU kernel reads kv_format {', '.join(map(repr, KV_FORMATS))}, not {kv_format!r} "
-                         "(the Triton kernel on CUDA reads it)")
+                           kv_format, cold)
+    for name in (kv_format, *([] if cold is None else [cold.format.name])):
+        if name not in KV_FORMATS:
+            raise ValueError(f"the CPU kernel reads kv_format {', '.join(map(repr, KV_FORMATS))}, not {name!r} "
+                             "(the Triton kernel on CUDA reads it)")
+    if cold is not None and not (cold.hot_row.is_cpu and cold.k_pool.is_cpu):
+        raise ValueError("paged_attention_cpu needs CPU tensors")
     if not fmt.quantized and (k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype):
         raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
@@ -161,9 +186,7 @@ def paged_attention_cpu(
     page_mass = torch.zeros(mass_shape, dtype=torch.float32) if return_page_mass else None
     args = _PagedArgs(
         q32.data_ptr(), _i64x4(*q32.stride()),
-        k_pool.data_ptr(), v_pool.data_ptr(), _i64x3(*k_pool.stride()[:3]), _i64x3(*v_pool.stride()[:3]),
-        KV_FORMATS.index(kv_format) + 1 if fmt.quantized else int(k_pool.dtype == torch.bfloat16),
-        None, None, _i64x3(), _i64x3(), D, D, k_pool.shape[3], v_pool.shape[3], 0, 0,  # float pools: no scales
+        0, 0, _i64x3(), _i64x3(), 0, None, None, _i64x3(), _i64x3(), D, D, 0, 0, 0, 0,  # pools: set below
         table.data_ptr(), first.data_ptr(), qpos.data_ptr(),
         B, Hq, Hkv, Q, D, S, N,
         scale, softcap or 0.0, sliding_window or 0,
@@ -179,14 +202,16 @@ def paged_attention_cpu(
     if s_aux is not None:
         sinks = s_aux.float().contiguous()
         args.sinks = sinks.data_ptr()
-    if fmt.quantized:
-        args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-        args.ks_stride = _i64x3(*slot_scale_strides(fmt.key, k_scale))
-        args.vs_stride = _i64x3(*slot_scale_strides(fmt.value, v_scale))
-        args.k_group, args.v_group = fmt.key.group_size(D), fmt.value.group_size(D)
-        args.k_rotated, args.v_rotated = fmt.key.rotated, fmt.value.rotated  # the kernel rotates q and out itself
+    _set_pools(args, fmt, k_pool, v_pool, k_scale, v_scale)
+    symbol = SYMBOLS[args.format]
+    if cold is not None:  # the cold pools: the same arguments with the pool fields of the cold format
+        cold_args = _PagedArgs.from_buffer_copy(args)
+        _set_pools(cold_args, cold.format, cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale)
+        args.hot_row, args.cold_row = cold.hot_row.data_ptr(), cold.cold_row.data_ptr()
+        args.cold = ctypes.addressof(cold_args)
+        symbol = f"{symbol}_{cold.format.name}"
     if out.numel():
-        if getattr(library, SYMBOLS[args.format])(ctypes.byref(args)) != 0:
+        if getattr(library, symbol)(ctypes.byref(args)) != 0:
             raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
     if query.dtype != torch.float32:
         out = out.to(query.dtype)

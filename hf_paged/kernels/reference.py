@@ -18,6 +18,9 @@ Layout (shared with the Triton kernel)
 * ``q_pos``      ``[B, Q]`` int64: logical position of every query token.
 * ``kv_format``  a page format of :mod:`hf_paged.kv_formats`: ``"float"`` (the default), or quantized pools
   (codes) with their float16 ``k_scale``/``v_scale``, which are dequantized first (into the model's basis).
+* ``cold``       a two-tier layer (`hf_paged.kernels.arguments.ColdTier`): the pools are its hot float pages, the
+  table's ids are page ids, each read from the row its tier's map names (cold pages dequantized first); an id
+  without a row in either tier is a hole.
 
 Query ``i`` of row ``b``, head ``h``, attends the token at position ``p`` held
 in a valid page iff all of the following hold:
@@ -39,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_formats import dequantize, page_format
+from .arguments import ColdTier
 
 __all__ = ["paged_attention_reference", "LEAVE_OUT_FLOOR"]
 
@@ -64,6 +68,7 @@ def paged_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_format: str = "float",
+    cold: ColdTier | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention computed in float64 with explicit loops and gathers (quantized pools dequantized first).
 
@@ -81,6 +86,8 @@ def paged_attention_reference(
     if fmt.quantized:
         k_pool = dequantize(fmt.key, k_pool, k_scale, D)
         v_pool = dequantize(fmt.value, v_pool, v_scale, D)
+    if cold is not None:
+        k_pool, v_pool, page_table = _one_pool(k_pool, v_pool, page_table, cold, D)
     P, S, Hkv, Dk = k_pool.shape
     N = page_table.shape[1]
     if Dk != D or v_pool.shape != k_pool.shape:
@@ -165,3 +172,19 @@ def paged_attention_reference(
     if return_page_mass:
         return out, page_mass.to(torch.float32)
     return out
+
+
+def _one_pool(k_pool, v_pool, page_table, cold: ColdTier, D: int):
+    """A two-tier layer as one float64 pool indexed by page id, and the table with ids holding nothing as holes."""
+    fmt = cold.format
+    tiers = ((k_pool, v_pool, cold.hot_row),
+             (dequantize(fmt.key, cold.k_pool, cold.k_scale, D), dequantize(fmt.value, cold.v_pool, cold.v_scale, D),
+              cold.cold_row))
+    keys = torch.zeros(len(cold.hot_row), *k_pool.shape[1:], dtype=torch.float64, device=k_pool.device)
+    values = torch.zeros_like(keys)
+    for k, v, rows in tiers:
+        held = rows >= 0
+        keys[held], values[held] = k[rows[held]].double(), v[rows[held]].double()
+    held = (cold.hot_row >= 0) | (cold.cold_row >= 0)
+    holes = (page_table < 0) | ~held[page_table.clamp(min=0).long()]
+    return keys, values, page_table.masked_fill(holes, -1)

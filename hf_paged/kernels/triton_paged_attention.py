@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from ..kv_formats import KV_FORMATS, rotation, slot_scale_strides
-from .arguments import check_paged_args, mask_strides
+from .arguments import ColdTier, check_paged_args, mask_strides
 
 __all__ = ["paged_attention_triton"]
 
@@ -203,6 +203,67 @@ def _finalize(m, l, acc, sink, HAS_SINK: tl.constexpr):
     return out, lse
 
 
+@triton.jit
+def _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """The [BLOCK_D, BLOCK_D] float32 rotation of rotated formats (``kv_formats.rotation``), zero-padded."""
+    return tl.load(Rot + offs_d[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_tiles(
+    q, m_i, l_i, acc, K, V, KScale, VScale, Rows, PageTable, PagePos, Mask, b, kv_head, q_pos, row_ok, head, q_idx,
+    offs_d, d_ok, slot_begin, slot_end, scale, softcap, sliding_window, mask_offset, mask_len,
+    stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    stride_ptb, stride_ptn, stride_ppb, stride_ppn, stride_mb, stride_mh, stride_mq, stride_mk,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, FORMAT: tl.constexpr, KEY_FORMAT: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SLIDING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Fold the slots [slot_begin, slot_end) held in the pools K/V (format FORMAT) into the running (max, sum,
+    acc); with HAS_ROWS the table holds page ids and ``Rows[id]`` is the id's row of these pools (-1: in the other
+    tier, skipped like a hole). Returns the new (m_i, l_i, acc)."""
+    for start in range(slot_begin, slot_end, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        in_range = t < slot_end
+        entry = t // PAGE_SIZE
+        offset = t % PAGE_SIZE
+        page = tl.load(PageTable + b * stride_ptb + entry * stride_ptn, mask=in_range, other=-1).to(tl.int64)
+        if HAS_ROWS:
+            page = tl.load(Rows + page, mask=page >= 0, other=-1)
+        first = tl.load(PagePos + b * stride_ppb + entry * stride_ppn, mask=in_range, other=0).to(tl.int64)
+        pos = first + offset
+        ok = _may_attend(pos, in_range & (page >= 0), q_pos, row_ok, head, q_idx, b,
+                         Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+                         mask_offset, mask_len, sliding_window, HAS_MASK, HAS_SLIDING)
+        # Only slots that some row attends are read: the rest may be garbage.
+        col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
+
+        k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
+                       page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
+                       offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd,
+                       KEY_FORMAT, K_GROUP, HEAD_DIM)  # [BLOCK_D, BLOCK_N]
+        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
+        s = tl.where(ok, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoid (-inf) - (-inf)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = _load_rows(V, VScale, page[:, None] * stride_vp + offset[:, None] * stride_vs + kv_head * stride_vh,
+                       page[:, None] * stride_vsp + offset[:, None] * stride_vss + kv_head * stride_vsh,
+                       offs_d[None, :], col_ok[:, None] & d_ok[None, :], stride_vd,
+                       FORMAT, V_GROUP, HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        if FORMAT != 0:
+            v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRET)
+        m_i = m_new
+
+    return m_i, l_i, acc
+
+
 # --------------------------------------------------------------------------- #
 # Kernel 1: attention over (a split of) the page-table slots.
 # --------------------------------------------------------------------------- #
@@ -210,6 +271,7 @@ def _finalize(m, l, acc, sink, HAS_SINK: tl.constexpr):
 def _paged_attention_kernel(
     Q, K, V, KScale, VScale, PageTable, PagePos, QPos, Mask, Sink,
     Out, Lse, MidM, MidL, MidAcc,
+    HotRow, ColdRow, CK, CV, CKScale, CVScale, Rot,  # two tiers (`ColdTier`; dummies otherwise)
     scale, softcap, sliding_window, mask_offset, mask_len,
     num_q, num_kv_heads, num_entries,
     stride_qb, stride_qh, stride_qq, stride_qd,
@@ -224,6 +286,8 @@ def _paged_attention_kernel(
     stride_ob, stride_oq, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lq,
     stride_xb, stride_xh, stride_xq, stride_xs, stride_xd,  # MidAcc; MidM/MidL have the first four
+    stride_ckp, stride_cks, stride_ckh, stride_cvp, stride_cvs, stride_cvh,  # CK / CV (unit last stride)
+    stride_cksp, stride_ckss, stride_cksh, stride_cvsp, stride_cvss, stride_cvsh,  # CKScale / CVScale
     GROUP: tl.constexpr,  # query heads per KV head
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -231,6 +295,13 @@ def _paged_attention_kernel(
     KEY_FORMAT: tl.constexpr,  # FORMAT, or 4: int4 keys per channel within a page
     K_GROUP: tl.constexpr,  # elements per scale group of quantized keys / values
     V_GROUP: tl.constexpr,
+    TWO_TIERS: tl.constexpr,  # K/V are the hot pools, CK/CV the cold ones; table ids map through HotRow/ColdRow
+    COLD_FORMAT: tl.constexpr,  # FORMAT, KEY_FORMAT, groups and rotations of the cold pools
+    COLD_KEY_FORMAT: tl.constexpr,
+    COLD_K_GROUP: tl.constexpr,
+    COLD_V_GROUP: tl.constexpr,
+    COLD_K_ROTATED: tl.constexpr,
+    COLD_V_ROTATED: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # tile rows >= BLOCK_Q * GROUP, power of two >= 16
     BLOCK_N: tl.constexpr,  # slots per tile
@@ -274,41 +345,27 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(slot_begin, slot_end, BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)
-        in_range = t < slot_end
-        entry = t // PAGE_SIZE
-        offset = t % PAGE_SIZE
-        page = tl.load(PageTable + b * stride_ptb + entry * stride_ptn, mask=in_range, other=-1).to(tl.int64)
-        first = tl.load(PagePos + b * stride_ppb + entry * stride_ppn, mask=in_range, other=0).to(tl.int64)
-        pos = first + offset
-        ok = _may_attend(pos, in_range & (page >= 0), q_pos, row_ok, head, q_idx, b,
-                         Mask, stride_mb, stride_mh, stride_mq, stride_mk,
-                         mask_offset, mask_len, sliding_window, HAS_MASK, HAS_SLIDING)
-        # Only slots that some row attends are read: the rest may be garbage.
-        col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
-
-        k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
-                       page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
-                       offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd,
-                       KEY_FORMAT, K_GROUP, HEAD_DIM)  # [BLOCK_D, BLOCK_N]
-        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
-        s = tl.where(ok, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoid (-inf) - (-inf)
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = _load_rows(V, VScale, page[:, None] * stride_vp + offset[:, None] * stride_vs + kv_head * stride_vh,
-                       page[:, None] * stride_vsp + offset[:, None] * stride_vss + kv_head * stride_vsh,
-                       offs_d[None, :], col_ok[:, None] & d_ok[None, :], stride_vd,
-                       FORMAT, V_GROUP, HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-        if FORMAT != 0:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRET)
-        m_i = m_new
+    m_i, l_i, acc = _attend_tiles(
+        q, m_i, l_i, acc, K, V, KScale, VScale, HotRow, PageTable, PagePos, Mask, b, kv_head, q_pos, row_ok, head,
+        q_idx, offs_d, d_ok, slot_begin, slot_end, scale, softcap, sliding_window, mask_offset, mask_len,
+        stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+        stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        stride_ptb, stride_ptn, stride_ppb, stride_ppn, stride_mb, stride_mh, stride_mq, stride_mk,
+        PAGE_SIZE, HEAD_DIM, FORMAT, KEY_FORMAT, K_GROUP, V_GROUP, BLOCK_N, TWO_TIERS,
+        HAS_MASK, HAS_SLIDING, HAS_SOFTCAP, INTERPRET)
+    if TWO_TIERS:  # then the cold pages, in their basis: q.k = (q R).(k R), sum p v R = (sum p v) R
+        if COLD_K_ROTATED:
+            q = _dot(q.to(tl.float32), _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM), INTERPRET).to(q.dtype)
+        if COLD_V_ROTATED:
+            acc = _dot(acc, _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM), INTERPRET)
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, CK, CV, CKScale, CVScale, ColdRow, PageTable, PagePos, Mask, b, kv_head, q_pos, row_ok,
+            head, q_idx, offs_d, d_ok, slot_begin, slot_end, scale, softcap, sliding_window, mask_offset, mask_len,
+            stride_ckp, stride_cks, stride_ckh, 1, stride_cvp, stride_cvs, stride_cvh, 1,
+            stride_cksp, stride_ckss, stride_cksh, stride_cvsp, stride_cvss, stride_cvsh,
+            stride_ptb, stride_ptn, stride_ppb, stride_ppn, stride_mb, stride_mh, stride_mq, stride_mk,
+            PAGE_SIZE, HEAD_DIM, COLD_FORMAT, COLD_KEY_FORMAT, COLD_K_GROUP, COLD_V_GROUP, BLOCK_N, True,
+            HAS_MASK, HAS_SLIDING, HAS_SOFTCAP, INTERPRET)
 
     if SPLIT:
         x_off = (b.to(tl.int64) * stride_xb + head * stride_xh + q_idx * stride_xq + split * stride_xs)
@@ -383,6 +440,7 @@ def _combine_splits_kernel(
 @triton.jit
 def _page_mass_kernel(
     Q, K, KScale, PageTable, PagePos, QPos, Mask, Lse, Mass,
+    HotRow, ColdRow, CK, CKScale, Rot,  # two tiers (dummies otherwise)
     scale, softcap, sliding_window, mask_offset, mask_len,
     num_q, num_heads, num_entries,
     stride_qb, stride_qh, stride_qq, stride_qd,
@@ -394,12 +452,17 @@ def _page_mass_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_lb, stride_lh, stride_lq,
     stride_ab, stride_ah, stride_an,
+    stride_ckp, stride_cks, stride_ckh, stride_cksp, stride_ckss, stride_cksh,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FORMAT: tl.constexpr,
     KEY_FORMAT: tl.constexpr,
     K_GROUP: tl.constexpr,
+    TWO_TIERS: tl.constexpr,
+    COLD_KEY_FORMAT: tl.constexpr,
+    COLD_K_GROUP: tl.constexpr,
+    COLD_K_ROTATED: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # power of two >= 16
     BLOCK_N: tl.constexpr,  # power of two >= 16
     BLOCK_D: tl.constexpr,
@@ -426,12 +489,16 @@ def _page_mass_kernel(
     first = tl.load(PagePos + b * stride_ppb + entry * stride_ppn + same).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    cold_page = page  # two tiers: the entry's row in either tier (-1 in the other one)
+    if TWO_TIERS:
+        cold_page = tl.load(ColdRow + page, mask=page >= 0, other=-1)
+        page = tl.load(HotRow + page, mask=page >= 0, other=-1)
     heads = head + tl.zeros([BLOCK_Q], tl.int32)
 
     total = tl.zeros([BLOCK_Q], tl.float32)
     for s0 in range(0, PAGE_SIZE, BLOCK_N):
         offset = s0 + tl.arange(0, BLOCK_N)
-        slot_ok = (offset < PAGE_SIZE) & (page >= 0)
+        slot_ok = (offset < PAGE_SIZE) & ((page >= 0) | (cold_page >= 0))
         pos = first + offset
         for q0 in range(0, num_q, BLOCK_Q):
             q_idx = q0 + tl.arange(0, BLOCK_Q)
@@ -448,9 +515,18 @@ def _page_mass_kernel(
                         + offs_d[None, :] * stride_qd, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
             k = _load_rows(K, KScale, page[None, :] * stride_kp + offset[None, :] * stride_ks + kv_head * stride_kh,
                            page[None, :] * stride_ksp + offset[None, :] * stride_kss + kv_head * stride_ksh,
-                           offs_d[:, None], col_ok[None, :] & d_ok[:, None], stride_kd, KEY_FORMAT, K_GROUP,
-                           HEAD_DIM)
+                           offs_d[:, None], (col_ok & (page >= 0))[None, :] & d_ok[:, None], stride_kd, KEY_FORMAT,
+                           K_GROUP, HEAD_DIM)
             s = _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET)
+            if TWO_TIERS:  # the entry's page is in one tier: the other tier's load read nothing
+                cold_ok = col_ok & (cold_page >= 0)
+                k = _load_rows(CK, CKScale, cold_page[None, :] * stride_ckp + offset[None, :] * stride_cks
+                               + kv_head * stride_ckh, cold_page[None, :] * stride_cksp + offset[None, :] * stride_ckss
+                               + kv_head * stride_cksh, offs_d[:, None], cold_ok[None, :] & d_ok[:, None], 1,
+                               COLD_KEY_FORMAT, COLD_K_GROUP, HEAD_DIM)
+                if COLD_K_ROTATED:
+                    q = _dot(q.to(tl.float32), _rotation_tile(Rot, offs_d, d_ok, HEAD_DIM), INTERPRET).to(q.dtype)
+                s = tl.where((cold_page >= 0)[None, :], _scores(q, k, scale, softcap, HAS_SOFTCAP, INTERPRET), s)
             lse_ref = tl.where(row_ok, lse, 0.0)
             p = tl.where(ok, tl.exp(s - lse_ref[:, None]), 0.0)
             total += tl.sum(p, axis=1)
@@ -491,6 +567,27 @@ def _tile_sizes(num_q: int, group: int, head_dim: int) -> tuple[int, int, int, i
     return block_q, block_m, block_n, block_d
 
 
+def _tier_arguments(cold: ColdTier | None, D: int, page_table, k_pool, k_scale_arg, q_pos) -> tuple:
+    """The attention kernel's two-tier arguments: (HotRow, ColdRow, CK, CV, CKScale, CVScale, Rot), the cold pools'
+    strides (CK, CV, CKScale, CVScale; three each) and the COLD_* flags; dummies without ``cold``."""
+    if cold is None:
+        pointers = (page_table, page_table, k_pool, k_pool, k_scale_arg, k_scale_arg, q_pos)
+        flags = dict(TWO_TIERS=False, COLD_FORMAT=0, COLD_KEY_FORMAT=0, COLD_K_GROUP=1, COLD_V_GROUP=1,
+                     COLD_K_ROTATED=False, COLD_V_ROTATED=False)
+        return pointers, (0,) * 12, flags
+    fmt, device = cold.format, cold.k_pool.device
+    rotated = fmt.key.rotated or fmt.value.rotated
+    pointers = (cold.hot_row, cold.cold_row, cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale,
+                rotation(D, device).contiguous() if rotated else q_pos)
+    strides = (*cold.k_pool.stride()[:3], *cold.v_pool.stride()[:3], *slot_scale_strides(fmt.key, cold.k_scale),
+               *slot_scale_strides(fmt.value, cold.v_scale))
+    index = KV_FORMATS.index(fmt.name)
+    flags = dict(TWO_TIERS=True, COLD_FORMAT=index, COLD_KEY_FORMAT=4 if getattr(fmt.key, "per_page", False) else index,
+                 COLD_K_GROUP=fmt.key.group_size(D), COLD_V_GROUP=fmt.value.group_size(D),
+                 COLD_K_ROTATED=fmt.key.rotated, COLD_V_ROTATED=fmt.value.rotated)
+    return pointers, strides, flags
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     k_pool: torch.Tensor,
@@ -511,6 +608,7 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_format: str = "float",
+    cold: ColdTier | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention over K/V read in place from ``k_pool``/``v_pool`` via ``page_table``.
 
@@ -535,6 +633,9 @@ def paged_attention_triton(
             from the context length and the GPU size).
         k_scale, v_scale, kv_format: the scales and the page format of quantized pools
             (:mod:`hf_paged.kv_formats`: "int8", "int4", "fp8_e4m3"); none for "float".
+        cold: a two-tier layer's cold pages (`ColdTier`, int8 / int4): the pools are its hot float pages, the
+            table's ids page ids. Each program reads its slots' hot pages, then (the query and its running sum
+            rotated into the cold basis in the kernel, for rotated cold formats) its cold pages.
 
     Returns:
         ``out [B, Q, Hq, D]`` (``query.dtype``), and ``page_mass`` if requested.
@@ -545,7 +646,7 @@ def paged_attention_triton(
     N = page_table.shape[1]
     device = query.device
     fmt = check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale, v_scale,
-                           kv_format)
+                           kv_format, cold)
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"unsupported query dtype {query.dtype}")
     interpret = bool(triton.knobs.runtime.interpret)
@@ -563,8 +664,8 @@ def paged_attention_triton(
     result = out
     if fmt.quantized and fmt.key.rotated:  # keys are stored rotated: q.k = (q R).(k R)
         query = (query.float() @ rotation(D, device)).to(query.dtype)
-    if fmt.quantized and fmt.value.rotated:  # the kernel's output is rotated: written aside, rotated back below
-        out = torch.empty(B, Q, Hq, D, dtype=torch.float32, device=device)
+    if (fmt.quantized and fmt.value.rotated) or (cold is not None and cold.format.value.rotated):
+        out = torch.empty(B, Q, Hq, D, dtype=torch.float32, device=device)  # rotated: written aside, rotated back
     if fmt.quantized:
         k_scale_arg, v_scale_arg = k_scale, v_scale
         ks, vs = slot_scale_strides(fmt.key, k_scale), slot_scale_strides(fmt.value, v_scale)
@@ -615,20 +716,22 @@ def paged_attention_triton(
         int(mask_len),
     )
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+    tiers, tier_strides, tier_flags = _tier_arguments(cold, D, page_table, k_pool, k_scale_arg, q_pos)
 
     _paged_attention_kernel[(num_programs, num_splits)](
         query, k_pool, v_pool, k_scale_arg, v_scale_arg, page_table, page_pos, q_pos, mask_arg, sink_arg,
         out, lse, mid_m, mid_l, mid_acc,
+        *tiers,
         *scalars,
         Q, Hkv, N,
         *query.stride(), *k_pool.stride(), *v_pool.stride(), *ks, *vs,
         *page_table.stride(), *page_pos.stride(), *q_pos.stride(), *sm,
-        *out.stride(), *ls, *xs,
+        *out.stride(), *ls, *xs, *tier_strides,
         GROUP=group, PAGE_SIZE=S, HEAD_DIM=D,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SINK=s_aux is not None, SPLIT=split, STORE_LSE=store_lse,
         num_warps=num_warps,
-        **groups, **flags,
+        **groups, **flags, **tier_flags,
     )
     if split:
         _combine_splits_kernel[(B * Hq * Q,)](
@@ -649,14 +752,16 @@ def paged_attention_triton(
         mass_block_n = min(64, max(16, triton.next_power_of_2(S)))
         _page_mass_kernel[(B * Hq * N,)](
             query, k_pool, k_scale_arg, page_table, page_pos, q_pos, mask_arg, lse, page_mass,
+            *(tiers[i] for i in (0, 1, 2, 4, 6)),  # the row maps, the cold keys and their scales, the rotation
             *scalars,
             Q, Hq, N,
             *query.stride(), *k_pool.stride(), *ks,
             *page_table.stride(), *page_pos.stride(), *q_pos.stride(), *sm,
-            *ls, *page_mass.stride(),
+            *ls, *page_mass.stride(), *tier_strides[0:3], *tier_strides[6:9],
             GROUP=group, PAGE_SIZE=S, HEAD_DIM=D,
             K_GROUP=groups["K_GROUP"], BLOCK_Q=mass_block_q, BLOCK_N=mass_block_n, BLOCK_D=block_d,
             num_warps=4,
-            **flags,
+            **flags, **{name: tier_flags[name] for name in ("TWO_TIERS", "COLD_KEY_FORMAT", "COLD_K_GROUP",
+                                                            "COLD_K_ROTATED")},
         )
     return result, page_mass
