@@ -15,7 +15,7 @@ import hf_paged
 from hf_paged.demotion import ColdPages, MixedPages
 from hf_paged.kv_formats import dequantize, quantize
 from test_failed_step import _decode, _fail_after_layer
-from tiny_models import left_padded_batch, shared_pair
+from tiny_models import left_padded_batch, make_pair, shared_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -290,8 +290,9 @@ def test_the_evaluation_script_adds_cold_format_rows_at_the_same_budgets():
 
 
 def test_torch_compile_is_refused_with_a_reason():
-    """A compiled forward's custom op reads one pool per layer: a cache with two tiers is refused, saying so."""
-    _, model = shared_pair("llama")
+    """A compiled forward's custom op reads one pool per layer: a cache with two tiers is refused, saying so.
+    (Its own model: `plan_compiled_steps` hooks the model for good.)"""
+    _, model = make_pair("llama")
     torch._dynamo.reset()
     try:
         compiled = torch.compile(hf_paged.plan_compiled_steps(model), backend="eager")
