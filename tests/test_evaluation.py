@@ -44,7 +44,7 @@ def test_quick_mode_writes_every_output_and_field(report, script):
     assert cont["kvpress"]["status"].startswith("not run")
     assert math.isfinite(cont["full_perplexity"]) and cont["full_perplexity"] > 1
     methods = {(r["method"], r["regime"], r["budget"]) for r in cont["rows"]}
-    assert methods == {("full", "full", None)} | {(f"hf_paged {p}", g, b) for p in script.POLICIES
+    assert methods == {("full", "full", None)} | {(f"hf_paged {p}", g, b) for p in script.DEFAULT_POLICIES
                                                   for g in script.REGIMES for b in s["budgets"]}
     for r in cont["rows"]:
         assert set(r) >= {"library", "method", "regime", "budget", "windows", "tokens", "nll_sum", "perplexity",
@@ -59,13 +59,13 @@ def test_quick_mode_writes_every_output_and_field(report, script):
     pk = rep["passkey"]
     assert len(pk["cases"]) == len(s["lengths"]) * len(s["depths"]) * s["trials"]
     assert {(r["method"], r["regime"], r["budget"]) for r in pk["summary"]} == {("full", "full", None)} | {
-        (f"hf_paged {p}", g, b) for p in script.POLICIES for g in script.REGIMES for b in s["passkey_budgets"]}
+        (f"hf_paged {p}", g, b) for p in script.DEFAULT_POLICIES for g in script.REGIMES for b in s["passkey_budgets"]}
     for r in pk["rows"]:
         assert set(r) >= {"method", "regime", "budget", "length", "depth", "trials", "accuracy", "answers"}
         assert 0.0 <= r["accuracy"] <= 1.0
     st = rep["streaming"]
     assert {(r["policy"], r["budget"]) for r in st["rows"]} == {("unbounded", None)} | {
-        (p, b) for p in script.POLICIES for b in s["streaming_budgets"]}
+        (p, b) for p in script.DEFAULT_POLICIES for b in s["streaming_budgets"]}
     assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in st["rows"])
     assert "Continuation perplexity" in (out / "evaluate.md").read_text()
 
