@@ -313,9 +313,14 @@ def slot_scale_strides(codec: SymmetricCodec | Int4Codec | PageChannelCodec, sca
 def quantize(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, float16 scales) of ``x [..., dim]`` (any float dtype), rotated first by a rotated codec: what a
     page stores; `dequantize` reads it back."""
-    x = x.float()
-    x = x @ rotation(x.shape[-1], x.device) if codec.rotated else x
+    x = encoding_basis(codec, x)
     return codec.encode(x, finite=bool(torch.isfinite(x).all()))
+
+
+def encoding_basis(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32 in the basis ``codec`` encodes: rotated by a rotated codec (`rotation`)."""
+    x = x.float()
+    return x @ rotation(x.shape[-1], x.device) if codec.rotated else x
 
 
 # ----------------------------------------------------------------------------------- layer pages
@@ -456,8 +461,8 @@ class QuantizedPages:
         codec = self.format.value
         if not (self.device.type == "cpu" and codec == Int4Codec(None) and cpu_page_codecs.available()):
             return False
-        rotated = (values.float() @ rotation(self.value_dim)).contiguous()
-        return cpu_page_codecs.encode_int4_values(rotated, slots, self.v_codes, self.v_scale)
+        return cpu_page_codecs.encode_int4_values(encoding_basis(codec, values).contiguous(), slots, self.v_codes,
+                                                  self.v_scale)
 
     def _residual_row_of(self, page: int) -> int:
         """The residual row of ``page``, given one if it has none (k_residual grows by doubling)."""
