@@ -165,6 +165,25 @@ def test_bad_input_is_refused_with_a_reason():
         cpu_kernel.paged_attention_cpu(**dict(case, k_pool=case["k_pool"].transpose(1, 3).contiguous().transpose(1, 3)))
 
 
+def test_pools_checked_once_are_checked_again_when_they_change():
+    """The checked pool fields a call keeps on ``k_pool`` serve only the same pool tensors: another value pool (the
+    same shape, other values) is read, one of another shape or dtype is refused, and pools resized in place are
+    checked again."""
+    case = make_case(B=2, Hq=4, Hkv=2, D=16, S=4, Q=1, lengths=[9, 6], seed=9)
+    check(case)
+    other = dict(case, v_pool=torch.randn_like(case["v_pool"]))
+    check(other)
+    with pytest.raises(ValueError, match="k_pool/v_pool must be"):
+        cpu_kernel.paged_attention_cpu(**dict(case, v_pool=case["v_pool"][:, :, :, :8]))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        cpu_kernel.paged_attention_cpu(**dict(case, v_pool=case["v_pool"].double()))
+    grown = case["k_pool"].clone()
+    check(dict(case, k_pool=grown))
+    grown.resize_(grown.shape[0], grown.shape[1], grown.shape[2], 8)  # (an in-place change of the same tensor)
+    with pytest.raises(ValueError, match="k_pool/v_pool must be"):
+        cpu_kernel.paged_attention_cpu(**dict(case, k_pool=grown))
+
+
 def test_bad_quantized_input_is_refused_with_a_reason():
     """A format the kernel does not read, missing or misshapen scales, pools of another format, scales with float
     pools, an unknown format: each refused, naming what was wrong."""

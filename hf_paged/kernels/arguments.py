@@ -43,22 +43,38 @@ class ColdTier:
 def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale=None, v_scale=None,
                      kv_format: str = "float", cold: ColdTier | None = None) -> PageFormat:
     """Raise ValueError/TypeError (naming the argument) unless the arguments meet the contract; -> the format."""
-    B, Hq, Q, D = query.shape
     fmt = page_format(kv_format)
+    num_ids = check_pools(fmt, query, k_pool, v_pool, k_scale, v_scale, cold)
+    check_call(query, k_pool.shape[2], num_ids, page_table, page_pos, q_pos, mask, s_aux)
+    return fmt
+
+
+def check_pools(fmt: PageFormat, query, k_pool, v_pool, k_scale, v_scale, cold: ColdTier | None = None) -> int:
+    """The pools (and a cold tier) hold pages of ``fmt`` for ``query``'s head dim, on its device; -> the number of
+    page ids a table may name. Depends on the pools' shapes, dtypes, strides and devices only."""
+    D = query.shape[3]
     _check_pools(fmt, D, k_pool, v_pool, k_scale, v_scale)
     num_ids = k_pool.shape[0] if cold is None else _check_cold(fmt, D, k_pool, v_pool, cold, query.device)
-    Hkv = k_pool.shape[2]
+    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if tensor is not None and tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
+                             "device")
+    return num_ids
+
+
+def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos, mask, s_aux) -> None:
+    """The query, index, mask and sinks of a call on checked pools of ``Hkv`` heads and ``num_ids`` page ids."""
+    B, Hq, Q, D = query.shape
     N = page_table.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
-    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("k_scale", k_scale), ("v_scale", v_scale),
-                         ("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask),
+    device = query.device
+    for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask),
                          ("s_aux", s_aux)):
-        if tensor is not None and tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
-                             "device")
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, the query on {device}: move it to the query's device")
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be bool, got {mask.dtype}")
@@ -69,7 +85,6 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
     checked = getattr(page_table, _CHECKED, None)
     if checked is None or checked > num_ids:
         check_index(page_table, page_pos, q_pos, num_ids)
-    return fmt
 
 
 def _check_cold(hot: PageFormat, D: int, k_pool, v_pool, cold: ColdTier, device) -> int:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..kv_formats import PageFormat, slot_scale_strides
+from ..kv_formats import PageFormat, page_format, slot_scale_strides
 from . import library_cache
-from .arguments import ColdTier, check_paged_args, mask_strides
+from .arguments import ColdTier, check_call, check_pools, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
@@ -113,6 +113,41 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
+_POOL_ARGS = "_hf_paged_cpu_pool_args"  # attribute of a k_pool: the checked pool fields of its last call
+
+
+def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: ColdTier | None
+               ) -> tuple[_PagedArgs, int]:
+    """(a `_PagedArgs` holding the pool fields of these checked pools, the number of page ids). Pools change only
+    when they are reallocated, so both are kept on ``k_pool`` for the next call with the same tensors, format and
+    head dim (and unchanged pointers, shapes and strides); a two-tier layer's pools are checked on every call."""
+    stamp = (kv_format, query.shape[3], query.device, k_pool.data_ptr(), k_pool.shape, k_pool.stride(),
+             v_pool.data_ptr(), v_pool.shape, v_pool.stride())
+    kept = getattr(k_pool, _POOL_ARGS, None)
+    if (cold is None and kept is not None and kept[0] == stamp and kept[1] is v_pool and kept[2] is k_scale
+            and kept[3] is v_scale):
+        return kept[4], kept[5]
+    fmt = page_format(kv_format)
+    num_ids = check_pools(fmt, query, k_pool, v_pool, k_scale, v_scale, cold)
+    for name in (kv_format, *([] if cold is None else [cold.format.name])):
+        if name not in KV_FORMATS:
+            raise ValueError(f"the CPU kernel reads kv_format {', '.join(map(repr, KV_FORMATS))}, not {name!r} "
+                             "(the Triton kernel on CUDA reads it)")
+    if not (k_pool.is_cpu and v_pool.is_cpu) or (cold is not None and not (cold.hot_row.is_cpu
+                                                                             and cold.k_pool.is_cpu)):
+        raise ValueError("paged_attention_cpu needs CPU tensors")
+    if not fmt.quantized and (k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype):
+        raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
+    D = query.shape[3]
+    args = _PagedArgs(D=D, k_group=D, v_group=D)  # float pools: one group a row (set_pools sets a format's)
+    _set_pools(args, fmt, k_pool, v_pool, k_scale, v_scale)
+    if cold is None:
+        setattr(k_pool, _POOL_ARGS, (stamp, v_pool, k_scale, v_scale, args, num_ids))
+    return args, num_ids
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     k_pool: torch.Tensor,
@@ -154,47 +189,37 @@ def paged_attention_cpu(
     B, Hq, Q, D = query.shape
     S, Hkv = k_pool.shape[1:3]
     N = page_table.shape[1]
-    fmt = check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s_aux, k_scale, v_scale,
-                           kv_format, cold)
-    for name in (kv_format, *([] if cold is None else [cold.format.name])):
-        if name not in KV_FORMATS:
-            raise ValueError(f"the CPU kernel reads kv_format {', '.join(map(repr, KV_FORMATS))}, not {name!r} "
-                             "(the Triton kernel on CUDA reads it)")
-    if cold is not None and not (cold.hot_row.is_cpu and cold.k_pool.is_cpu):
+    pools, num_ids = _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format, cold)
+    check_call(query, Hkv, num_ids, page_table, page_pos, q_pos, mask, s_aux)
+    if not (query.is_cpu and page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu):
         raise ValueError("paged_attention_cpu needs CPU tensors")
-    if not fmt.quantized and (k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype):
-        raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
-    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
-        raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
-    if not (query.is_cpu and k_pool.is_cpu and v_pool.is_cpu and page_table.is_cpu and page_pos.is_cpu
-            and q_pos.is_cpu):
-        raise ValueError("paged_attention_cpu needs CPU tensors")
-    threads = torch.get_num_threads()
-    splits = num_splits or _choose_num_splits(B, N * S, threads)
-    splits = max(1, min(int(splits), max(N, 1)))
-    threads = min(threads, B * splits)  # waking a thread with nothing to do costs more than a short row
-
-    q32 = query.float()
-    table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
-    out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     if page_mass_heads not in (None, *MASS_HEADS):
         raise ValueError(f"page_mass_heads must be None or one of {MASS_HEADS}, got {page_mass_heads!r}")
     if page_mass_signal not in PAGE_MASS_SIGNALS or (page_mass_signal == "output" and S != 1):
         raise ValueError(f"page_mass_signal must be one of {PAGE_MASS_SIGNALS} ('output' with pages of one token), "
                          f"got {page_mass_signal!r} with pages of {S}")
-    mass_shape = (B, N) if page_mass_heads else (B, Hq, N)
-    page_mass = torch.zeros(mass_shape, dtype=torch.float32) if return_page_mass else None
-    args = _PagedArgs(
-        q32.data_ptr(), _i64x4(*q32.stride()),
-        0, 0, _i64x3(), _i64x3(), 0, None, None, _i64x3(), _i64x3(), D, D, 0, 0, 0, 0,  # pools: set below
-        table.data_ptr(), first.data_ptr(), qpos.data_ptr(),
-        B, Hq, Hkv, Q, D, S, N,
-        scale, softcap or 0.0, sliding_window or 0,
-        0, _NO_STRIDES, 0, 0, 0,  # no mask (set below)
-        None, out.data_ptr(), None if page_mass is None else page_mass.data_ptr(),
-        0 if page_mass_heads is None else 1 + MASS_HEADS.index(page_mass_heads), page_mass_signal == "output",
-        splits, threads,
-    )
+    threads = torch.get_num_threads()
+    splits = num_splits or _choose_num_splits(B, N * S, threads)
+    splits = max(1, min(int(splits), max(N, 1)))
+
+    q32 = query.float()
+    table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
+    out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
+    page_mass = None
+    if return_page_mass:
+        page_mass = torch.zeros((B, N) if page_mass_heads else (B, Hq, N), dtype=torch.float32)
+    args = _PagedArgs.from_buffer_copy(pools)
+    args.q, args.q_stride[:] = q32.data_ptr(), q32.stride()
+    args.table, args.page_pos, args.q_pos = table.data_ptr(), first.data_ptr(), qpos.data_ptr()
+    args.B, args.Hq, args.Hkv, args.Q, args.S, args.N = B, Hq, Hkv, Q, S, N
+    args.scale, args.softcap, args.window = scale, softcap or 0.0, sliding_window or 0
+    args.out = out.data_ptr()
+    if page_mass is not None:
+        args.page_mass = page_mass.data_ptr()
+        args.mass_heads = 0 if page_mass_heads is None else 1 + MASS_HEADS.index(page_mass_heads)
+        args.mass_output = page_mass_signal == "output"
+    args.splits = splits
+    args.threads = min(threads, B * splits)  # waking a thread with nothing to do costs more than a short row
     if mask is not None:
         strides = mask_strides(mask)
         args.mask, args.mask_stride = mask.data_ptr(), _i64x4(*strides)  # bool: one byte per element
@@ -202,7 +227,6 @@ def paged_attention_cpu(
     if s_aux is not None:
         sinks = s_aux.float().contiguous()
         args.sinks = sinks.data_ptr()
-    _set_pools(args, fmt, k_pool, v_pool, k_scale, v_scale)
     symbol = SYMBOLS[args.format]
     if cold is not None:  # the cold pools: the same arguments with the pool fields of the cold format
         cold_args = _PagedArgs.from_buffer_copy(args)
