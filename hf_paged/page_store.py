@@ -80,8 +80,9 @@ class FloatPages:
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Token t's key and value go to slot ``slots[t]`` (``page * page_size + offset``), in the pages' dtype."""
         key_rows, value_rows = self._rows()
-        key_rows.index_copy_(0, slots, keys.to(self.dtype))
-        value_rows.index_copy_(0, slots, values.to(self.dtype))
+        dtype = self.dtype  # (a conversion to the same dtype still costs a dispatch: skipped)
+        key_rows.index_copy_(0, slots, keys if keys.dtype == dtype else keys.to(dtype))
+        value_rows.index_copy_(0, slots, values if values.dtype == dtype else values.to(dtype))
 
     def write_in_graph(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`write` as one node of a compiled graph (`write_slots`): the pools are written in place, never copied."""
