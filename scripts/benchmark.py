@@ -27,6 +27,9 @@ What is measured, per ``generate`` run (a LogitsProcessor is called once per for
 * with ``--budget``, greedy configurations: after the whole runs, one round per repeat in which the
   unbounded and the bounded PagedCache decode taking turns token by token; per step the ratio of
   their times (median and quartiles), which load drifting over seconds does not skew.
+* with ``--alternate``, greedy configurations: the same rounds for DynamicCache + sdpa against PagedCache +
+  hf_paged (the model switches attention between their steps): the paged step's speed against DynamicCache's,
+  per step, where whole runs are too noisy to tell a few percent.
 
 Outputs: a markdown table on stdout and, in ``--out`` (default runs/benchmark, git-ignored), benchmark.md,
 benchmark.json (every number, settings, versions) and benchmark.png (decode speed and peak KV
@@ -130,6 +133,9 @@ def parse_args(argv=None):
                    "(per_head_eviction=True; needs --budget-page-size 1)")
     p.add_argument("--budget-score-signal", default=None, choices=["attention", "output"], help="score_signal of the "
                    "bounded PagedCache (default: PagedCache's; with the prompt cut after prefill, attention)")
+    p.add_argument("--alternate", action="store_true", help="also, for greedy configurations, rounds (one per "
+                   "repeat) in which DynamicCache and PagedCache decode taking turns token by token: the per-step "
+                   "speed ratio, median and quartiles")
     p.add_argument("--out", default="runs/benchmark", help="output folder (default runs/benchmark, git-ignored; the "
                    "stored studies are in results/benchmark, docs/benchmark.md names their commands)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")

@@ -151,14 +151,17 @@ def test_alternated_steps_pair_each_unbounded_step_with_the_bounded_one():
               {"paged": dict(step_s=[6.0], tokens=tokens), "bounded": dict(step_s=[4.0], tokens=tokens)}]
     prompt = torch.tensor([[1, 2]])
     same = [torch.cat([prompt, tokens], dim=1)] * 2
-    steps = bench.summarize_steps(rounds, same, context=2)
+    steps = bench.summarize_steps(rounds, same, context=2, kinds=("paged", "bounded"))
     # pairs (unbounded time / bounded) 2.0, 0.5, 1.5: the median 1.5 (the inverse ratios' would be 2/3)
     assert steps["pairs"] == 3 and steps["speed_ratio"] == 1.5
     assert steps["speed_ratio_q1"] < 1.5 < steps["speed_ratio_q3"]
-    assert steps["unbounded_ms_median"] == 2000.0 and steps["bounded_ms_median"] == 4000.0
-    assert steps["unbounded_equals_generate"] is True
+    assert steps["ms_median"] == {"paged": 2000.0, "bounded": 4000.0}
+    assert steps["reference_equals_generate"] is True and steps["tokens_equal"] is True
     other = [same[0], torch.cat([prompt, tokens + 1], dim=1)]
-    assert bench.summarize_steps(rounds, other, context=2)["unbounded_equals_generate"] is False
+    assert bench.summarize_steps(rounds, other, context=2, kinds=("paged", "bounded"))[
+        "reference_equals_generate"] is False
+    rounds[1]["bounded"] = dict(step_s=[4.0], tokens=tokens + 1)
+    assert bench.summarize_steps(rounds, same, context=2, kinds=("paged", "bounded"))["tokens_equal"] is False
 
 
 @pytest.mark.slow
@@ -189,9 +192,9 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     assert paged["runs"][-1]["stats_end"]["tokens_held"] == rows * (48 + 11)
     assert 0.0 <= cfg["bounded_agreement"] <= 1.0
     steps = cfg["bounded_steps"]  # one round of 11 alternated decode steps per repeat
-    assert steps["pairs"] == 2 * 11 and steps["unbounded_equals_generate"] is True
+    assert steps["pairs"] == 2 * 11 and steps["reference_equals_generate"] is True
     assert 0 < steps["speed_ratio_q1"] <= steps["speed_ratio"] <= steps["speed_ratio_q3"]
-    assert steps["unbounded_ms_median"] > 0 and steps["bounded_ms_median"] > 0
+    assert steps["ms_median"]["paged"] > 0 and steps["ms_median"]["bounded"] > 0
     policy = ("eviction fifo, per_layer_eviction off" if one_group else "eviction score (the default)"
               + (", score_signal output" if options else ""))
     report = (tmp_path / "benchmark.md").read_text()
@@ -200,3 +203,26 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     assert "The unbounded cache's tokens in every round equal its `generate` run's: yes." in report
     assert result["settings"]["budget_eviction"] == ("fifo" if one_group else None)
     assert result["settings"]["budget_score_signal"] == ("output" if "--budget-score-signal" in options else None)
+
+
+@pytest.mark.slow
+def test_alternate_times_paged_steps_against_dynamic_steps(tmp_path):
+    """``--alternate``: rounds in which DynamicCache (sdpa) and PagedCache (hf_paged) take turns; greedy tokens equal."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--contexts", "48", "--batch-sizes", "1", "--modes",
+                           "greedy,beam2", "--page-sizes", "8", "--new-tokens", "12", "--repeats", "2", "--warmup", "0",
+                           "--alternate", "--threads", "1", "--no-progress", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "benchmark.json").read_text())
+    greedy, beams = result["configs"]
+    assert "alternated_steps" not in beams  # greedy configurations only
+    steps = greedy["alternated_steps"]
+    assert steps["kinds"] == ["dynamic", "paged"] and steps["pairs"] == 2 * 11
+    assert steps["reference_equals_generate"] is True and steps["tokens_equal"] is True
+    assert 0 < steps["speed_ratio_q1"] <= steps["speed_ratio"] <= steps["speed_ratio_q3"]
+    report = (tmp_path / "benchmark.md").read_text()
+    assert "decode steps alternated (`--alternate`)" in report
+    assert (f"| 48 | 1 | 8 | {steps['speed_ratio']:.3f} ({steps['speed_ratio_q1']:.3f}–{steps['speed_ratio_q3']:.3f}) "
+            in report)
+    assert "DynamicCache's tokens in every round equal its `generate` run's: yes." in report

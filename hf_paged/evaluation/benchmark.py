@@ -186,16 +186,18 @@ def add_store_counters(caches, budget_options: dict | None) -> None:
         store.add(cache)
 
 
-def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, budget: int,
-                           budget_page_size: int | None = None, budget_options: dict | None = None) -> dict:
-    """One round of greedy decoding with the unbounded and the bounded PagedCache taking turns token by token.
+def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, kinds: tuple[str, str],
+                           budget: int | None = None, budget_page_size: int | None = None,
+                           budget_options: dict | None = None) -> dict:
+    """One round of greedy decoding with two caches (``kinds``: ("paged", "bounded"), or ("dynamic", "paged") with
+    each cache's attention) taking turns token by token.
 
     Each cache is prefilled with ``inputs``, then decodes ``new_tokens - 1`` steps of its own greedy tokens
     (what ``generate`` decodes), one model step each in turn, the order swapped every step. Every step
     is timed (forward and arg-max) in CPU-seconds on the CPU (`time.process_time`: other processes' load on a shared
     machine does not count), wall seconds on CUDA; load that drifts over seconds hits both caches' steps of a pair
-    alike, so their ratios are far tighter than those of whole runs. -> per cache: step times (s) and
-    the new tokens ``[rows, new_tokens]``.
+    alike, so their ratios are far tighter than those of whole runs. The model switches attention between the two
+    caches' steps, outside the timed part. -> per cache: step times (s) and the new tokens ``[rows, new_tokens]``.
     """
     import inspect
 
@@ -203,8 +205,6 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
 
     import hf_paged
 
-    use_attention(model, "paged")
-    kinds = ("paged", "bounded")
     caches = {kind: fresh_cache(model, kind, cfg, budget, budget_page_size, budget_options) for kind in kinds}
     ids = inputs["input_ids"]
     rows, context = ids.shape
@@ -214,11 +214,13 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
     clock = time.process_time if ids.device.type == "cpu" else time.perf_counter
     with torch.inference_mode():
         for kind in kinds:
+            use_attention(model, "dynamic" if kind == "dynamic" else "paged")
             logits = model(input_ids=ids, use_cache=True, **{hf_paged.CACHE_KWARG: caches[kind]}, **last_only).logits
             tokens[kind].append(logits[:, -1:].argmax(-1))
         for step in range(new_tokens - 1):
             position = torch.full((rows, 1), context + step, dtype=torch.long, device=ids.device)
             for kind in kinds if step % 2 == 0 else kinds[::-1]:
+                use_attention(model, "dynamic" if kind == "dynamic" else "paged")
                 sync()
                 start = clock()
                 logits = model(input_ids=tokens[kind][-1], position_ids=position, use_cache=True,
@@ -226,25 +228,40 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, bu
                 tokens[kind].append(logits[:, -1:].argmax(-1))
                 sync()
                 times[kind].append(clock() - start)
-    add_store_counters(caches.values(), budget_options)
+    add_store_counters([c for kind, c in caches.items() if kind != "dynamic"], budget_options)
     return {kind: dict(step_s=times[kind], tokens=torch.cat(tokens[kind], dim=1).cpu()) for kind in kinds}
 
 
-def summarize_steps(rounds: list[dict], generated: list, context: int) -> dict:
-    """The alternated rounds' step times as paired ratios: per step, unbounded time / bounded time (the
-    bounded cache's speed relative to the unbounded one's), their median and quartiles; and whether every
-    round's unbounded tokens equal ``generate``'s (``generated``: its sequences, one per round)."""
-    unbounded = [t for r in rounds for t in r["paged"]["step_s"]]
-    bounded = [t for r in rounds for t in r["bounded"]["step_s"]]
-    pairs = [u / b for u, b in zip(unbounded, bounded)]
+def summarize_steps(rounds: list[dict], generated: list, context: int, kinds: tuple[str, str]) -> dict:
+    """The alternated rounds of two caches (``kinds``: the reference, then the one compared with it) as paired
+    ratios: per step, the reference's time / the other's (the other's speed relative to the reference's), their
+    median and quartiles; each cache's median step (ms); whether every round's reference tokens equal
+    ``generate``'s (``generated``: its sequences, one per round) and whether the other's equal the reference's."""
+    reference, other = kinds
+    first = [t for r in rounds for t in r[reference]["step_s"]]
+    second = [t for r in rounds for t in r[other]["step_s"]]
+    pairs = [a / b for a, b in zip(first, second)]
     quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
     return dict(
-        pairs=len(pairs), speed_ratio=statistics.median(pairs), speed_ratio_q1=quartiles[0],
-        speed_ratio_q3=quartiles[2], unbounded_ms_median=1000 * statistics.median(unbounded),
-        bounded_ms_median=1000 * statistics.median(bounded),
-        unbounded_equals_generate=all(bool((r["paged"]["tokens"] == g[:, context:]).all())
+        kinds=list(kinds), pairs=len(pairs), speed_ratio=statistics.median(pairs), speed_ratio_q1=quartiles[0],
+        speed_ratio_q3=quartiles[2], ms_median={reference: 1000 * statistics.median(first),
+                                                other: 1000 * statistics.median(second)},
+        reference_equals_generate=all(bool((r[reference]["tokens"] == g[:, context:]).all())
                                       for r, g in zip(rounds, generated)),
+        tokens_equal=all(bool((r[reference]["tokens"] == r[other]["tokens"]).all()) for r in rounds),
     )
+
+
+def steps_alternated(kinds: tuple[str, str], generated: list, model, cfg: Config, inputs, args, sync,
+                     budget_options: dict, bar) -> dict:
+    """``args.repeats`` rounds of `alternate_decode_steps` of ``kinds``, summarized (`summarize_steps`)."""
+    rounds = []
+    for rep in range(args.repeats):
+        bar.set_postfix_str(f"{cfg.name} steps alternated {' / '.join(kinds)} {rep + 1}")
+        rounds.append(alternate_decode_steps(model, cfg, inputs, args.new_tokens, sync, kinds, args.budget,
+                                             args.budget_page_size, budget_options))
+        bar.update()
+    return summarize_steps(rounds, generated, cfg.context, kinds)
 
 
 def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, seed: int, meter: MemoryMeter,
@@ -416,18 +433,39 @@ def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None
         steps = c.get("bounded_steps")
         step_cells = (f"— ({'greedy only' if 'bounded_steps' in c else 'not measured'}) | —" if steps is None else
                       f"{steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) "
-                      f"| {steps['unbounded_ms_median']:.1f} / {steps['bounded_ms_median']:.1f}")
+                      f"| {steps['ms_median']['paged']:.1f} / {steps['ms_median']['bounded']:.1f}")
         lines.append(f"| {c['context']} | {c['batch']} | {c['mode']} | {pages} | {p['decode_tok_s']:.2f} "
                      f"| {b['decode_tok_s']:.2f} | {ratio} | {spread_cell} | {step_cells} | {stats['tokens_held']} "
                      f"| {stats['evictions']} | {100 * c['bounded_agreement']:.0f}% |")
     measured = [c["bounded_steps"] for c in configs if c.get("bounded_steps")]
     if measured:
-        same = "yes" if all(m["unbounded_equals_generate"] for m in measured) else "NO"
+        same = "yes" if all(m["reference_equals_generate"] for m in measured) else "NO"
         lines += ["", "steps alternated: the two caches decode greedily taking turns token by token, one round per "
                   "repeat (`alternate_decode_steps`); per step the unbounded step's time (CPU-seconds on the CPU) over "
                   "the bounded one's, the median and quartiles of those pairs. Unlike whole runs, the pairs share the "
                   "machine's load. The "
                   f"unbounded cache's tokens in every round equal its `generate` run's: {same}."]
+    return "\n".join(lines)
+
+
+def alternated_table(configs: list[dict]) -> str:
+    """``--alternate``: PagedCache against DynamicCache in decode steps taking turns (greedy configurations)."""
+    lines = ["PagedCache + hf_paged against DynamicCache + sdpa, decode steps alternated (`--alternate`):", "",
+             "| context | batch | page | steps alternated: paged / dynamic (quartiles) | ms per step dynamic / paged "
+             "| steps | new tokens equal |", "|---|---|---|---|---|---|---|"]
+    measured = [c for c in configs if c.get("alternated_steps")]
+    for c in measured:
+        steps = c["alternated_steps"]
+        lines.append(f"| {c['context']} | {c['batch']} | {c['page_size']} | {steps['speed_ratio']:.3f} "
+                     f"({steps['speed_ratio_q1']:.3f}–{steps['speed_ratio_q3']:.3f}) | {steps['ms_median']['dynamic']:.1f}"
+                     f" / {steps['ms_median']['paged']:.1f} | {steps['pairs']} | "
+                     f"{'yes' if steps['tokens_equal'] else 'NO'} |")
+    if measured:
+        same = "yes" if all(c["alternated_steps"]["reference_equals_generate"] for c in measured) else "NO"
+        lines += ["", "One round per repeat in which the two caches decode greedily taking turns token by token, the model "
+                  "switching attention between their steps (`alternate_decode_steps`); per step DynamicCache's time "
+                  "(CPU-seconds on the CPU) over PagedCache's: above 1, the paged step is faster. The median and "
+                  f"quartiles of those pairs. DynamicCache's tokens in every round equal its `generate` run's: {same}."]
     return "\n".join(lines)
 
 
@@ -451,6 +489,7 @@ def markdown_report(result: dict) -> str:
         *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size"), s.get("budget_eviction"),
                         s.get("budget_per_layer"), s.get("budget_score_signal"), s.get("per_head", False)), ""]
           if s.get("budget") else []),
+        *([alternated_table(result["configs"]), ""] if s.get("alternate") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
         "rows x context / time to the first token; decode tok/s = rows x (new tokens - 1) / time from the first "
         "to the last token. KV: DynamicCache layers' keys+values nbytes; PagedCache stats()['kv_bytes'] "
@@ -592,6 +631,7 @@ def main(args, argv: list[str]) -> dict:
                     seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
                     budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
                     budget_score_signal=args.budget_score_signal, per_head=getattr(args, "per_head", False),
+                    alternate=args.alternate,
                     kv_format=args.kv_format,
                     prefix_store=args.prefix_store, argv=list(argv),
                     configs=[c.name for c in configs], attention={k: v for k, v in ATTN.items()})
@@ -609,7 +649,7 @@ def main(args, argv: list[str]) -> dict:
         budget_options["per_head_eviction"] = True
     results = []
     kinds = CACHES + (("bounded",) if args.budget else ())
-    step_rounds = args.repeats if args.budget else 0  # per greedy configuration: rounds of alternated steps
+    step_rounds = args.repeats * (bool(args.budget) + bool(args.alternate))  # per greedy configuration
     total_runs = sum(len(kinds) * (args.warmup + args.repeats) + (step_rounds if c.mode == "greedy" else 0)
                      for c in configs)
     with tqdm(total=total_runs, disable=args.no_progress, desc="benchmark", file=sys.stderr) as bar:
@@ -626,7 +666,7 @@ def main(args, argv: list[str]) -> dict:
                              args.budget_page_size, budget_options)
                     bar.update()
             runs = {k: [] for k in kinds}
-            matches, agreement, bounded_agreement, generated = [], [], [], []
+            matches, agreement, bounded_agreement, generated, generated_dynamic = [], [], [], [], []
             for rep in range(args.repeats):
                 order = kinds if rep % 2 == 0 else kinds[::-1]
                 seqs = {}
@@ -636,6 +676,7 @@ def main(args, argv: list[str]) -> dict:
                                                meter, sync, args.budget, args.budget_page_size, budget_options)
                     runs[kind].append(res)
                     bar.update()
+                generated_dynamic.append(seqs["dynamic"])
                 same, frac = compare(seqs["dynamic"], seqs["paged"], cfg.context)
                 matches.append(same)
                 agreement.append(frac)
@@ -647,19 +688,22 @@ def main(args, argv: list[str]) -> dict:
                 entry["bounded_agreement"] = min(bounded_agreement)
                 entry["bounded_steps"] = None  # greedy only: other modes decode several rows per prompt
                 if cfg.mode == "greedy":
-                    rounds = []
-                    for rep in range(step_rounds):
-                        bar.set_postfix_str(f"{cfg.name} steps alternated {rep + 1}")
-                        rounds.append(alternate_decode_steps(model, cfg, inputs, args.new_tokens, sync, args.budget,
-                                                             args.budget_page_size, budget_options))
-                        bar.update()
-                    entry["bounded_steps"] = summarize_steps(rounds, generated, cfg.context)
+                    entry["bounded_steps"] = steps_alternated(
+                        ("paged", "bounded"), generated, model, cfg, inputs, args, sync, budget_options, bar)
+            if args.alternate and cfg.mode == "greedy":
+                entry["alternated_steps"] = steps_alternated(
+                    ("dynamic", "paged"), generated_dynamic, model, cfg, inputs, args, sync, budget_options, bar)
             entry["deterministic_mode"] = parse_mode(cfg.mode)["deterministic"]
             entry["wall_s"] = time.perf_counter() - cfg_start
             results.append(entry)
             tqdm.write(f"{cfg.name}: decode tok/s dynamic {entry['dynamic']['decode_tok_s']:.2f} paged "
                        f"{entry['paged']['decode_tok_s']:.2f} (ratio {ratio_text(entry, 'decode_tok_s')}), tokens "
                        f"match {entry['tokens_match']}", file=sys.stderr)
+            if entry.get("alternated_steps"):
+                steps = entry["alternated_steps"]
+                tqdm.write(f"{cfg.name}: paged / dynamic decode speed, {steps['pairs']} steps alternated: "
+                           f"{steps['speed_ratio']:.3f} (quartiles {steps['speed_ratio_q1']:.3f}–"
+                           f"{steps['speed_ratio_q3']:.3f})", file=sys.stderr)
             if entry.get("bounded_steps"):
                 steps = entry["bounded_steps"]
                 tqdm.write(f"{cfg.name}: bounded / unbounded decode speed, {steps['pairs']} steps alternated: "
