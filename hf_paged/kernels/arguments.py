@@ -68,13 +68,16 @@ def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos, mask,
     N = page_table.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    if tuple(page_table.shape) != (B, N) or tuple(page_pos.shape) != (B, N) or tuple(q_pos.shape) != (B, Q):
+    if page_table.shape != (B, N) or page_pos.shape != (B, N) or q_pos.shape != (B, Q):  # (a torch.Size is a tuple)
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
     device = query.device
-    for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask),
-                         ("s_aux", s_aux)):
-        if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device}, the query on {device}: move it to the query's device")
+    if (page_table.device != device or page_pos.device != device or q_pos.device != device
+            or (mask is not None and mask.device != device) or (s_aux is not None and s_aux.device != device)):
+        for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask),
+                             ("s_aux", s_aux)):
+            if tensor is not None and tensor.device != device:
+                raise ValueError(f"{name} is on {tensor.device}, the query on {device}: move it to the query's "
+                                 "device")
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be bool, got {mask.dtype}")

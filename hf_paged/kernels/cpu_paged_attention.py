@@ -120,9 +120,9 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
                ) -> tuple[_PagedArgs, int]:
     """(a `_PagedArgs` holding the pool fields of these checked pools, the number of page ids). Pools change only
     when they are reallocated, so both are kept on ``k_pool`` for the next call with the same tensors, format and
-    head dim (and unchanged pointers, shapes and strides); a two-tier layer's pools are checked on every call."""
-    stamp = (kv_format, query.shape[3], query.device, k_pool.data_ptr(), k_pool.shape, k_pool.stride(),
-             v_pool.data_ptr(), v_pool.shape, v_pool.stride())
+    head dim (and k_pool's pointer, shape and strides and v_pool's shape unchanged; the query's device is checked per
+    call, the pools' CPU here); a two-tier layer's pools are checked on every call."""
+    stamp = (kv_format, query.shape[3], k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape)
     kept = getattr(k_pool, _POOL_ARGS, None)
     if (cold is None and kept is not None and kept[0] == stamp and kept[1] is v_pool and kept[2] is k_scale
             and kept[3] is v_scale):
@@ -193,16 +193,16 @@ def paged_attention_cpu(
     check_call(query, Hkv, num_ids, page_table, page_pos, q_pos, mask, s_aux)
     if not (query.is_cpu and page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu):
         raise ValueError("paged_attention_cpu needs CPU tensors")
-    if page_mass_heads not in (None, *MASS_HEADS):
+    if page_mass_heads is not None and page_mass_heads not in MASS_HEADS:
         raise ValueError(f"page_mass_heads must be None or one of {MASS_HEADS}, got {page_mass_heads!r}")
-    if page_mass_signal not in PAGE_MASS_SIGNALS or (page_mass_signal == "output" and S != 1):
+    if page_mass_signal != "attention" and (page_mass_signal not in PAGE_MASS_SIGNALS or S != 1):
         raise ValueError(f"page_mass_signal must be one of {PAGE_MASS_SIGNALS} ('output' with pages of one token), "
                          f"got {page_mass_signal!r} with pages of {S}")
     threads = torch.get_num_threads()
     splits = num_splits or _choose_num_splits(B, N * S, threads)
     splits = max(1, min(int(splits), max(N, 1)))
 
-    q32 = query.float()
+    q32 = query if query.dtype == torch.float32 else query.float()
     table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     page_mass = None
