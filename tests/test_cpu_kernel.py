@@ -184,6 +184,23 @@ def test_pools_checked_once_are_checked_again_when_they_change():
         cpu_kernel.paged_attention_cpu(**dict(case, k_pool=grown))
 
 
+def test_index_checked_once_serves_only_the_calls_it_was_checked_for():
+    """The checked index fields a call keeps on ``page_table`` serve the calls that share the table (a step's layers)
+    only with the same ``page_pos``/``q_pos`` tensors and query shape: other positions are read, another batch is
+    refused, and an index the kernel had to convert (int32) is converted again, so edits to the caller's table count."""
+    case = make_case(B=2, Hq=4, Hkv=2, D=16, S=4, Q=1, lengths=[9, 6], seed=10, holes=False)
+    table32 = case["page_table"]
+    case["page_table"] = table32.long()  # as a cache's index: int64, read in place
+    check(case)
+    earlier = dict(case, q_pos=case["q_pos"] - 2)  # the same table, queries two positions earlier: fewer tokens seen
+    check(earlier)
+    with pytest.raises(ValueError, match=r"page_table/page_pos must be \[B, N\]"):
+        cpu_kernel.paged_attention_cpu(**dict(case, query=case["query"][:1]))
+    check(dict(case, page_table=table32))
+    table32[0, 1] = -1  # the caller edits its table into a hole: the next call reads the edit
+    check(dict(case, page_table=table32))
+
+
 def test_bad_quantized_input_is_refused_with_a_reason():
     """A format the kernel does not read, missing or misshapen scales, pools of another format, scales with float
     pools, an unknown format: each refused, naming what was wrong."""

@@ -45,7 +45,8 @@ def check_paged_args(query, k_pool, v_pool, page_table, page_pos, q_pos, mask, s
     """Raise ValueError/TypeError (naming the argument) unless the arguments meet the contract; -> the format."""
     fmt = page_format(kv_format)
     num_ids = check_pools(fmt, query, k_pool, v_pool, k_scale, v_scale, cold)
-    check_call(query, k_pool.shape[2], num_ids, page_table, page_pos, q_pos, mask, s_aux)
+    check_call(query, k_pool.shape[2], num_ids, page_table, page_pos, q_pos)
+    check_mask_and_sinks(query, mask, s_aux)
     return fmt
 
 
@@ -62,22 +63,30 @@ def check_pools(fmt: PageFormat, query, k_pool, v_pool, k_scale, v_scale, cold: 
     return num_ids
 
 
-def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos, mask, s_aux) -> None:
-    """The query, index, mask and sinks of a call on checked pools of ``Hkv`` heads and ``num_ids`` page ids."""
+def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos) -> None:
+    """The query and index of a call on checked pools of ``Hkv`` heads and ``num_ids`` page ids."""
     B, Hq, Q, D = query.shape
     N = page_table.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if page_table.shape != (B, N) or page_pos.shape != (B, N) or q_pos.shape != (B, Q):  # (a torch.Size is a tuple)
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
-    device = query.device
-    if (page_table.device != device or page_pos.device != device or q_pos.device != device
-            or (mask is not None and mask.device != device) or (s_aux is not None and s_aux.device != device)):
-        for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos), ("mask", mask),
-                             ("s_aux", s_aux)):
-            if tensor is not None and tensor.device != device:
-                raise ValueError(f"{name} is on {tensor.device}, the query on {device}: move it to the query's "
-                                 "device")
+    for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos)):
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
+                             "device")
+    checked = getattr(page_table, _CHECKED, None)
+    if checked is None or checked > num_ids:
+        check_index(page_table, page_pos, q_pos, num_ids)
+
+
+def check_mask_and_sinks(query, mask, s_aux) -> None:
+    """A call's optional mask ``[B or 1, 1 or Hq, Q, M]`` (bool) and sinks ``[Hq]``, on the query's device."""
+    B, Hq, Q, _ = query.shape
+    for name, tensor in (("mask", mask), ("s_aux", s_aux)):
+        if tensor is not None and tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
+                             "device")
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be bool, got {mask.dtype}")
@@ -85,9 +94,6 @@ def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos, mask,
             raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
     if s_aux is not None and s_aux.shape != (Hq,):
         raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
-    checked = getattr(page_table, _CHECKED, None)
-    if checked is None or checked > num_ids:
-        check_index(page_table, page_pos, q_pos, num_ids)
 
 
 def _check_cold(hot: PageFormat, D: int, k_pool, v_pool, cold: ColdTier, device) -> int:

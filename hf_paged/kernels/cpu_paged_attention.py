@@ -25,7 +25,7 @@ import torch
 
 from ..kv_formats import PageFormat, page_format, slot_scale_strides
 from . import library_cache
-from .arguments import ColdTier, check_call, check_pools, mask_strides
+from .arguments import ColdTier, check_call, check_mask_and_sinks, check_pools, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
@@ -148,6 +148,34 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
     return args, num_ids
 
 
+_INDEX_ARGS = "_hf_paged_cpu_index_args"  # attribute of a page table: the checked index fields of its calls
+
+
+def _index_args(query, Hkv: int, S: int, num_ids: int, page_table, page_pos, q_pos, num_splits: int | None
+                ) -> tuple:
+    """(table, page_pos, q_pos as contiguous int64, N, splits, threads) of a call reading ``page_table``, checked
+    (`check_call`: shapes against the query, devices, page ids of pools of ``num_ids`` ids) and kept on the table
+    for the calls that share it (a step's layers) with the same index tensors, query batch, length and heads, pool
+    heads and page size, split request and thread count, on pools of at least the ids it was checked against (int64
+    contiguous index tensors only: the kernel reads them, so their owner's later edits are read too)."""
+    B, Hq, Q, _ = query.shape
+    threads = torch.get_num_threads()
+    shape = (B, Hq, Q, Hkv, S, num_splits, threads)
+    kept = getattr(page_table, _INDEX_ARGS, None)
+    if kept is not None and kept[0] is page_pos and kept[1] is q_pos and kept[2] == shape and kept[3] <= num_ids:
+        return kept[4]
+    check_call(query, Hkv, num_ids, page_table, page_pos, q_pos)
+    if not (page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu):
+        raise ValueError("paged_attention_cpu needs CPU tensors")
+    N = page_table.shape[1]
+    splits = max(1, min(int(num_splits or _choose_num_splits(B, N * S, threads)), max(N, 1)))
+    index = (_int64(page_table), _int64(page_pos), _int64(q_pos))
+    fields = (*index, N, splits, min(threads, B * splits))  # (waking a thread with nothing to do costs more than a row)
+    if all(a is b for a, b in zip(index, (page_table, page_pos, q_pos))):  # (a converted copy would miss later edits)
+        setattr(page_table, _INDEX_ARGS, (page_pos, q_pos, shape, num_ids, fields))
+    return fields
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     k_pool: torch.Tensor,
@@ -188,22 +216,19 @@ def paged_attention_cpu(
         raise RuntimeError(f"The hf_paged CPU kernel is unavailable: {library}")
     B, Hq, Q, D = query.shape
     S, Hkv = k_pool.shape[1:3]
-    N = page_table.shape[1]
-    pools, num_ids = _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format, cold)
-    check_call(query, Hkv, num_ids, page_table, page_pos, q_pos, mask, s_aux)
-    if not (query.is_cpu and page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu):
+    if not query.is_cpu:
         raise ValueError("paged_attention_cpu needs CPU tensors")
+    pools, num_ids = _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format, cold)
+    table, first, qpos, N, splits, threads = _index_args(query, Hkv, S, num_ids, page_table, page_pos, q_pos,
+                                                         num_splits)
+    if mask is not None or s_aux is not None:
+        check_mask_and_sinks(query, mask, s_aux)
     if page_mass_heads is not None and page_mass_heads not in MASS_HEADS:
         raise ValueError(f"page_mass_heads must be None or one of {MASS_HEADS}, got {page_mass_heads!r}")
     if page_mass_signal != "attention" and (page_mass_signal not in PAGE_MASS_SIGNALS or S != 1):
         raise ValueError(f"page_mass_signal must be one of {PAGE_MASS_SIGNALS} ('output' with pages of one token), "
                          f"got {page_mass_signal!r} with pages of {S}")
-    threads = torch.get_num_threads()
-    splits = num_splits or _choose_num_splits(B, N * S, threads)
-    splits = max(1, min(int(splits), max(N, 1)))
-
     q32 = query if query.dtype == torch.float32 else query.float()
-    table, first, qpos = _int64(page_table), _int64(page_pos), _int64(q_pos)
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     page_mass = None
     if return_page_mass:
@@ -218,8 +243,7 @@ def paged_attention_cpu(
         args.page_mass = page_mass.data_ptr()
         args.mass_heads = 0 if page_mass_heads is None else 1 + MASS_HEADS.index(page_mass_heads)
         args.mass_output = page_mass_signal == "output"
-    args.splits = splits
-    args.threads = min(threads, B * splits)  # waking a thread with nothing to do costs more than a short row
+    args.splits, args.threads = splits, threads
     if mask is not None:
         strides = mask_strides(mask)
         args.mask, args.mask_stride = mask.data_ptr(), _i64x4(*strides)  # bool: one byte per element
