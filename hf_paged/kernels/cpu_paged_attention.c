@@ -185,11 +185,12 @@ typedef struct {
     int64_t k_off[CHUNK], v_off[CHUNK], ks_off[CHUNK], vs_off[CHUNK], pos[CHUNK], entry[CHUNK];
 } Chunk;
 
-/* The scales and zero points of a chunk's quantized rows as floats, [CHUNK][Hkv][groups] each (converted once
- * per chunk, for the slots some row attends; the others' entries are stale and never read). */
+/* The scales and zero points of a chunk's quantized key rows as floats, [CHUNK][Hkv][groups] each (converted once
+ * per chunk, for the slots some row attends; the others' entries are stale and never read; none for int4 keys per
+ * page). Values' are read by `add_values` as it needs them. */
 typedef struct {
-    float *k_scale, *k_zero, *v_scale, *v_zero;
-    int64_t k_groups, v_groups;
+    float *k_scale, *k_zero;
+    int64_t k_groups;
 } ChunkScales;
 
 /* Slot c's row of KV head kvh in the keys (value = 0) or the values (value = 1). */
@@ -341,15 +342,15 @@ static inline __attribute__((always_inline)) void merge_parity(v16 *lo, v16 *hi)
 
 static inline __attribute__((always_inline)) void add_values(const PagedArgs *a, const Chunk *ch,
                                                               const uint8_t *slot_used, const float *score,
-                                                              const ChunkScales *cs, float *acc, int fmt) {
+                                                              float *acc, int fmt) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, C = ch->C;
     const int vector = fmt < FMT_I8 || a->v_group == D; /* quantized: one group a row, folded into the weights */
     float spare[4][D]; /* accumulators of the padding rows of a block */
     float weight[4][CHUNK], scale[CHUNK], zero[CHUNK]; /* the head's scales and zero points, 0 for unused slots */
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
         for (int64_t c = 0; c < C && fmt >= FMT_I8 && vector; c++) {
-            scale[c] = slot_used[c] ? cs->v_scale[c * a->Hkv + kvh] : 0.0f;
-            zero[c] = slot_used[c] && fmt == FMT_I4 ? cs->v_zero[c * a->Hkv + kvh] : 0.0f;
+            scale[c] = zero[c] = 0.0f;
+            if (slot_used[c]) group_of(a, 1, slot_row(a, ch, c, kvh, 1), 0, fmt, &scale[c], &zero[c]);
         }
         for (int64_t i0 = 0; i0 < rows; i0 += 4) {
             float *ar[4];
@@ -445,7 +446,7 @@ static inline __attribute__((always_inline)) void store_scores(const PagedArgs *
  * page_base[r] = q[r] . low; *page_at = off. */
 static inline void page_query(const PagedArgs *a, int64_t off, const float *q, float *page_q, float *page_base,
                               int64_t *page_at) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D;
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D; /* a multiple of 16 */
     float step[D], low[D];
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
         const uint16_t *row = a->k_scale + off + kvh * a->ks_stride[2];
@@ -463,20 +464,23 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
             _mm256_storeu_ps(low + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
 #endif
         for (; d < D; d++) low[d] = half_to_float(row[d]);
-        for (int64_t i = 0; i < a->Q * G; i++) {
-            const int64_t r = (i / G) * Hq + kvh * G + i % G;
-            const float *qr = q + r * D;
-            float *out = page_q + r * D, base = 0.0f;
-#pragma omp simd reduction(+ : base)
-            for (d = 0; d < D; d++) base += qr[d] * low[d];
-            page_base[r] = base;
-            for (d = 0; d + 32 <= D; d += 32)
-                for (int64_t e = 0; e < 16; e++) {
-                    out[d + e] = qr[d + 2 * e] * step[d + 2 * e];
-                    out[d + 16 + e] = qr[d + 2 * e + 1] * step[d + 2 * e + 1];
+        v16 x[D / 16], y[D / 16]; /* steps, then queries, in page_q's order */
+        memcpy(x, step, sizeof x);
+        for (d = 0; d + 32 <= D; d += 32) split_parity(&x[d / 16], &x[d / 16 + 1]);
+        for (int64_t qi = 0; qi < a->Q; qi++)
+            for (int64_t r = qi * Hq + kvh * G; r < qi * Hq + (kvh + 1) * G; r++) {
+                v16 base = {0}, l;
+                memcpy(y, q + r * D, sizeof y);
+                for (int64_t b = 0; b < D / 16; b++) {
+                    memcpy(&l, low + 16 * b, sizeof l);
+                    base += y[b] * l;
                 }
-            for (; d < D; d++) out[d] = qr[d] * step[d];
-        }
+                page_base[r] = 0.0f;
+                for (int e = 0; e < 16; e++) page_base[r] += base[e];
+                for (d = 0; d + 32 <= D; d += 32) split_parity(&y[d / 16], &y[d / 16 + 1]);
+                for (int64_t b = 0; b < D / 16; b++) y[b] *= x[b];
+                memcpy(page_q + r * D, y, sizeof y);
+            }
     }
     *page_at = off;
 }
@@ -655,18 +659,17 @@ static inline void add_entry_stats(const PagedArgs *a, float *entry_stats, int64
     }
 }
 
-/* Fill ``cs`` with the float scales and zero points of the chunk's attended quantized rows. */
+/* Fill ``cs`` with the float scales and zero points of the chunk's attended quantized key rows. */
 static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8_t *slot_used, ChunkScales *cs) {
-    for (int64_t c = 0; c < ch->C; c++) {
+    const int64_t groups = cs->k_groups;
+    for (int64_t c = 0; c < ch->C && groups; c++) {
         if (!slot_used[c]) continue;
-        for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
-            for (int value = a->format == FMT_I4 && a->k_page_params; value < 2; value++) { /* int4 keys: per page */
-                const int64_t groups = value ? cs->v_groups : cs->k_groups, at = (c * a->Hkv + kvh) * groups;
-                const Row row = slot_row(a, ch, c, kvh, value);
-                for (int64_t g = 0; g < groups; g++)
-                    group_of(a, value, row, g * (value ? a->v_group : a->k_group), (int)a->format,
-                             (value ? cs->v_scale : cs->k_scale) + at + g, (value ? cs->v_zero : cs->k_zero) + at + g);
-            }
+        for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+            const Row row = slot_row(a, ch, c, kvh, 0);
+            for (int64_t g = 0; g < groups; g++)
+                group_of(a, 0, row, g * a->k_group, (int)a->format, cs->k_scale + (c * a->Hkv + kvh) * groups + g,
+                         cs->k_zero + (c * a->Hkv + kvh) * groups + g);
+        }
     }
 }
 
@@ -741,7 +744,7 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
             run_max[r] = new_max;
             if (w->entry_stats) add_entry_stats(a, w->entry_stats, b, r, ch, sr, new_max);
         }
-        add_values(a, ch, slot_used, score, &w->cs, acc, fmt);
+        add_values(a, ch, slot_used, score, acc, fmt);
     }
 }
 
@@ -760,13 +763,10 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     w.slot = w.run_sum + R;                               /* Hkv * D */
     w.score = w.slot + a->Hkv * D;                        /* [R][CHUNK] */
     w.allowed = (uint8_t *)(w.score + R * CHUNK);         /* [R][CHUNK] */
-    w.cs = (ChunkScales){.k_groups = scaled == FMT_I4 && c->k_page_params ? 0 : D / c->k_group,
-                         .v_groups = D / c->v_group};
+    w.cs = (ChunkScales){.k_groups = scaled == FMT_I4 && c->k_page_params ? 0 : D / c->k_group};
     w.cs.k_scale = (float *)(w.allowed + R * CHUNK);      /* [CHUNK][Hkv][groups] each */
     w.cs.k_zero = w.cs.k_scale + CHUNK * a->Hkv * w.cs.k_groups;
-    w.cs.v_scale = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups;
-    w.cs.v_zero = w.cs.v_scale + CHUNK * a->Hkv * w.cs.v_groups;
-    w.page_q = w.cs.v_zero + CHUNK * a->Hkv * w.cs.v_groups; /* int4 keys: [R][D], of one page */
+    w.page_q = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups; /* int4 keys: [R][D], of one page */
     w.page_base = w.page_q + R * D;                            /* [R] */
     float *q = w.q, *acc = w.acc;
 
@@ -915,7 +915,7 @@ static int run(PagedArgs *a, int fmt, int cold_fmt) {
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
     const PagedArgs *c = cold_fmt < 0 ? a : a->cold; /* the pools whose scales a chunk converts */
     const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
-    const int64_t groups = (scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group) + a->D / c->v_group;
+    const int64_t groups = scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group; /* of keys */
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
                                                + 2 * CHUNK * a->Hkv * groups + R * a->D + R) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
