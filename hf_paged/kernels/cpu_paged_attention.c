@@ -451,12 +451,23 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
         const uint16_t *row = a->k_scale + off + kvh * a->ks_stride[2];
         const uint8_t *steps = (const uint8_t *)(row + D);
-        for (int64_t d = 0; d < D; d++) { /* fp8_to_float without branches (steps are never negative) */
-            const uint32_t exponent = (steps[d] >> 3) & 15, mantissa = steps[d] & 7;
-            const uint32_t bits = (exponent + 120) << 23 | mantissa << 20;
-            float normal;
-            memcpy(&normal, &bits, sizeof normal);
-            step[d] = exponent ? normal : (float)mantissa * 0x1p-9f;
+        for (int64_t d = 0; d < D; d += 16) { /* fp8_to_float, 16 lanes at a time (steps are never negative) */
+            u8x16 b8;
+            memcpy(&b8, steps + d, sizeof b8);
+#if defined(__AVX512F__)
+            const __m512i wide = _mm512_cvtepu8_epi32((__m128i)b8);
+            i32x16 b;
+            memcpy(&b, &wide, sizeof b);
+#else
+            const i32x16 b = __builtin_convertvector(b8, i32x16);
+#endif
+            const i32x16 exponent = (b >> 3) & 15, mantissa = b & 7;
+            const i32x16 normal = (exponent + 120) << 23 | mantissa << 20, normal_of = exponent != 0;
+            const v16 sub = __builtin_convertvector(mantissa, v16) * 0x1p-9f;
+            i32x16 sub_bits, bits;
+            memcpy(&sub_bits, &sub, sizeof sub_bits);
+            bits = (normal & normal_of) | (sub_bits & ~normal_of);
+            memcpy(step + d, &bits, sizeof bits);
         }
         int64_t d = 0;
 #if defined(__F16C__)
@@ -475,8 +486,9 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
                     memcpy(&l, low + 16 * b, sizeof l);
                     base += y[b] * l;
                 }
-                page_base[r] = 0.0f;
-                for (int e = 0; e < 16; e++) page_base[r] += base[e];
+                float sum = 0.0f;
+                for (int e = 0; e < 16; e++) sum += base[e];
+                page_base[r] = sum;
                 for (d = 0; d + 32 <= D; d += 32) split_parity(&y[d / 16], &y[d / 16 + 1]);
                 for (int64_t b = 0; b < D / 16; b++) y[b] *= x[b];
                 memcpy(page_q + r * D, y, sizeof y);
@@ -485,12 +497,12 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
     *page_at = off;
 }
 
-/* partial[r * 16] = page_base[r] + page_q[r] . codes (lanes to sum) for the rows of KV head kvh against its int4
- * key row ``at`` of `page_query`'s page (blocks = D / 16), the codes in page_q's order; two sums, to halve the chain
- * of dependent additions. */
+/* partial[r * 16] = page_q[r] . codes (lanes to sum) and base[r * 16] = page_base[r] for the rows of KV head kvh
+ * against its int4 key row ``at`` of `page_query`'s page (blocks = D / 16), the codes in page_q's order; two sums,
+ * to halve the chain of dependent additions. */
 static inline __attribute__((always_inline)) void page_key_dots(const PagedArgs *a, Row at, int64_t kvh,
                                                                  int64_t blocks, const float *page_q,
-                                                                 const float *page_base, v16 *partial) {
+                                                                 const float *page_base, v16 *partial, float *base) {
     const int64_t G = a->Hq / a->Hkv;
     v16 key[blocks];
     int64_t b = 0;
@@ -500,7 +512,7 @@ static inline __attribute__((always_inline)) void page_key_dots(const PagedArgs 
         for (int64_t r = qi * a->Hq + kvh * G; r < qi * a->Hq + (kvh + 1) * G; r++) {
             const float *qr = page_q + r * a->D;
             v16 x = {0}, y = {0}, q0, q1;
-            x[0] = page_base[r];
+            base[r * 16] = page_base[r];
             int64_t b = 0;
             for (; b + 2 <= blocks; b += 2) {
                 memcpy(&q0, qr + 16 * b, sizeof q0);
@@ -528,8 +540,10 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
     const int page_keys = fmt == FMT_I4 && a->k_page_params;
     v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
+    v16 base[page_keys ? R : 1]; /* int4 page keys: q . low of each row and slot's page, added to the lane sums */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
+        if (page_keys) memset(base, 0, sizeof base);
         for (int64_t j = 0; j < 16; j++) {
             if (j >= n || !slot_used[c0 + j]) { /* never read: may be garbage */
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
@@ -549,9 +563,9 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                  * cs->k_scale[at_scale + b];
                 } else if (fmt == FMT_I4) { /* page keys: head dims of 64 unrolled */
                     if (D == 64)
-                        page_key_dots(a, at, kvh, 4, page_q, page_base, partial + j);
+                        page_key_dots(a, at, kvh, 4, page_q, page_base, partial + j, (float *)base + j);
                     else
-                        page_key_dots(a, at, kvh, D / 16, page_q, page_base, partial + j);
+                        page_key_dots(a, at, kvh, D / 16, page_q, page_base, partial + j, (float *)base + j);
                     continue;
                 } else if (fmt == FMT_I8) {
                     after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
@@ -570,7 +584,7 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
         }
         for (int64_t r = 0; r < R; r++) {
-            const v16 dots = sum_lanes16(partial + r * 16);
+            const v16 dots = sum_lanes16(partial + r * 16) + (page_keys ? base[r] : (v16){0});
             float lanes[16];
             memcpy(lanes, &dots, sizeof lanes);
             store_scores(a, r, c0, n, lanes, allowed, score);
