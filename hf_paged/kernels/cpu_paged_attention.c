@@ -536,14 +536,14 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                                                   const uint8_t *allowed, const float *q,
                                                                   const ChunkScales *cs, float *score, int fmt,
                                                                   v16 *partial, float *page_q, float *page_base,
-                                                                  int64_t *page_at) {
+                                                                  float *slot_base, int64_t *page_at) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
     const int page_keys = fmt == FMT_I4 && a->k_page_params;
     v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
-    v16 base[page_keys ? R : 1]; /* int4 page keys: q . low of each row and slot's page, added to the lane sums */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
-        if (page_keys) memset(base, 0, sizeof base);
+        if (page_keys) /* [R][16]: q . low of each row and slot's page, added to the lane sums */
+            memset(slot_base, 0, sizeof(float) * R * 16);
         for (int64_t j = 0; j < 16; j++) {
             if (j >= n || !slot_used[c0 + j]) { /* never read: may be garbage */
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
@@ -563,9 +563,9 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                  * cs->k_scale[at_scale + b];
                 } else if (fmt == FMT_I4) { /* page keys: head dims of 64 unrolled */
                     if (D == 64)
-                        page_key_dots(a, at, kvh, 4, page_q, page_base, partial + j, (float *)base + j);
+                        page_key_dots(a, at, kvh, 4, page_q, page_base, partial + j, slot_base + j);
                     else
-                        page_key_dots(a, at, kvh, D / 16, page_q, page_base, partial + j, (float *)base + j);
+                        page_key_dots(a, at, kvh, D / 16, page_q, page_base, partial + j, slot_base + j);
                     continue;
                 } else if (fmt == FMT_I8) {
                     after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
@@ -584,7 +584,11 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
         }
         for (int64_t r = 0; r < R; r++) {
-            const v16 dots = sum_lanes16(partial + r * 16) + (page_keys ? base[r] : (v16){0});
+            v16 dots = sum_lanes16(partial + r * 16), base;
+            if (page_keys) {
+                memcpy(&base, slot_base + r * 16, sizeof base);
+                dots += base;
+            }
             float lanes[16];
             memcpy(lanes, &dots, sizeof lanes);
             store_scores(a, r, c0, n, lanes, allowed, score);
@@ -689,7 +693,7 @@ static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8
 
 /* A work item's scratch (carved from `work` by `attend_split`). */
 typedef struct {
-    float *partial16, *q, *acc, *run_max, *run_sum, *slot, *score, *page_q, *page_base;
+    float *partial16, *q, *acc, *run_max, *run_sum, *slot, *score, *page_q, *page_base, *slot_base;
     float *entry_stats; /* run()'s, or NULL (the cold tier's args are a copy made before run() set it) */
     uint8_t *allowed;
     ChunkScales cs;
@@ -731,7 +735,7 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &w->cs);
         if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel, or groups of 16 */
             chunk_scores16(a, ch, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_q,
-                           w->page_base, &page_at);
+                           w->page_base, w->slot_base, &page_at);
         else
             chunk_scores(a, ch, slot_used, allowed, q, score, fmt, w->slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
@@ -782,6 +786,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     w.cs.k_zero = w.cs.k_scale + CHUNK * a->Hkv * w.cs.k_groups;
     w.page_q = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups; /* int4 keys: [R][D], of one page */
     w.page_base = w.page_q + R * D;                            /* [R] */
+    w.slot_base = w.page_base + R;                              /* [R][16] */
     float *q = w.q, *acc = w.acc;
 
     for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
@@ -931,7 +936,7 @@ static int run(PagedArgs *a, int fmt, int cold_fmt) {
     const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
     const int64_t groups = scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group; /* of keys */
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
-                                               + 2 * CHUNK * a->Hkv * groups + R * a->D + R) + R * CHUNK;
+                                               + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
