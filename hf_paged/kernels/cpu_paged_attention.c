@@ -21,7 +21,9 @@
  * page, head and channel; a page's parameters [P, Hkv, D + D / 2] float16 hold the D float16 minima, then the
  * D float8 e4m3 steps as bytes (passed with a slot stride of 0, so a slot's "scales" are its page's). Quantized
  * rows are dequantized to fp32 as they are read, 16 lanes at a time (keys: once per slot and KV head, into a
- * row that the group's query heads share; int4 keys' page parameters once per page). int4 keys per token (the cold
+ * row that the group's query heads share). int4 keys' parameters go into the queries once per page instead
+ * (q . x = q . low + (q * step) . code, `page_query`), so a slot costs dot products with its bare codes; int4 codes
+ * are read 32 at a time split by parity (`nibbles32`), the operands in the same order. int4 keys per token (the cold
  * pages of a two-tier layer): like int4 values, in groups of gcd(D, 16), stored rotated (k_page_params = 0).
  *
  * Two tiers (hf_paged/demotion.py, `ColdTier`): the pools are a layer's hot float pages, `cold` points at a copy of
@@ -183,11 +185,12 @@ typedef struct {
     int64_t k_off[CHUNK], v_off[CHUNK], ks_off[CHUNK], vs_off[CHUNK], pos[CHUNK], entry[CHUNK];
 } Chunk;
 
-/* The scales and zero points of a chunk's quantized rows as floats, [CHUNK][Hkv][groups] each (converted once
- * per chunk, for the slots some row attends; the others' entries are stale and never read). */
+/* The scales and zero points of a chunk's quantized key rows as floats, [CHUNK][Hkv][groups] each (converted once
+ * per chunk, for the slots some row attends; the others' entries are stale and never read; none for int4 keys per
+ * page). Values' are read by `add_values` as it needs them. */
 typedef struct {
-    float *k_scale, *k_zero, *v_scale, *v_zero;
-    int64_t k_groups, v_groups;
+    float *k_scale, *k_zero;
+    int64_t k_groups;
 } ChunkScales;
 
 /* Slot c's row of KV head kvh in the keys (value = 0) or the values (value = 1). */
@@ -271,20 +274,58 @@ static inline __attribute__((always_inline)) v16 codes16(const PagedArgs *a, int
     return x;
 }
 
+/* The codes of 32 elements of an int4 row (its 16 bytes at ``bytes``) as fp32 lanes, split by parity: even[i] is
+ * element 2i's (a low nibble), odd[i] element 2i + 1's (a high one). Sums over the 32 elements against operands in
+ * the same order (`split_parity`) need no interleaving: one widening, one mask or shift and one conversion a vector. */
+static inline __attribute__((always_inline)) void nibbles32(const uint8_t *bytes, v16 *even, v16 *odd) {
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)bytes));
+    const __m512 e = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+    const __m512 o = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+#else
+    u8x16 b;
+    memcpy(&b, bytes, sizeof b);
+    *even = __builtin_convertvector(__builtin_convertvector(b & 15, i32x16), v16);
+    *odd = __builtin_convertvector(__builtin_convertvector(b >> 4, i32x16), v16);
+#endif
+}
+
+/* 32 consecutive elements (lo: 0..15, hi: 16..31) <-> split by parity (lo: the even ones, hi: the odd ones). */
+static inline __attribute__((always_inline)) void split_parity(v16 *lo, v16 *hi) {
+    const i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16 e = __builtin_shuffle(*lo, *hi, even), o = __builtin_shuffle(*lo, *hi, even + 1);
+    *lo = e, *hi = o;
+}
+
+static inline __attribute__((always_inline)) void merge_parity(v16 *lo, v16 *hi) {
+    const i32x16 low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const v16 l = __builtin_shuffle(*lo, *hi, low), h = __builtin_shuffle(*lo, *hi, low + 8);
+    *lo = l, *hi = h;
+}
+
 /* acc[r] += p[r][c] * V[c] for the chunk's slots: for each KV head, blocks of 4 rows x NB * 16 lanes of
  * acc stay in registers while the slots stream by (each V row is read from memory once, then from L1).
- * Quantized rows (one group a row): pw = p * scale multiplies the codes, and sum(pw * zero) is taken off. */
+ * Quantized rows (one group a row): pw = p * scale multiplies the codes, and sum(pw * zero) is taken off. int4 rows
+ * are added 32 lanes at a time in `nibbles32`'s order: acc is split by parity for the chunk, merged back after. */
 #define ADD_VALUES_BLOCK(NB)                                                                              \
     for (; d0 + 16 * (NB) <= D; d0 += 16 * (NB)) {                                                       \
+        const int split = fmt == FMT_I4 && (NB) % 2 == 0;                                                \
         v16 t[4][NB];                                                                                     \
         for (int j = 0; j < 4; j++)                                                                       \
             for (int k = 0; k < (NB); k++) memcpy(&t[j][k], ar[j] + d0 + 16 * k, sizeof(v16));            \
+        for (int j = 0; j < 4 && split; j++)                                                              \
+            for (int k = 0; k < (NB); k += 2) split_parity(&t[j][k], &t[j][k + 1]);                       \
         for (int64_t c = 0; c < C; c++) {                                                                 \
             if (!slot_used[c]) continue;                                                                  \
             const Row at = slot_row(a, ch, c, kvh, 1);                                                    \
             v16 v[NB];                                                                                    \
-            for (int k = 0; k < (NB); k++)                                                                \
-                v[k] = fmt >= FMT_I8 ? codes16(a, 1, at, d0 + 16 * k, fmt) : load16(a, 1, at, d0 + 16 * k, fmt); \
+            for (int k = 0; k < (NB); k += 1 + split)                                                     \
+                if (split)                                                                                \
+                    nibbles32((const uint8_t *)a->v + at.row + (d0 + 16 * k) / 2, &v[k], &v[k + 1]);      \
+                else                                                                                      \
+                    v[k] = fmt >= FMT_I8 ? codes16(a, 1, at, d0 + 16 * k, fmt) : load16(a, 1, at, d0 + 16 * k, fmt); \
             for (int j = 0; j < 4; j++) {                                                                 \
                 const float p = pw[j][c];                                                                 \
                 for (int k = 0; k < (NB); k++) t[j][k] += p * v[k];                                       \
@@ -293,18 +334,24 @@ static inline __attribute__((always_inline)) v16 codes16(const PagedArgs *a, int
         if (fmt == FMT_I4)                                                                                \
             for (int j = 0; j < 4; j++)                                                                   \
                 for (int k = 0; k < (NB); k++) t[j][k] -= zero_sum[j];                                    \
+        for (int j = 0; j < 4 && split; j++)                                                              \
+            for (int k = 0; k < (NB); k += 2) merge_parity(&t[j][k], &t[j][k + 1]);                       \
         for (int j = 0; j < 4; j++)                                                                       \
             for (int k = 0; k < (NB); k++) memcpy(ar[j] + d0 + 16 * k, &t[j][k], sizeof(v16));            \
     }
 
 static inline __attribute__((always_inline)) void add_values(const PagedArgs *a, const Chunk *ch,
                                                               const uint8_t *slot_used, const float *score,
-                                                              const ChunkScales *cs, float *acc, int fmt) {
+                                                              float *acc, int fmt) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, C = ch->C;
     const int vector = fmt < FMT_I8 || a->v_group == D; /* quantized: one group a row, folded into the weights */
     float spare[4][D]; /* accumulators of the padding rows of a block */
-    float weight[4][CHUNK];
+    float weight[4][CHUNK], scale[CHUNK], zero[CHUNK]; /* the head's scales and zero points, 0 for unused slots */
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+        for (int64_t c = 0; c < C && fmt >= FMT_I8 && vector; c++) {
+            scale[c] = zero[c] = 0.0f;
+            if (slot_used[c]) group_of(a, 1, slot_row(a, ch, c, kvh, 1), 0, fmt, &scale[c], &zero[c]);
+        }
         for (int64_t i0 = 0; i0 < rows; i0 += 4) {
             float *ar[4];
             const float *pr[4], *pw[4];
@@ -316,11 +363,13 @@ static inline __attribute__((always_inline)) void add_values(const PagedArgs *a,
             }
             if (fmt >= FMT_I8 && vector)
                 for (int j = 0; j < 4; j++) {
+                    float zeros = 0.0f; /* in a register: a sum through zero_sum[j] waits on memory each slot */
+#pragma omp simd reduction(+ : zeros)
                     for (int64_t c = 0; c < C; c++) {
-                        const int64_t at = c * a->Hkv + kvh;
-                        weight[j][c] = slot_used[c] ? pr[j][c] * cs->v_scale[at] : 0.0f;
-                        if (fmt == FMT_I4 && slot_used[c]) zero_sum[j] += weight[j][c] * cs->v_zero[at];
+                        weight[j][c] = pr[j][c] * scale[c];
+                        zeros += weight[j][c] * zero[c];
                     }
+                    zero_sum[j] = zeros;
                     pw[j] = weight[j];
                 }
             int64_t d0 = 0;
@@ -391,29 +440,92 @@ static inline __attribute__((always_inline)) void store_scores(const PagedArgs *
     }
 }
 
-/* The steps and minima of int4 keys' page whose parameters start at element offset ``off`` of k_scale, as floats
- * [Hkv][2][D] in ``params``; *page_at = off. */
-static inline void page_parameters(const PagedArgs *a, int64_t off, float *params, int64_t *page_at) {
-    const int64_t D = a->D;
+/* The queries against int4 keys' page whose parameters start at element offset ``off`` of k_scale: with
+ * x = low + step * code per channel, q . x = q . low + (q * step) . code, so row r's page_q[r] = q[r] * step, its
+ * full blocks of 32 channels split by parity (`nibbles32`'s order; a last block of 16 in order), and
+ * page_base[r] = q[r] . low; *page_at = off. */
+static inline void page_query(const PagedArgs *a, int64_t off, const float *q, float *page_q, float *page_base,
+                              int64_t *page_at) {
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D; /* a multiple of 16 */
+    float step[D], low[D];
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
         const uint16_t *row = a->k_scale + off + kvh * a->ks_stride[2];
         const uint8_t *steps = (const uint8_t *)(row + D);
-        float *out = params + kvh * 2 * D;
-        for (int64_t d = 0; d < D; d++) { /* fp8_to_float without branches (steps are never negative) */
-            const uint32_t exponent = (steps[d] >> 3) & 15, mantissa = steps[d] & 7;
-            const uint32_t bits = (exponent + 120) << 23 | mantissa << 20;
-            float normal;
-            memcpy(&normal, &bits, sizeof normal);
-            out[d] = exponent ? normal : (float)mantissa * 0x1p-9f;
+        for (int64_t d = 0; d < D; d += 16) { /* fp8_to_float, 16 lanes at a time (steps are never negative) */
+            u8x16 b8;
+            memcpy(&b8, steps + d, sizeof b8);
+#if defined(__AVX512F__)
+            const __m512i wide = _mm512_cvtepu8_epi32((__m128i)b8);
+            i32x16 b;
+            memcpy(&b, &wide, sizeof b);
+#else
+            const i32x16 b = __builtin_convertvector(b8, i32x16);
+#endif
+            const i32x16 exponent = (b >> 3) & 15, mantissa = b & 7;
+            const i32x16 normal = (exponent + 120) << 23 | mantissa << 20, normal_of = exponent != 0;
+            const v16 sub = __builtin_convertvector(mantissa, v16) * 0x1p-9f;
+            i32x16 sub_bits, bits;
+            memcpy(&sub_bits, &sub, sizeof sub_bits);
+            bits = (normal & normal_of) | (sub_bits & ~normal_of);
+            memcpy(step + d, &bits, sizeof bits);
         }
         int64_t d = 0;
 #if defined(__F16C__)
         for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(out + D + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
+            _mm256_storeu_ps(low + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
 #endif
-        for (; d < D; d++) out[D + d] = half_to_float(row[d]);
+        for (; d < D; d++) low[d] = half_to_float(row[d]);
+        v16 x[D / 16], y[D / 16]; /* steps, then queries, in page_q's order */
+        memcpy(x, step, sizeof x);
+        for (d = 0; d + 32 <= D; d += 32) split_parity(&x[d / 16], &x[d / 16 + 1]);
+        for (int64_t qi = 0; qi < a->Q; qi++)
+            for (int64_t r = qi * Hq + kvh * G; r < qi * Hq + (kvh + 1) * G; r++) {
+                v16 base = {0}, l;
+                memcpy(y, q + r * D, sizeof y);
+                for (int64_t b = 0; b < D / 16; b++) {
+                    memcpy(&l, low + 16 * b, sizeof l);
+                    base += y[b] * l;
+                }
+                float sum = 0.0f;
+                for (int e = 0; e < 16; e++) sum += base[e];
+                page_base[r] = sum;
+                for (d = 0; d + 32 <= D; d += 32) split_parity(&y[d / 16], &y[d / 16 + 1]);
+                for (int64_t b = 0; b < D / 16; b++) y[b] *= x[b];
+                memcpy(page_q + r * D, y, sizeof y);
+            }
     }
     *page_at = off;
+}
+
+/* partial[r * 16] = page_q[r] . codes (lanes to sum) and base[r * 16] = page_base[r] for the rows of KV head kvh
+ * against its int4 key row ``at`` of `page_query`'s page (blocks = D / 16), the codes in page_q's order; two sums,
+ * to halve the chain of dependent additions. */
+static inline __attribute__((always_inline)) void page_key_dots(const PagedArgs *a, Row at, int64_t kvh,
+                                                                 int64_t blocks, const float *page_q,
+                                                                 const float *page_base, v16 *partial, float *base) {
+    const int64_t G = a->Hq / a->Hkv;
+    v16 key[blocks];
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) nibbles32((const uint8_t *)a->k + at.row + 8 * b, &key[b], &key[b + 1]);
+    if (b < blocks) key[b] = codes16(a, 0, at, 16 * b, FMT_I4);
+    for (int64_t qi = 0; qi < a->Q; qi++)
+        for (int64_t r = qi * a->Hq + kvh * G; r < qi * a->Hq + (kvh + 1) * G; r++) {
+            const float *qr = page_q + r * a->D;
+            v16 x = {0}, y = {0}, q0, q1;
+            base[r * 16] = page_base[r];
+            int64_t b = 0;
+            for (; b + 2 <= blocks; b += 2) {
+                memcpy(&q0, qr + 16 * b, sizeof q0);
+                memcpy(&q1, qr + 16 * b + 16, sizeof q1);
+                x += q0 * key[b];
+                y += q1 * key[b + 1];
+            }
+            if (b < blocks) {
+                memcpy(&q0, qr + 16 * b, sizeof q0);
+                x += q0 * key[b];
+            }
+            partial[r * 16] = x + y;
+        }
 }
 
 /* Scores of a chunk, head dims a multiple of 16: slots in order (each K row, all heads, read once), 16 at a
@@ -423,12 +535,15 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                                                   const uint8_t *slot_used,
                                                                   const uint8_t *allowed, const float *q,
                                                                   const ChunkScales *cs, float *score, int fmt,
-                                                                  v16 *partial, float *page_params,
-                                                                  int64_t *page_at) {
+                                                                  v16 *partial, float *page_q, float *page_base,
+                                                                  float *slot_base, int64_t *page_at) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
+    const int page_keys = fmt == FMT_I4 && a->k_page_params;
     v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
+        if (page_keys) /* [R][16]: q . low of each row and slot's page, added to the lane sums */
+            memset(slot_base, 0, sizeof(float) * R * 16);
         for (int64_t j = 0; j < 16; j++) {
             if (j >= n || !slot_used[c0 + j]) { /* never read: may be garbage */
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
@@ -436,8 +551,8 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
             /* add_values reads V head by head: fetch the slot's whole V row in order now */
             prefetch_slot(a, 1, ch->v_off[c0 + j], ch->vs_off[c0 + j], fmt);
-            if (fmt == FMT_I4 && a->k_page_params && ch->ks_off[c0 + j] != *page_at) /* a new page: as floats */
-                page_parameters(a, ch->ks_off[c0 + j], page_params, page_at);
+            if (page_keys && ch->ks_off[c0 + j] != *page_at) /* a new page: its queries */
+                page_query(a, ch->ks_off[c0 + j], q, page_q, page_base, page_at);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
                 const Row at = slot_row(a, ch, c0 + j, kvh, 0);
                 float after = 1.0f; /* int8: the row's one scale multiplies the dot products instead */
@@ -446,14 +561,12 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                     for (int64_t b = 0; b < D / 16; b++)
                         key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b])
                                  * cs->k_scale[at_scale + b];
-                } else if (fmt == FMT_I4) {
-                    const float *step = page_params + kvh * 2 * D, *low = step + D;
-                    for (int64_t b = 0; b < D / 16; b++) {
-                        v16 s, l;
-                        memcpy(&s, step + 16 * b, sizeof s);
-                        memcpy(&l, low + 16 * b, sizeof l);
-                        key[b] = codes16(a, 0, at, 16 * b, fmt) * s + l;
-                    }
+                } else if (fmt == FMT_I4) { /* page keys: head dims of 64 unrolled */
+                    if (D == 64)
+                        page_key_dots(a, at, kvh, 4, page_q, page_base, partial + j, slot_base + j);
+                    else
+                        page_key_dots(a, at, kvh, D / 16, page_q, page_base, partial + j, slot_base + j);
+                    continue;
                 } else if (fmt == FMT_I8) {
                     after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
                     for (int64_t b = 0; b < D / 16; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
@@ -471,7 +584,11 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
             }
         }
         for (int64_t r = 0; r < R; r++) {
-            const v16 dots = sum_lanes16(partial + r * 16);
+            v16 dots = sum_lanes16(partial + r * 16), base;
+            if (page_keys) {
+                memcpy(&base, slot_base + r * 16, sizeof base);
+                dots += base;
+            }
             float lanes[16];
             memcpy(lanes, &dots, sizeof lanes);
             store_scores(a, r, c0, n, lanes, allowed, score);
@@ -560,24 +677,23 @@ static inline void add_entry_stats(const PagedArgs *a, float *entry_stats, int64
     }
 }
 
-/* Fill ``cs`` with the float scales and zero points of the chunk's attended quantized rows. */
+/* Fill ``cs`` with the float scales and zero points of the chunk's attended quantized key rows. */
 static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8_t *slot_used, ChunkScales *cs) {
-    for (int64_t c = 0; c < ch->C; c++) {
+    const int64_t groups = cs->k_groups;
+    for (int64_t c = 0; c < ch->C && groups; c++) {
         if (!slot_used[c]) continue;
-        for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
-            for (int value = a->format == FMT_I4 && a->k_page_params; value < 2; value++) { /* int4 keys: per page */
-                const int64_t groups = value ? cs->v_groups : cs->k_groups, at = (c * a->Hkv + kvh) * groups;
-                const Row row = slot_row(a, ch, c, kvh, value);
-                for (int64_t g = 0; g < groups; g++)
-                    group_of(a, value, row, g * (value ? a->v_group : a->k_group), (int)a->format,
-                             (value ? cs->v_scale : cs->k_scale) + at + g, (value ? cs->v_zero : cs->k_zero) + at + g);
-            }
+        for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+            const Row row = slot_row(a, ch, c, kvh, 0);
+            for (int64_t g = 0; g < groups; g++)
+                group_of(a, 0, row, g * a->k_group, (int)a->format, cs->k_scale + (c * a->Hkv + kvh) * groups + g,
+                         cs->k_zero + (c * a->Hkv + kvh) * groups + g);
+        }
     }
 }
 
 /* A work item's scratch (carved from `work` by `attend_split`). */
 typedef struct {
-    float *partial16, *q, *acc, *run_max, *run_sum, *slot, *score, *page_params;
+    float *partial16, *q, *acc, *run_max, *run_sum, *slot, *score, *page_q, *page_base, *slot_base;
     float *entry_stats; /* run()'s, or NULL (the cold tier's args are a copy made before run() set it) */
     uint8_t *allowed;
     ChunkScales cs;
@@ -618,8 +734,8 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         if (!any) continue;
         if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &w->cs);
         if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel, or groups of 16 */
-            chunk_scores16(a, ch, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_params,
-                           &page_at);
+            chunk_scores16(a, ch, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_q,
+                           w->page_base, w->slot_base, &page_at);
         else
             chunk_scores(a, ch, slot_used, allowed, q, score, fmt, w->slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
@@ -646,7 +762,7 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
             run_max[r] = new_max;
             if (w->entry_stats) add_entry_stats(a, w->entry_stats, b, r, ch, sr, new_max);
         }
-        add_values(a, ch, slot_used, score, &w->cs, acc, fmt);
+        add_values(a, ch, slot_used, score, acc, fmt);
     }
 }
 
@@ -665,13 +781,12 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     w.slot = w.run_sum + R;                               /* Hkv * D */
     w.score = w.slot + a->Hkv * D;                        /* [R][CHUNK] */
     w.allowed = (uint8_t *)(w.score + R * CHUNK);         /* [R][CHUNK] */
-    w.cs = (ChunkScales){.k_groups = scaled == FMT_I4 && c->k_page_params ? 0 : D / c->k_group,
-                         .v_groups = D / c->v_group};
+    w.cs = (ChunkScales){.k_groups = scaled == FMT_I4 && c->k_page_params ? 0 : D / c->k_group};
     w.cs.k_scale = (float *)(w.allowed + R * CHUNK);      /* [CHUNK][Hkv][groups] each */
     w.cs.k_zero = w.cs.k_scale + CHUNK * a->Hkv * w.cs.k_groups;
-    w.cs.v_scale = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups;
-    w.cs.v_zero = w.cs.v_scale + CHUNK * a->Hkv * w.cs.v_groups;
-    w.page_params = w.cs.v_zero + CHUNK * a->Hkv * w.cs.v_groups; /* int4 keys: [Hkv][2][D], of one page */
+    w.page_q = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups; /* int4 keys: [R][D], of one page */
+    w.page_base = w.page_q + R * D;                            /* [R] */
+    w.slot_base = w.page_base + R;                              /* [R][16] */
     float *q = w.q, *acc = w.acc;
 
     for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
@@ -819,9 +934,9 @@ static int run(PagedArgs *a, int fmt, int cold_fmt) {
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
     const PagedArgs *c = cold_fmt < 0 ? a : a->cold; /* the pools whose scales a chunk converts */
     const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
-    const int64_t groups = (scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group) + a->D / c->v_group;
+    const int64_t groups = scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group; /* of keys */
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
-                                               + 2 * CHUNK * a->Hkv * groups + 2 * a->Hkv * a->D) + R * CHUNK;
+                                               + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
