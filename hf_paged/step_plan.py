@@ -209,6 +209,5 @@ def continue_plan(last: StepPlan | None, rows: list[list[int]], q_len: int, ref:
     end, offsets = past + q_len, range(past % S, past % S + q_len)
     slots = torch.tensor([r[-1] * S + offset for r in rows for offset in offsets])
     read_pos = None if last.read_pos is None else last.read_pos.masked_fill(last.read_table == EVICTED, end)
-    return dataclasses.replace(last, q_len=q_len, past=past, num_tokens=end, slots=slots, copy_src=None,
-                               copy_dst=None, read_pos=read_pos, usage=None, shares=None, victims=None,
-                               _on_device={})
+    return last.but(q_len=q_len, past=past, num_tokens=end, slots=slots, copy_src=None, copy_dst=None,
+                    read_pos=read_pos, usage=None, shares=None, victims=None, _on_device={})
