@@ -66,8 +66,7 @@ class StepPlan:
 
     def _kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         table, page_pos = self.live_pages()
-        q_pos = torch.from_numpy(np.arange(self.past, self.num_tokens)[None].repeat(table.shape[0], axis=0))
-        return table, page_pos, q_pos
+        return table, page_pos, query_positions(table.shape[0], self.past, self.num_tokens - self.past)
 
     def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""
@@ -95,6 +94,11 @@ class StepPlan:
                                         _on_device={})
             self._on_device[device] = moved
         return moved
+
+
+def query_positions(rows: int, past: int, q_len: int) -> torch.Tensor:
+    """``[rows, q_len]`` (int64, host): the positions of a step's new tokens after ``past`` tokens, the kernels' q_pos."""
+    return torch.from_numpy(np.arange(past, past + q_len)[None].repeat(rows, axis=0))
 
 
 def page_table(rows: list[list[int]]) -> torch.Tensor:
