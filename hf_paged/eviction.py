@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -659,45 +660,46 @@ def recycle_plan(last, rows: list[list[int]], columns: list[int], entries: list[
 class StackedHistories:
     """The `PageHistory` arrays of a `PlanStack`'s groups as the rows of ``[L, P]`` arrays: each history's arrays
     become views of its row (the same numbers, padded with no history), so that one pass writes or folds every
-    group's pages. Valid while no history replaced its arrays (`PageHistory.cover` grows them; a fork's groups
-    share the histories): `valid` tells, and a stack then stacks them anew."""
+    group's pages (through flat indices: row l's page p is ``l * P + p``). Valid while no history replaced its
+    arrays (`PageHistory.cover` grows them; a fork's groups share the histories): `valid` tells, and a stack then
+    stacks them anew."""
 
     def __init__(self, histories: list[PageHistory]):
         self.histories = histories
         self.width = max(len(h.ema) for h in histories)
+        self.flat = {}
         for name in ("last_used", "ema", "observed"):
             rows = np.zeros((len(histories), self.width), dtype=getattr(histories[0], name).dtype)
             for l, history in enumerate(histories):
                 old = getattr(history, name)
                 rows[l, :len(old)] = old
                 setattr(history, name, rows[l])
-            setattr(self, name, rows)
+            self.flat[name] = rows.reshape(-1)
         self._views = [h.ema for h in histories]
-        self.layers = np.arange(len(histories))[:, None]
+        self.offsets = np.arange(len(histories))[:, None] * self.width
 
-    def valid(self, histories: list[PageHistory], pages: np.ndarray) -> bool:
-        """These are the stacked histories, still viewing their rows, and every page of ``pages [L, ...]`` has a
-        column."""
-        return (len(histories) == len(self.histories)
-                and all(h is mine and h.ema is view for h, mine, view in zip(histories, self.histories, self._views))
-                and (pages.size == 0 or int(pages.max()) < self.width))
+    def valid(self, histories: list[PageHistory], highest_page: int) -> bool:
+        """These are the stacked histories (in order), still viewing their rows, with a column for every page up to
+        ``highest_page``."""
+        return (histories == self.histories and highest_page < self.width  # (a list compares its items by identity)
+                and all(map(operator.is_, map(operator.attrgetter("ema"), histories), self._views)))
+
+    def _index(self, pages: np.ndarray) -> np.ndarray:
+        """Flat indices of group l's ``pages [L, ...]``, in their order."""
+        return (pages.reshape(len(self.offsets), -1) + self.offsets).reshape(-1)
 
     def written(self, pages: np.ndarray, clocks: np.ndarray) -> None:
         """Group l's ``pages [L, B]`` start afresh, written at step ``clocks[l]`` (`PageHistory.written`)."""
-        self.last_used[self.layers, pages] = 2 * clocks[:, None]
-        self.ema[self.layers, pages], self.observed[self.layers, pages] = 0.0, 0
+        index = self._index(pages)
+        self.flat["last_used"][index] = np.repeat(2 * clocks, pages.shape[1])
+        self.flat["ema"][index], self.flat["observed"][index] = 0.0, 0
 
     def fold_last_shares(self, pages: np.ndarray, shares: np.ndarray) -> None:
-        """Group l's ``pages [L, B, Nk]`` get their ``shares`` as scores (`EvictionPolicy.fold_last_shares`)."""
-        layers = self.layers[:, :, None]
-        self.ema[layers, pages] = shares
-        self.observed[layers, pages] += 1
-
-
-def _histories(groups: list) -> list[PageHistory] | None:
-    """The groups' histories, one each (None when two groups share one: their pages' rows would collide)."""
-    histories = [group.eviction.history for group in groups]
-    return histories if len({id(h) for h in histories}) == len(histories) else None
+        """Group l's pages (``pages [L * B, Nk]``, each group's B rows in turn) get their ``shares`` as scores
+        (`EvictionPolicy.fold_last_shares`: a page in several rows of a group gets the last row's)."""
+        index = self._index(pages)
+        self.flat["ema"][index] = shares.reshape(-1)
+        self.flat["observed"][index] += 1
 
 
 class PlanStack:
@@ -719,16 +721,18 @@ class PlanStack:
         self.read_pos = np.stack([plan.read_pos.numpy() for plan in plans]).reshape(L, B, live)
         self.live = [(torch.from_numpy(t), torch.from_numpy(p)) for t, p in zip(self.read_table, self.read_pos)]
         self.plans = list(plans)
+        self.highest = int(self.read_table.max()) if self.read_table.size else -1  # (the live ids stay while stacked)
         self.histories: StackedHistories | None = None  # the groups' histories, stacked by `stacked_histories`
 
-    def stacked_histories(self, groups: list, pages: np.ndarray) -> StackedHistories | None:
-        """The groups' histories stacked (`StackedHistories`), covering ``pages [L, ...]``; None when they cannot be."""
-        histories = _histories(groups)
-        if histories is None:
-            return None
-        if self.histories is None or not self.histories.valid(histories, pages):
+    def stacked_histories(self, groups: list) -> StackedHistories | None:
+        """The groups' histories stacked (`StackedHistories`), with a column for every live page of the stack; None
+        when they cannot be."""
+        histories = [group.eviction.history for group in groups]
+        if self.histories is None or not self.histories.valid(histories, self.highest):
+            if len(set(map(id, histories))) < len(histories):
+                return None  # (two groups share a history: their pages' rows would collide)
             self.histories = StackedHistories(histories)
-        return self.histories if self.histories.valid(histories, pages) else None
+        return self.histories if self.histories.valid(histories, self.highest) else None
 
     @staticmethod
     def fits(plans: list) -> bool:
@@ -778,7 +782,7 @@ class PlanStack:
         self.width = n + 1
         slots = pages * S if q_len == 1 else (pages[..., None] * S + np.arange(q_len)).reshape(L, -1)
         q_pos = query_positions(B, past, q_len)
-        histories = self.stacked_histories(groups, pages)
+        histories = self.stacked_histories(groups)
         if histories is not None:  # (each victim page starts afresh, written at its group's next clock)
             histories.written(pages, np.array([group.eviction.clock + 1 for group in groups]))
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
@@ -877,9 +881,9 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     if shares is None:
         return
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
-    histories = stack.stacked_histories(picking, tables) if together and not policy.decay else None
+    histories = stack.stacked_histories(picking) if together and not policy.decay else None
     if histories is not None:  # (no decay: the shares become the scores, every group's in one pass)
-        histories.fold_last_shares(tables.reshape(len(plans), rows, -1), shares.reshape(len(plans), rows, -1))
+        histories.fold_last_shares(tables, shares)
     for l, (group, plan) in enumerate(zip(picking, plans)):
         part = shares[l * rows:(l + 1) * rows]
         if histories is not None or policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
