@@ -40,8 +40,7 @@ from transformers.utils import logging
 from .block_manager import EVICTED
 from .errors import CacheUsageError
 from .kernels.reference import LEAVE_OUT_FLOOR
-from .page_tables import remember_kernel_index
-from .step_plan import query_positions
+from .page_tables import query_positions, remember_kernel_index
 
 logger = logging.get_logger(__name__)
 HOST = torch.device("cpu")
@@ -391,12 +390,12 @@ class GroupEviction:
         twin.exact_tokens = self.exact_tokens
         return twin
 
-    def planned(self, plan, history: bool = True) -> None:
+    def planned(self, plan, written: bool = False) -> None:
         """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh (in the
-        history; ``history=False``: `PlanStack` wrote every group's at once)."""
+        history; ``written``: `PlanStack` wrote every group's at once, `StackedHistories`)."""
         self.clock += 1
         self.evicted = []
-        if plan.read_table is None or not history:
+        if plan.read_table is None or written:
             return
         slots = _ids(plan.slots)
         S = plan.page_size
@@ -787,7 +786,7 @@ class PlanStack:
             histories.written(pages, np.array([group.eviction.clock + 1 for group in groups]))
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
             self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], slots[l], q_pos,
-                                                history=histories is None)
+                                                stacked=histories is not None)
         return True
 
     def advance(self, groups: list, q_len: int) -> bool:
@@ -832,7 +831,6 @@ class PlanStack:
                         usage=None, shares=None, victims=None, _on_device={}, _columns=None)
         remember_kernel_index(plan._on_device, HOST, manager.num_pages, (read_table, read_pos, q_pos))
         return plan
-
 
 
 def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: bool) -> PlanStack | None:

@@ -181,16 +181,15 @@ class LayerGroup(PageRows):
                                   len(owners) * new_per_row + len(cow_rows), fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
 
-    def begin_planned(self, plan_rows, *args, history: bool = True) -> StepPlan | None:
+    def begin_planned(self, plan_rows, *args, stacked: bool = False) -> StepPlan | None:
         """Begin a step that keeps the rows' tables: ``plan_rows(*args)`` plans it, only appending pages to the rows
-        (a decode step's quick plans; `eviction.plan_stacked` plans every group's at once, and may have written the
-        pages' history: ``history=False``), or returns None."""
+        (a decode step's quick plans; `eviction.plan_stacked` plans every group's at once), or returns None."""
         undo = self._step_undo(appends_only=True)  # (a recycled step's evictions are final: not undone)
         plan = plan_rows(*args)
         if plan is not None:
             self._undo, self.num_tokens, self.step = undo, plan.num_tokens, plan
             if self.eviction is not None:
-                self.eviction.planned(plan, history)
+                self.eviction.planned(plan, written=stacked)  # (stacked: the stack noted every group's writes)
         return plan
 
     def _quick_plan(self, q_len: int) -> StepPlan | None:

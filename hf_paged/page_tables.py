@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .block_manager import EVICTED, BlockManager
@@ -113,6 +114,12 @@ def copy_on_write(manager: BlockManager, pages: list[int], length: int, undo: St
         undo.replaced.append(source)
     pages[-1] = copy
     return source, copy
+
+
+def query_positions(rows: int, past: int, q_len: int) -> torch.Tensor:
+    """``[rows, q_len]`` (int64, host): the positions of a step's new tokens after ``past`` tokens (the kernels'
+    q_pos)."""
+    return torch.from_numpy(np.arange(past, past + q_len)[None].repeat(rows, axis=0))
 
 
 def kernel_index(memo: dict, device: torch.device, num_pages: int,

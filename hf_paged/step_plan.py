@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .block_manager import EVICTED, BlockManager
-from .page_tables import kernel_index
+from .page_tables import kernel_index, query_positions
 
 
 @dataclass
@@ -94,11 +94,6 @@ class StepPlan:
                                         _on_device={})
             self._on_device[device] = moved
         return moved
-
-
-def query_positions(rows: int, past: int, q_len: int) -> torch.Tensor:
-    """``[rows, q_len]`` (int64, host): the positions of a step's new tokens after ``past`` tokens, the kernels' q_pos."""
-    return torch.from_numpy(np.arange(past, past + q_len)[None].repeat(rows, axis=0))
 
 
 def page_table(rows: list[list[int]]) -> torch.Tensor:
