@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,8 +40,10 @@ from transformers.utils import logging
 from .block_manager import EVICTED
 from .errors import CacheUsageError
 from .kernels.reference import LEAVE_OUT_FLOOR
+from .page_tables import query_positions, remember_kernel_index
 
 logger = logging.get_logger(__name__)
+HOST = torch.device("cpu")
 POLICIES = ("score", "lru", "fifo", "error")
 HEAD_REDUCTIONS = ("mean", "max")
 SIGNALS = ("attention", "output")  # what a page's usage measures: its attention mass, or the output it moves
@@ -387,11 +390,12 @@ class GroupEviction:
         twin.exact_tokens = self.exact_tokens
         return twin
 
-    def planned(self, plan) -> None:
-        """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh."""
+    def planned(self, plan, written: bool = False) -> None:
+        """A step was planned: advance the clock; pages it writes are recent, pages it starts are fresh (in the
+        history; ``written``: `PlanStack` wrote every group's at once, `StackedHistories`)."""
         self.clock += 1
         self.evicted = []
-        if plan.read_table is None:
+        if plan.read_table is None or written:
             return
         slots = _ids(plan.slots)
         S = plan.page_size
@@ -652,6 +656,51 @@ def recycle_plan(last, rows: list[list[int]], columns: list[int], entries: list[
                                _on_device={}, _columns=plan_columns)
 
 
+class StackedHistories:
+    """The `PageHistory` arrays of a `PlanStack`'s groups as the rows of ``[L, P]`` arrays: each history's arrays
+    become views of its row (the same numbers, padded with no history), so that one pass writes or folds every
+    group's pages (through flat indices: row l's page p is ``l * P + p``). Valid while no history replaced its
+    arrays (`PageHistory.cover` grows them; a fork's groups share the histories): `valid` tells, and a stack then
+    stacks them anew."""
+
+    def __init__(self, histories: list[PageHistory]):
+        self.histories = histories
+        self.width = max(len(h.ema) for h in histories)
+        self.flat = {}
+        for name in ("last_used", "ema", "observed"):
+            rows = np.zeros((len(histories), self.width), dtype=getattr(histories[0], name).dtype)
+            for l, history in enumerate(histories):
+                old = getattr(history, name)
+                rows[l, :len(old)] = old
+                setattr(history, name, rows[l])
+            self.flat[name] = rows.reshape(-1)
+        self._views = [h.ema for h in histories]
+        self.offsets = np.arange(len(histories))[:, None] * self.width
+
+    def valid(self, histories: list[PageHistory], highest_page: int) -> bool:
+        """These are the stacked histories (in order), still viewing their rows, with a column for every page up to
+        ``highest_page``."""
+        return (histories == self.histories and highest_page < self.width  # (a list compares its items by identity)
+                and all(map(operator.is_, map(operator.attrgetter("ema"), histories), self._views)))
+
+    def _index(self, pages: np.ndarray) -> np.ndarray:
+        """Flat indices of group l's ``pages [L, ...]``, in their order."""
+        return (pages.reshape(len(self.offsets), -1) + self.offsets).reshape(-1)
+
+    def written(self, pages: np.ndarray, clocks: np.ndarray) -> None:
+        """Group l's ``pages [L, B]`` start afresh, written at step ``clocks[l]`` (`PageHistory.written`)."""
+        index = self._index(pages)
+        self.flat["last_used"][index] = np.repeat(2 * clocks, pages.shape[1])
+        self.flat["ema"][index], self.flat["observed"][index] = 0.0, 0
+
+    def fold_last_shares(self, pages: np.ndarray, shares: np.ndarray) -> None:
+        """Group l's pages (``pages [L * B, Nk]``, each group's B rows in turn) get their ``shares`` as scores
+        (`EvictionPolicy.fold_last_shares`: a page in several rows of a group gets the last row's)."""
+        index = self._index(pages)
+        self.flat["ema"][index] = shares.reshape(-1)
+        self.flat["observed"][index] += 1
+
+
 class PlanStack:
     """One plan per step for the per-layer page groups of a bounded cache, in a full pool's steady step (each row of
     each group recycles its victim page, `GroupEviction.recycle`): the live tables of the L groups' plans as one
@@ -671,6 +720,18 @@ class PlanStack:
         self.read_pos = np.stack([plan.read_pos.numpy() for plan in plans]).reshape(L, B, live)
         self.live = [(torch.from_numpy(t), torch.from_numpy(p)) for t, p in zip(self.read_table, self.read_pos)]
         self.plans = list(plans)
+        self.highest = int(self.read_table.max()) if self.read_table.size else -1  # (the live ids stay while stacked)
+        self.histories: StackedHistories | None = None  # the groups' histories, stacked by `stacked_histories`
+
+    def stacked_histories(self, groups: list) -> StackedHistories | None:
+        """The groups' histories stacked (`StackedHistories`), with a column for every live page of the stack; None
+        when they cannot be."""
+        histories = [group.eviction.history for group in groups]
+        if self.histories is None or not self.histories.valid(histories, self.highest):
+            if len(set(map(id, histories))) < len(histories):
+                return None  # (two groups share a history: their pages' rows would collide)
+            self.histories = StackedHistories(histories)
+        return self.histories if self.histories.valid(histories, self.highest) else None
 
     @staticmethod
     def fits(plans: list) -> bool:
@@ -719,8 +780,13 @@ class PlanStack:
         self.table[:, :, n] = pages
         self.width = n + 1
         slots = pages * S if q_len == 1 else (pages[..., None] * S + np.arange(q_len)).reshape(L, -1)
+        q_pos = query_positions(B, past, q_len)
+        histories = self.stacked_histories(groups)
+        if histories is not None:  # (each victim page starts afresh, written at its group's next clock)
+            histories.written(pages, np.array([group.eviction.clock + 1 for group in groups]))
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
-            self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], slots[l], q_len)
+            self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], slots[l], q_pos,
+                                                stacked=histories is not None)
         return True
 
     def advance(self, groups: list, q_len: int) -> bool:
@@ -729,20 +795,28 @@ class PlanStack:
         S, past = self.plans[0].page_size, self.plans[0].num_tokens
         last_pages = self.table[:, :, self.width - 1]
         slots = (last_pages[..., None] * S + past % S + np.arange(q_len)).reshape(len(groups), -1)
+        q_pos = query_positions(last_pages.shape[1], past, q_len)
         for l, group in enumerate(groups):
-            self.plans[l] = group.begin_planned(self._continued, l, slots[l], q_len)
+            self.plans[l] = group.begin_planned(self._continued, l, group, slots[l], q_pos)
         return True
 
-    def _continued(self, l: int, slots: np.ndarray, q_len: int):
+    def _continued(self, l: int, group, slots: np.ndarray, q_pos: torch.Tensor):
         last = self.plans[l]
-        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
+        q_len = q_pos.shape[1]
+        plan = last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
                         slots=torch.from_numpy(slots), copy_src=None, copy_dst=None, usage=None, shares=None,
                         victims=None, _on_device={})
+        remember_kernel_index(plan._on_device, HOST, group.manager.num_pages,
+                              (plan.read_table, plan.read_pos, q_pos))
+        return plan
 
-    def _recycled(self, l: int, group, entries: list[int], pages: list[int], slots: np.ndarray, q_len: int):
+    def _recycled(self, l: int, group, entries: list[int], pages: list[int], slots: np.ndarray, q_pos: torch.Tensor):
         """Group l's part of `recycle`: its rows' entries ``entries`` (pages ``pages``) are evicted and the pages
-        appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan."""
+        appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan, with its
+        kernel index on the host (its live table, checked once: it keeps its page ids while the stack recycles them,
+        and the step's query positions ``q_pos``, every group's)."""
         eviction, manager, last = group.eviction, group.manager, self.plans[l]
+        q_len = q_pos.shape[1]
         eviction._evicting(manager.max_pages, last.num_tokens)
         for row, planned, entry, page in zip(group.rows, last.rows, entries, pages):
             row[entry] = planned[entry] = EVICTED
@@ -751,10 +825,12 @@ class PlanStack:
             planned.append(page)
         eviction.evictions += len(pages)
         read_table, read_pos = self.live[l]
-        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
+        plan = last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
                         table=torch.from_numpy(self.table[l, :, :self.width]), slots=torch.from_numpy(slots),
                         copy_src=None, copy_dst=None, slab=None, same_as=None, read_table=read_table, read_pos=read_pos,
                         usage=None, shares=None, victims=None, _on_device={}, _columns=None)
+        remember_kernel_index(plan._on_device, HOST, manager.num_pages, (read_table, read_pos, q_pos))
+        return plan
 
 
 def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: bool) -> PlanStack | None:
@@ -788,10 +864,14 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.name == "score"
                and g.step is not None and g.step.usage is not None]
     plans = [g.step for g in picking]
-    if len(plans) < 2 or len({(p.read_table.shape, p.num_tokens, p.page_size, p.usage.device, g.policy)
-                              for g, p in zip(picking, plans)}) > 1:
+    if len(plans) < 2:
+        return
+    policy, first = picking[0].policy, plans[0]
+    key = (first.read_table.shape, first.num_tokens, first.page_size, first.usage.device)
+    if not all((g.policy is policy or g.policy == policy)
+               and (p.read_table.shape, p.num_tokens, p.page_size, p.usage.device) == key
+               for g, p in zip(picking, plans)):
         return  # (each group records its own step when it commits)
-    policy = picking[0].policy
     together = stack is not None and stack.holds(plans)
     tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
         [p.read_table.numpy() for p in plans])
@@ -799,9 +879,12 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     if shares is None:
         return
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
+    histories = stack.stacked_histories(picking) if together and not policy.decay else None
+    if histories is not None:  # (no decay: the shares become the scores, every group's in one pass)
+        histories.fold_last_shares(tables, shares)
     for l, (group, plan) in enumerate(zip(picking, plans)):
         part = shares[l * rows:(l + 1) * rows]
-        if policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
+        if histories is not None or policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
             plan.usage, plan.shares = None, part if policy.ranks_by_last_share else None
     if not policy.ranks_by_last_share:
         return

@@ -29,10 +29,12 @@ from .step_plan import StepPlan, build_plan, continue_plan, continues, place_row
 
 
 class Members:
-    """The layers of a group and the tokens each has written (held weakly: a dropped cache frees its pages)."""
+    """The layers of a group and the tokens each has written (held weakly: a dropped cache frees its pages).
+    ``_level``: a count that every member wrote, or None when unknown (a member dropped leaves it true)."""
 
     def __init__(self):
         self._written = weakref.WeakKeyDictionary()
+        self._level: int | None = None
 
     def __iter__(self):
         return iter(list(self._written))
@@ -43,18 +45,25 @@ class Members:
     def join(self, layer, tokens: int = 0) -> None:
         """``layer`` is a member, having written ``tokens`` tokens."""
         self._written[layer] = tokens
+        if tokens != self._level:
+            self._level = tokens if len(self._written) == 1 else None
 
     def set_all(self, tokens: int) -> None:
         for layer in list(self._written):
             self._written[layer] = tokens
+        self._level = tokens
 
     def cap(self, tokens: int) -> None:
         """No member holds more than ``tokens`` tokens (a step rolled back)."""
         for layer, written in list(self._written.items()):
             self._written[layer] = min(written, tokens)
+        self._level = None if self._level is None else min(self._level, tokens)
 
     def all_at(self, tokens: int) -> bool:
-        return all(written == tokens for written in self._written.values())
+        if self._level is None:
+            counts = set(self._written.values())
+            self._level = counts.pop() if len(counts) == 1 else None
+        return self._level == tokens or not self._written
 
     def at(self, tokens: int) -> list:
         """The members that wrote exactly ``tokens`` tokens."""
@@ -172,7 +181,7 @@ class LayerGroup(PageRows):
                                   len(owners) * new_per_row + len(cow_rows), fresh, self.step)
         return self._apply(rows, q_len, owners, new_per_row, cow_rows, same_as)
 
-    def begin_planned(self, plan_rows, *args) -> StepPlan | None:
+    def begin_planned(self, plan_rows, *args, stacked: bool = False) -> StepPlan | None:
         """Begin a step that keeps the rows' tables: ``plan_rows(*args)`` plans it, only appending pages to the rows
         (a decode step's quick plans; `eviction.plan_stacked` plans every group's at once), or returns None."""
         undo = self._step_undo(appends_only=True)  # (a recycled step's evictions are final: not undone)
@@ -180,7 +189,7 @@ class LayerGroup(PageRows):
         if plan is not None:
             self._undo, self.num_tokens, self.step = undo, plan.num_tokens, plan
             if self.eviction is not None:
-                self.eviction.planned(plan)
+                self.eviction.planned(plan, written=stacked)  # (stacked: the stack noted every group's writes)
         return plan
 
     def _quick_plan(self, q_len: int) -> StepPlan | None:

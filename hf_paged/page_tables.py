@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .block_manager import EVICTED, BlockManager
@@ -115,21 +116,34 @@ def copy_on_write(manager: BlockManager, pages: list[int], length: int, undo: St
     return source, copy
 
 
+def query_positions(rows: int, past: int, q_len: int) -> torch.Tensor:
+    """``[rows, q_len]`` (int64, host): the positions of a step's new tokens after ``past`` tokens (the kernels'
+    q_pos)."""
+    return torch.from_numpy(np.arange(past, past + q_len)[None].repeat(rows, axis=0))
+
+
 def kernel_index(memo: dict, device: torch.device, num_pages: int,
                  build: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
     """(page_table [R, N], page_pos [R, N], q_pos [R, Q]) for the paged kernels on ``device``, contiguous: ``build()``
-    makes them on the host once per step (``memo`` is the step's) and device; int32 pages on CUDA (Triton), int64
-    on the CPU (the C kernel's type). The page ids are checked here against pages of ``num_pages`` pages, once per
-    step and device (the kernels read pages unchecked; `mark_checked` remembers the check on the table)."""
-    key = ("kernel", device)
-    index = memo.get(key)
-    if index is None:
-        table, page_pos, q_pos = build()
-        if device.type == "cuda":
-            table = table.to(device, torch.int32)
-        index = tuple(t.to(device).contiguous() for t in (table, page_pos, q_pos))
-        mark_checked(*index, num_pages)
-        memo[key] = index
+    makes them on the host once per step (``memo`` is the step's) and device (`remember_kernel_index`)."""
+    index = memo.get(("kernel", device))
+    return index if index is not None else remember_kernel_index(memo, device, num_pages, build())
+
+
+def remember_kernel_index(memo: dict, device: torch.device, num_pages: int,
+                          rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    """The kernel index of the host ``rows`` (page_table, page_pos, q_pos) on ``device``, kept in ``memo`` (a step's):
+    int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type). The page ids are checked here against
+    pages of ``num_pages`` pages, once per step and device (the kernels read pages unchecked; `mark_checked`
+    remembers the check on the table, so a table kept over steps is checked once). `kernel_index` builds the rows
+    per plan; `eviction.PlanStack` gives every layer's of a step at once."""
+    table, page_pos, q_pos = rows
+    if device.type == "cuda":
+        table = table.to(device, torch.int32)
+    moved = (table, page_pos, q_pos) if device.type == "cpu" else (t.to(device) for t in (table, page_pos, q_pos))
+    index = tuple(t.contiguous() for t in moved)
+    mark_checked(*index, num_pages)
+    memo[("kernel", device)] = index
     return index
 
 

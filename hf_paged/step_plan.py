@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .block_manager import EVICTED, BlockManager
-from .page_tables import kernel_index
+from .page_tables import kernel_index, query_positions
 
 
 @dataclass
@@ -66,8 +66,7 @@ class StepPlan:
 
     def _kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         table, page_pos = self.live_pages()
-        q_pos = torch.from_numpy(np.arange(self.past, self.num_tokens)[None].repeat(table.shape[0], axis=0))
-        return table, page_pos, q_pos
+        return table, page_pos, query_positions(table.shape[0], self.past, self.num_tokens - self.past)
 
     def live_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages [B, Nk], first-token positions [B, Nk]) of the rows' live pages, -1 padded."""
