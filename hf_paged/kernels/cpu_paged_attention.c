@@ -742,6 +742,7 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         for (int64_t r = 0; r < R; r++) {
             float *sr = score + r * CHUNK;
             float chunk_max = MASKED;
+#pragma omp simd reduction(max : chunk_max)
             for (int64_t c = 0; c < C; c++) chunk_max = sr[c] > chunk_max ? sr[c] : chunk_max;
             if (chunk_max <= MASKED) {
                 for (int64_t c = 0; c < C; c++) sr[c] = 0.0f;
