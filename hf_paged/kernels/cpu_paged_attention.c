@@ -571,16 +571,16 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                     after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
                     for (int64_t b = 0; b < D / 16; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
                 }
-                for (int64_t i = 0; i < a->Q * G; i++) {
-                    const int64_t r = (i / G) * Hq + kvh * G + i % G;
-                    v16 x = {0};
-                    for (int64_t d = 0; d < D; d += 16) {
-                        v16 qd;
-                        memcpy(&qd, q + r * D + d, sizeof qd);
-                        x += qd * (fmt >= FMT_I8 ? key[d / 16] : load16(a, 0, at, d, fmt));
+                for (int64_t r0 = kvh * G; r0 < R; r0 += Hq) /* (query, head) rows of the group: no division */
+                    for (int64_t r = r0; r < r0 + G; r++) {
+                        v16 x = {0};
+                        for (int64_t d = 0; d < D; d += 16) {
+                            v16 qd;
+                            memcpy(&qd, q + r * D + d, sizeof qd);
+                            x += qd * (fmt >= FMT_I8 ? key[d / 16] : load16(a, 0, at, d, fmt));
+                        }
+                        partial[r * 16 + j] = fmt >= FMT_I8 ? x * after : x;
                     }
-                    partial[r * 16 + j] = fmt >= FMT_I8 ? x * after : x;
-                }
             }
         }
         for (int64_t r = 0; r < R; r++) {
