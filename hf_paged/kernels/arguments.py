@@ -56,10 +56,7 @@ def check_pools(fmt: PageFormat, query, k_pool, v_pool, k_scale, v_scale, cold: 
     D = query.shape[3]
     _check_pools(fmt, D, k_pool, v_pool, k_scale, v_scale)
     num_ids = k_pool.shape[0] if cold is None else _check_cold(fmt, D, k_pool, v_pool, cold, query.device)
-    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if tensor is not None and tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
-                             "device")
+    _on_query_device(query, k_pool=k_pool, v_pool=v_pool, k_scale=k_scale, v_scale=v_scale)
     return num_ids
 
 
@@ -71,10 +68,7 @@ def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos) -> No
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if page_table.shape != (B, N) or page_pos.shape != (B, N) or q_pos.shape != (B, Q):  # (a torch.Size is a tuple)
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
-    for name, tensor in (("page_table", page_table), ("page_pos", page_pos), ("q_pos", q_pos)):
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
-                             "device")
+    _on_query_device(query, page_table=page_table, page_pos=page_pos, q_pos=q_pos)
     checked = getattr(page_table, _CHECKED, None)
     if checked is None or checked > num_ids:
         check_index(page_table, page_pos, q_pos, num_ids)
@@ -83,10 +77,7 @@ def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos) -> No
 def check_mask_and_sinks(query, mask, s_aux) -> None:
     """A call's optional mask ``[B or 1, 1 or Hq, Q, M]`` (bool) and sinks ``[Hq]``, on the query's device."""
     B, Hq, Q, _ = query.shape
-    for name, tensor in (("mask", mask), ("s_aux", s_aux)):
-        if tensor is not None and tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
-                             "device")
+    _on_query_device(query, mask=mask, s_aux=s_aux)
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be bool, got {mask.dtype}")
@@ -94,6 +85,14 @@ def check_mask_and_sinks(query, mask, s_aux) -> None:
             raise ValueError(f"mask must be [B or 1, 1 or Hq, Q, M], got {tuple(mask.shape)}")
     if s_aux is not None and s_aux.shape != (Hq,):
         raise ValueError(f"s_aux must be [Hq] = [{Hq}], got {tuple(s_aux.shape)}")
+
+
+def _on_query_device(query, **tensors) -> None:
+    """Raise ValueError, naming it, unless every tensor given (None: absent) is on the query's device."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, the query on {query.device}: move it to the query's "
+                             "device")
 
 
 def _check_cold(hot: PageFormat, D: int, k_pool, v_pool, cold: ColdTier, device) -> int:
