@@ -456,15 +456,15 @@ def alternated_table(configs: list[dict]) -> str:
     measured = [c for c in configs if c.get("alternated_steps")]
     for c in measured:
         steps = c["alternated_steps"]
+        ms = steps["ms_median"]
         lines.append(f"| {c['context']} | {c['batch']} | {c['page_size']} | {steps['speed_ratio']:.3f} "
-                     f"({steps['speed_ratio_q1']:.3f}–{steps['speed_ratio_q3']:.3f}) | {steps['ms_median']['dynamic']:.1f}"
-                     f" / {steps['ms_median']['paged']:.1f} | {steps['pairs']} | "
-                     f"{'yes' if steps['tokens_equal'] else 'NO'} |")
+                     f"({steps['speed_ratio_q1']:.3f}–{steps['speed_ratio_q3']:.3f}) | {ms['dynamic']:.1f} / "
+                     f"{ms['paged']:.1f} | {steps['pairs']} | {'yes' if steps['tokens_equal'] else 'NO'} |")
     if measured:
         same = "yes" if all(c["alternated_steps"]["reference_equals_generate"] for c in measured) else "NO"
-        lines += ["", "One round per repeat in which the two caches decode greedily taking turns token by token, the model "
-                  "switching attention between their steps (`alternate_decode_steps`); per step DynamicCache's time "
-                  "(CPU-seconds on the CPU) over PagedCache's: above 1, the paged step is faster. The median and "
+        lines += ["", "One round per repeat in which the two caches decode greedily taking turns token by token, the "
+                  "model switching attention between their steps (`alternate_decode_steps`); per step DynamicCache's "
+                  "time (CPU-seconds on the CPU) over PagedCache's: above 1, the paged step is faster. The median and "
                   f"quartiles of those pairs. DynamicCache's tokens in every round equal its `generate` run's: {same}."]
     return "\n".join(lines)
 
