@@ -185,19 +185,30 @@ def test_pools_checked_once_are_checked_again_when_they_change():
 
 
 def test_index_checked_once_serves_only_the_calls_it_was_checked_for():
-    """The checked index fields a call keeps on ``page_table`` serve the calls that share the table (a step's layers)
-    only with the same ``page_pos``/``q_pos`` tensors and query shape: other positions are read, another batch is
-    refused, and an index the kernel had to convert (int32) is converted again, so edits to the caller's table count."""
+    """A table its owner marked checked (`mark_checked`, as a cache's step does) keeps its checked index fields for
+    the calls that share it (a step's layers), only with the same ``page_pos``/``q_pos`` tensors and query shape:
+    other positions are read, another batch is refused. An unmarked table is checked on every call, so an id its
+    caller edits out of the pools is refused; an index the kernel had to convert (int32) is converted again, so its
+    owner's edits count."""
+    from hf_paged.kernels.arguments import mark_checked
+
     case = make_case(B=2, Hq=4, Hkv=2, D=16, S=4, Q=1, lengths=[9, 6], seed=10, holes=False)
     table32 = case["page_table"]
     case["page_table"] = table32.long()  # as a cache's index: int64, read in place
+    mark_checked(case["page_table"], case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
     check(case)
     earlier = dict(case, q_pos=case["q_pos"] - 2)  # the same table, queries two positions earlier: fewer tokens seen
     check(earlier)
     with pytest.raises(ValueError, match=r"page_table/page_pos must be \[B, N\]"):
         cpu_kernel.paged_attention_cpu(**dict(case, query=case["query"][:1]))
+    unmarked = dict(case, page_table=table32.long())
+    check(unmarked)
+    unmarked["page_table"][0, 0] = case["k_pool"].shape[0]  # edited in place to an id the pools do not have
+    with pytest.raises(ValueError, match="page_table holds page id"):
+        cpu_kernel.paged_attention_cpu(**unmarked)
+    mark_checked(table32, case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
     check(dict(case, page_table=table32))
-    table32[0, 1] = -1  # the caller edits its table into a hole: the next call reads the edit
+    table32[0, 1] = -1  # its owner edits the marked table into a hole: the next call reads the edit
     check(dict(case, page_table=table32))
 
 

@@ -69,8 +69,7 @@ def check_call(query, Hkv: int, num_ids: int, page_table, page_pos, q_pos) -> No
     if page_table.shape != (B, N) or page_pos.shape != (B, N) or q_pos.shape != (B, Q):  # (a torch.Size is a tuple)
         raise ValueError("page_table/page_pos must be [B, N] and q_pos [B, Q]")
     _on_query_device(query, page_table=page_table, page_pos=page_pos, q_pos=q_pos)
-    checked = getattr(page_table, _CHECKED, None)
-    if checked is None or checked > num_ids:
+    if not marked(page_table, num_ids):
         check_index(page_table, page_pos, q_pos, num_ids)
 
 
@@ -165,6 +164,13 @@ def check_index(page_table, page_pos, q_pos, num_pages: int) -> None:
         bad = low if low < -1 else high
         raise ValueError(f"page_table holds page id {bad}, but ids must be -1 (a hole) or a page of the pools, "
                          f"0 <= id < {num_pages}" + (" (the pools are empty)" if num_pages == 0 else ""))
+
+
+def marked(page_table: torch.Tensor, num_pages: int) -> bool:
+    """``page_table`` carries the mark of `mark_checked` for pools of at most ``num_pages`` pages: its ids hold there
+    (its owner edits a marked table's ids only into holes)."""
+    checked = getattr(page_table, _CHECKED, None)
+    return checked is not None and checked <= num_pages
 
 
 def mark_checked(page_table: torch.Tensor, page_pos, q_pos, num_pages: int) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from ..kv_formats import PageFormat, page_format, slot_scale_strides
 from . import library_cache
-from .arguments import ColdTier, check_call, check_mask_and_sinks, check_pools, mask_strides
+from .arguments import ColdTier, check_call, check_mask_and_sinks, check_pools, marked, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
@@ -45,8 +45,6 @@ _i64 = ctypes.c_int64
 _i64x3, _i64x4 = _i64 * 3, _i64 * 4
 _ptr = ctypes.c_void_p
 
-
-_NO_STRIDES = _i64x4()
 
 
 class _PagedArgs(ctypes.Structure):
@@ -122,7 +120,8 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
     when they are reallocated, so both are kept on ``k_pool`` for the next call with the same tensors, format and
     head dim (and k_pool's pointer, shape and strides and v_pool's shape unchanged; the query's device is checked per
     call, the pools' CPU here); a two-tier layer's pools are checked on every call."""
-    stamp = (kv_format, query.shape[3], k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape)
+    D = query.shape[3]
+    stamp = (kv_format, D, k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape)
     kept = getattr(k_pool, _POOL_ARGS, None)
     if (cold is None and kept is not None and kept[0] == stamp and kept[1] is v_pool and kept[2] is k_scale
             and kept[3] is v_scale):
@@ -140,7 +139,6 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
         raise TypeError(f"the CPU kernel reads float32 or bfloat16 pools, got {k_pool.dtype}/{v_pool.dtype}")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
-    D = query.shape[3]
     args = _PagedArgs(D=D, k_group=D, v_group=D)  # float pools: one group a row (set_pools sets a format's)
     _set_pools(args, fmt, k_pool, v_pool, k_scale, v_scale)
     if cold is None:
@@ -148,22 +146,24 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
     return args, num_ids
 
 
-_INDEX_ARGS = "_hf_paged_cpu_index_args"  # attribute of a page table: the checked index fields of its calls
+_INDEX_ARGS = "_hf_paged_cpu_index_args"  # attribute of a marked page table: the index fields of its calls
 
 
 def _index_args(query, Hkv: int, S: int, num_ids: int, page_table, page_pos, q_pos, num_splits: int | None
                 ) -> tuple:
     """(table, page_pos, q_pos as contiguous int64, N, splits, threads) of a call reading ``page_table``, checked
-    (`check_call`: shapes against the query, devices, page ids of pools of ``num_ids`` ids) and kept on the table
-    for the calls that share it (a step's layers) with the same index tensors, query batch, length and heads, pool
-    heads and page size, split request and thread count, on pools of at least the ids it was checked against (int64
-    contiguous index tensors only: the kernel reads them, so their owner's later edits are read too)."""
+    (`check_call`: shapes against the query, devices, page ids of pools of ``num_ids`` ids). A table whose owner
+    marked its ids checked (`arguments.mark_checked`: a cache's, shared by a step's layers) keeps them for the calls
+    with the same index tensors, query batch, length and heads, pool heads and page size, split request and thread
+    count, while the mark holds for these pools; int64 contiguous tensors only (the kernel reads them, so the owner's
+    later edits are read too). An unmarked table is checked on every call: its ids may have changed."""
     B, Hq, Q, _ = query.shape
     threads = torch.get_num_threads()
     shape = (B, Hq, Q, Hkv, S, num_splits, threads)
     kept = getattr(page_table, _INDEX_ARGS, None)
-    if kept is not None and kept[0] is page_pos and kept[1] is q_pos and kept[2] == shape and kept[3] <= num_ids:
-        return kept[4]
+    same_call = kept is not None and kept[0] is page_pos and kept[1] is q_pos and kept[2] == shape
+    if same_call and marked(page_table, num_ids):
+        return kept[3]
     check_call(query, Hkv, num_ids, page_table, page_pos, q_pos)
     if not (page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu):
         raise ValueError("paged_attention_cpu needs CPU tensors")
@@ -171,8 +171,8 @@ def _index_args(query, Hkv: int, S: int, num_ids: int, page_table, page_pos, q_p
     splits = max(1, min(int(num_splits or _choose_num_splits(B, N * S, threads)), max(N, 1)))
     index = (_int64(page_table), _int64(page_pos), _int64(q_pos))
     fields = (*index, N, splits, min(threads, B * splits))  # (waking a thread with nothing to do costs more than a row)
-    if all(a is b for a, b in zip(index, (page_table, page_pos, q_pos))):  # (a converted copy would miss later edits)
-        setattr(page_table, _INDEX_ARGS, (page_pos, q_pos, shape, num_ids, fields))
+    if marked(page_table, num_ids) and all(a is b for a, b in zip(index, (page_table, page_pos, q_pos))):
+        setattr(page_table, _INDEX_ARGS, (page_pos, q_pos, shape, fields))
     return fields
 
 
