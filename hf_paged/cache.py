@@ -95,14 +95,15 @@ class PagedLayer(CacheLayerMixin):
         plan = group.join_step(self, batch, q_len, lambda: _identical_rows(key_states, value_states))
         if plan.same_as is not None:
             self._check_identical_rows(key_states, value_states, plan.same_as)
-        plan = group.step.on(self.device)  # rebuilt if rows had to be unshared
+            plan = group.step  # rebuilt if rows had to be unshared
+        plan = plan.on(self.device)
         if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
         group.store.write(self.pages, group.manager.num_pages, plan.slots,
                           key_states.reshape(-1, self.num_heads, self.head_dim),
                           value_states.reshape(-1, self.num_heads, self.value_dim), plan.copy_src, plan.copy_dst)
         group.wrote(self)
-        view = group.read_view(self.pages, self._resolved_backend)
+        view = group.read_view(self.pages, plan, self._resolved_backend)
         shape = (batch, self.num_heads, plan.kv_len)
         return PagedKV(view, "k", (*shape, self.head_dim)), PagedKV(view, "v", (*shape, self.value_dim))
 
@@ -127,7 +128,7 @@ class PagedLayer(CacheLayerMixin):
         plan = group.step.on(self.device)
         group.store.prepare(self.pages, group.manager.num_pages, plan.copy_src, plan.copy_dst)
         group.wrote(self)
-        self.compiled = CompiledRead(group.read_view(self.pages, self._resolved_backend), plan.slots)
+        self.compiled = CompiledRead(group.read_view(self.pages, plan, self._resolved_backend), plan.slots)
 
     def _check_identical_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, same_as: list[int]) -> None:
         """Rows the group shares because the first layer saw identical keys must be identical here too."""
@@ -150,9 +151,11 @@ class PagedLayer(CacheLayerMixin):
             )
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._check_shapes(key_states, value_states)
-        got = (key_states.shape[1], key_states.shape[3], value_states.shape[3], key_states.dtype,
-               value_states.dtype, key_states.device, value_states.device)
+        keys, values = key_states.shape, value_states.shape
+        if len(keys) != 4 or len(values) != 4 or keys[:3] != values[:3]:
+            self._check_shapes(key_states, value_states)
+        got = (keys[1], keys[3], values[3], key_states.dtype, value_states.dtype, key_states.device,
+               value_states.device)
         want = self._signature
         if got != want:
             names = ("kv heads", "key head dim", "value head dim", "key dtype", "value dtype", "key device",
@@ -176,7 +179,7 @@ class PagedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         """Tokens this layer has processed: mid-step, a layer that has not written yet still reports
         the tokens before the step, as a `DynamicCache` layer does (Llama 4 asks before writing)."""
-        return self.group.members[self]
+        return self.tokens_written
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.group.mask_sizes(query_length)
@@ -375,7 +378,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             return self._update_compiled(key_states, value_states, layer_idx)
         if self._owner.ident != threading.get_ident():  # (the owner's own steps skip the call)
             self._owner.claim()
-        layer = self._layer(layer_idx)
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else self._layer(layer_idx)
         group = layer.group
         if group.up_to_date(layer):  # the layer starts new tokens for its group
             if self.groups.step_failed(group):

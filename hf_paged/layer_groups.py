@@ -29,45 +29,51 @@ from .step_plan import StepPlan, build_plan, continue_plan, continues, place_row
 
 
 class Members:
-    """The layers of a group and the tokens each has written (held weakly: a dropped cache frees its pages).
-    ``_level``: a count that every member wrote, or None when unknown (a member dropped leaves it true)."""
+    """The layers of a group (held weakly: a dropped cache frees its pages) and the tokens each has written, kept on
+    the layer as ``tokens_written`` (a layer is a member of one group, its own). ``_level``: a count that every member
+    wrote, or None when unknown (a member dropped leaves it true)."""
 
     def __init__(self):
-        self._written = weakref.WeakKeyDictionary()
+        self._layers = weakref.WeakSet()
         self._level: int | None = None
 
     def __iter__(self):
-        return iter(list(self._written))
+        return iter(list(self._layers))
 
     def __getitem__(self, layer) -> int:
-        return self._written[layer]
+        return layer.tokens_written
 
     def join(self, layer, tokens: int = 0) -> None:
         """``layer`` is a member, having written ``tokens`` tokens."""
-        self._written[layer] = tokens
+        self._layers.add(layer)
+        self.wrote(layer, tokens)
+
+    def wrote(self, layer, tokens: int) -> None:
+        """``layer``, a member, has written ``tokens`` tokens."""
+        layer.tokens_written = tokens
         if tokens != self._level:
-            self._level = tokens if len(self._written) == 1 else None
+            self._level = None  # (unknown: `all_at` counts again)
 
     def set_all(self, tokens: int) -> None:
-        for layer in list(self._written):
-            self._written[layer] = tokens
+        for layer in list(self._layers):
+            layer.tokens_written = tokens
         self._level = tokens
 
     def cap(self, tokens: int) -> None:
         """No member holds more than ``tokens`` tokens (a step rolled back)."""
-        for layer, written in list(self._written.items()):
-            self._written[layer] = min(written, tokens)
+        for layer in list(self._layers):
+            layer.tokens_written = min(layer.tokens_written, tokens)
         self._level = None if self._level is None else min(self._level, tokens)
 
     def all_at(self, tokens: int) -> bool:
         if self._level is None:
-            counts = set(self._written.values())
+            counts = {layer.tokens_written for layer in list(self._layers)}
             self._level = counts.pop() if len(counts) == 1 else None
-        return self._level == tokens or not self._written
+        return self._level == tokens or not self._layers
 
     def at(self, tokens: int) -> list:
         """The members that wrote exactly ``tokens`` tokens."""
-        return [layer for layer, written in list(self._written.items()) if written == tokens]
+        return [layer for layer in list(self._layers) if layer.tokens_written == tokens]
 
 
 class LayerGroup(PageRows):
@@ -84,8 +90,8 @@ class LayerGroup(PageRows):
         self.store = PageStore(manager.page_size, kv_format, manager)  # the K/V bytes of its page ids (forks share)
         self.prefix.store = self.prefix.store or self.store
 
-    def read_view(self, pages, backend: str) -> PagedView:  # what attention reads of a member's pages in this step
-        return PagedView(pages, self.step.on(pages.device), backend, self.eviction and self.eviction.probe(self.step))
+    def read_view(self, pages, plan: StepPlan, backend: str) -> PagedView:  # a member's, this step (plan on its device)
+        return PagedView(pages, plan, backend, self.eviction and self.eviction.probe(self.step))
 
     def __del__(self):  # a dropped cache (or fork) gives its pages back: unreferenced, then cached or free
         try:
@@ -132,20 +138,20 @@ class LayerGroup(PageRows):
     # ------------------------------------------------------------ membership
     def up_to_date(self, layer) -> bool:
         """``layer`` wrote every token of the group (its next update starts a new step)."""
-        return self.members[layer] == self.num_tokens
+        return layer.tokens_written == self.num_tokens
 
     def wrote(self, layer) -> None:
         """``layer`` wrote the tokens of the current step."""
-        self.members.join(layer, self.num_tokens)
+        self.members.wrote(layer, self.num_tokens)
 
     def join_step(self, layer, batch_size: int, q_len: int, identical_rows) -> StepPlan:
         """The plan of the step ``layer`` writes now: the group plans it when the layer is the first member
         to write new tokens (``identical_rows()`` then tells which rows of a fresh batch may share pages).
         Raises when the layer's tokens are not those of the planned step."""
-        if self.up_to_date(layer):
+        if (written := layer.tokens_written) == self.num_tokens:  # (up_to_date)
             fresh_batch = self.num_tokens == 0 and not self.rows and batch_size > 1
             return self.begin_step(batch_size, q_len, identical_rows() if fresh_batch else None)
-        if self.step is None or self.members[layer] + q_len != self.num_tokens or batch_size != self.step.batch_size:
+        if self.step is None or written + q_len != self.num_tokens or batch_size != self.step.batch_size:
             raise CacheUsageError(
                 f"layer {layer.layer_idx} received {q_len} token(s) for a batch of {batch_size}, but its group planned "
                 f"a step of {self.step.q_len if self.step else 0} token(s) for {self.batch_size} row(s): every layer "

@@ -176,7 +176,8 @@ class PageStore:
               copy_src: torch.Tensor | None = None, copy_dst: torch.Tensor | None = None) -> None:
         """A step of one layer: grow to the manager's ``num_pages``, copy ``copy_src`` onto ``copy_dst``
         (copy-on-write, before any write), then write the tokens ``[T, H, D]`` into ``slots``."""
-        self.prepare(pages, num_pages, copy_src, copy_dst)
+        if copy_src is not None or pages.num_pages < num_pages:
+            self.prepare(pages, num_pages, copy_src, copy_dst)
         if self.manager is not None:
             pages.forget_residuals(self.manager.free)
         pages.write(slots, keys, values)
