@@ -81,6 +81,7 @@ class PagedLayer(CacheLayerMixin):
     def _adopt_pages(self) -> None:
         """Take dtype, device and shapes from the pages: every later update must match them."""
         self.dtype, self.device = self.pages.dtype, self.pages.device
+        self._on_host = self.device.type == "cpu"  # (a plan is made on the host: no move per call)
         self.num_heads, self.head_dim, self.value_dim, _ = self.pages.shape
         self._signature = (self.num_heads, self.head_dim, self.value_dim, self.dtype, self.dtype, self.device,
                            self.device)
@@ -96,7 +97,8 @@ class PagedLayer(CacheLayerMixin):
         if plan.same_as is not None:
             self._check_identical_rows(key_states, value_states, plan.same_as)
             plan = group.step  # rebuilt if rows had to be unshared
-        plan = plan.on(self.device)
+        if not self._on_host:
+            plan = plan.on(self.device)
         if q_len > 1:  # token-major [B, q, H, D], the order of plan.slots (with one token it already is)
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
         group.store.write(self.pages, group.manager.num_pages, plan.slots,
