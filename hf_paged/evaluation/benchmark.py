@@ -214,13 +214,13 @@ def alternate_decode_steps(model, cfg: Config, inputs, new_tokens: int, sync, ki
     clock = time.process_time if ids.device.type == "cpu" else time.perf_counter
     with torch.inference_mode():
         for kind in kinds:
-            use_attention(model, "dynamic" if kind == "dynamic" else "paged")
+            use_attention(model, kind)
             logits = model(input_ids=ids, use_cache=True, **{hf_paged.CACHE_KWARG: caches[kind]}, **last_only).logits
             tokens[kind].append(logits[:, -1:].argmax(-1))
         for step in range(new_tokens - 1):
             position = torch.full((rows, 1), context + step, dtype=torch.long, device=ids.device)
             for kind in kinds if step % 2 == 0 else kinds[::-1]:
-                use_attention(model, "dynamic" if kind == "dynamic" else "paged")
+                use_attention(model, kind)
                 sync()
                 start = clock()
                 logits = model(input_ids=tokens[kind][-1], position_ids=position, use_cache=True,
@@ -273,7 +273,7 @@ def run_once(model, kind: str, cfg: Config, inputs, new_tokens: int, pad_id, see
     import hf_paged
 
     mode = parse_mode(cfg.mode)
-    use_attention(model, "dynamic" if kind == "dynamic" else "paged")
+    use_attention(model, kind)
     cache = fresh_cache(model, kind, cfg, budget, budget_page_size, budget_options)
     probe = StepProbe(kind, cache, sync)
     torch.manual_seed(seed)

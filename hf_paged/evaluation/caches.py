@@ -78,10 +78,12 @@ def store_text(report: dict) -> str:
 
 
 def use_attention(model, kind: str) -> None:
-    """Switch ``model`` to the attention implementation ``kind``'s cache is compared with."""
-    model.set_attn_implementation(ATTN[kind])
-    if model.config._attn_implementation != ATTN[kind]:
-        raise RuntimeError(f"could not switch the model to attn_implementation={ATTN[kind]!r}")
+    """Switch ``model`` to the attention implementation ``kind``'s cache is compared with: "sdpa" for
+    ``"dynamic"``, "hf_paged" for every paged kind ("paged", "bounded", ...)."""
+    attn = ATTN["dynamic"] if kind == "dynamic" else ATTN["paged"]
+    model.set_attn_implementation(attn)
+    if model.config._attn_implementation != attn:
+        raise RuntimeError(f"could not switch the model to attn_implementation={attn!r}")
 
 
 def dynamic_kv_bytes(cache) -> int:
