@@ -308,7 +308,9 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
-        cold_format: "int4", "int8": ``max_pages`` bounds float pages' bytes, cold pages re-quantized first (demotion).
+        cold_format: "int4", "int8": pages re-quantized (demoted) to it: with ``max_pages``, which then bounds float
+            pages' bytes, the coldest first when room is needed; without, every full page but the sinks, once full
+            (only the sinks and the newest page stay float; `hf_paged.demotion`).
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
         per_head_eviction / head_floor: each (layer, row, KV head) keeps its own tokens (page_size 1, "score"), each
@@ -325,7 +327,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
                  prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
                  per_head_eviction: bool = False, head_floor: float | None = None):  # (these two: `CacheVariant`)
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
-        check_cold_format(cold_format, max_pages, kv_format, config or getattr(model, "config", None), prefix_store)
+        check_cold_format(cold_format, kv_format, config or getattr(model, "config", None), prefix_store)
         self.backend, self.kv_format, self.cold_format = backend, kv_format, cold_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                         observation_window, score_heads, compress_prompt, score_signal)
@@ -383,6 +385,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
                 _refuse_rewind(layer.get_seq_length(), key_states.shape[2], args, kwargs)
+                self.groups.demote_filled()  # (a cold format without a budget: the pages the last step filled)
                 self.groups.plan_together(key_states.shape[0], key_states.shape[2])  # (per-layer groups of full pools)
         try:
             return layer.update(key_states, value_states, *args, **kwargs)

@@ -321,6 +321,14 @@ class LayerGroups(dict):
         for group in self.values():
             group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format, group.manager)
 
+    def demote_filled(self) -> None:
+        """Before a step of the cache: each group with a cold format and no budget demotes the full pages its rows
+        hold hot past their sinks (`demotion.ColdPages.demote_filled`)."""
+        for g in self.values():
+            cold = getattr(g.manager, "cold", None)
+            if cold is not None and g.manager.max_pages is None:
+                cold.demote_filled(g.manager, g.rows, g.first_page, g.num_tokens, g.policy.sink_pages)
+
     def plan_together(self, batch_size: int, q_len: int) -> None:
         """Plan a new step of ``batch_size`` rows and ``q_len`` tokens for every group at once when they are per-layer
         groups of bounded pools in a steady state (`eviction.plan_stacked`: one plan per step, where each group

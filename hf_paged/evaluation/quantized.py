@@ -223,7 +223,7 @@ def layer_pages(name: str, num_pages: int, page_size: int):
     elif "+" in name:  # a two-tier layer (`hf_paged.demotion.MixedPages`), demoted once written (`speed_part`)
         from ..demotion import ColdPages
 
-        pages = ColdPages(name.partition("+")[2]).make_layer(0, *shape, torch.float32, "cpu")
+        pages = ColdPages(name.partition("+")[2], page_size).make_layer(0, *shape, torch.float32, "cpu")
     else:
         pages = QuantizedPages(page_format(name), *shape, torch.float32, "cpu")
     pages.grow_to(num_pages)
