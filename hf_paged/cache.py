@@ -385,7 +385,6 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             elif self.groups.level_with(group):
                 self.commit()  # no group has begun this step: a new step of the whole cache, the last one is final
                 _refuse_rewind(layer.get_seq_length(), key_states.shape[2], args, kwargs)
-                self.groups.demote_filled()  # (a cold format without a budget: the pages the last step filled)
                 self.groups.plan_together(key_states.shape[0], key_states.shape[2])  # (per-layer groups of full pools)
         try:
             return layer.update(key_states, value_states, *args, **kwargs)
@@ -394,8 +393,8 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             raise
 
     def commit(self) -> None:
-        """Finish the last step (or roll back a failed one) and hash newly filled pages (not those computed after an
-        eviction).
+        """Finish the last step (or roll back a failed one), hash newly filled pages (not those computed after an
+        eviction) and, with a cold format and no budget, demote them (`LayerGroups.demote_filled`).
 
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.
@@ -406,6 +405,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             self.rollback()  # the step never reached every layer of every group
             return
         self.groups.commit(None if self.token_log is None else self.token_log.hashes)
+        self.groups.demote_filled()
 
     def rollback(self) -> None:
         """Undo the open step of every group (and its tokens in the token log): the cache holds and

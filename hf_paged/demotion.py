@@ -2,7 +2,8 @@
 
 Without a budget, ``PagedCache(cold_format="int4")`` keeps in float only what quantization hurts most: each row's
 first ``sink_pages`` (the attention sinks) and the page being filled (the newest tokens); every other page turns cold
-once full, at the start of the step after the one that filled it (`ColdPages.demote_filled`). In pages of 16 that
+once full, when the step that filled it commits (`ColdPages.demote_filled`: at the start of the next step, or at a
+`stats()`, `fork()` or row edit). In pages of 16 that
 holds about int4 pages' bytes (0.154x of float32's, plus two float pages per row and layer).
 
 Under a budget, a bounded cache re-quantizes its coldest pages before it evicts any.
@@ -157,8 +158,8 @@ class ColdPages:
 
     def demote_filled(self, manager, rows: list[list[int]], first_page: int, num_tokens: int,
                       sink_pages: int) -> None:
-        """No budget: every full page past the first ``sink_pages`` turns cold (before the step that follows the one
-        that filled it), so only the sinks and the page being filled are read in float."""
+        """No budget: every full page past the first ``sink_pages`` turns cold (once the step that filled it
+        commits), so only the sinks and the page being filled are read in float."""
         if self.layers:
             pages, _ = self.hot_full_pages(manager, rows, first_page, num_tokens, sink_pages)
             if len(pages):

@@ -322,8 +322,8 @@ class LayerGroups(dict):
             group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format, group.manager)
 
     def demote_filled(self) -> None:
-        """Before a step of the cache: each group with a cold format and no budget demotes the full pages its rows
-        hold hot past their sinks (`demotion.ColdPages.demote_filled`)."""
+        """After a step of the cache commits: each group with a cold format and no budget demotes the full pages its
+        rows hold hot past their sinks (`demotion.ColdPages.demote_filled`)."""
         for g in self.values():
             cold = getattr(g.manager, "cold", None)
             if cold is not None and g.manager.max_pages is None:
