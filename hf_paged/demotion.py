@@ -300,6 +300,10 @@ class MixedPages:
         S = self.page_size
         flat = slots.cpu().numpy().astype(np.int64)
         pages, offsets = flat // S, flat % S
+        rows = self.hot_row[pages]
+        if (rows >= 0).all():  # (a decode step's: pages already hot, so none is cold)
+            self.hot.write(torch.from_numpy(rows * S + offsets).to(self.device), keys, values)
+            return
         written, inverse = np.unique(pages, return_inverse=True)
         first = np.full(len(written), S, dtype=np.int64)
         np.minimum.at(first, inverse, offsets)
