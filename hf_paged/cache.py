@@ -308,9 +308,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
-        cold_format: "int4", "int8": pages re-quantized (demoted) to it: with ``max_pages``, which then bounds float
-            pages' bytes, the coldest first when room is needed; without, every full page but the sinks, once full
-            (only the sinks and the newest page stay float; `hf_paged.demotion`).
+        cold_format: "int4", "int8": full pages but the sinks demoted; with max_pages (bytes) coldest first, on need.
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
         per_head_eviction / head_floor: each (layer, row, KV head) keeps its own tokens (page_size 1, "score"), each
@@ -393,8 +391,8 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             raise
 
     def commit(self) -> None:
-        """Finish the last step (or roll back a failed one), hash newly filled pages (not those computed after an
-        eviction) and, with a cold format and no budget, demote them (`LayerGroups.demote_filled`).
+        """Finish the last step (or roll back a failed one) and hash newly filled pages (not those computed after an
+        eviction); with a cold format and no budget they are demoted (`LayerGroups.commit`).
 
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.
@@ -405,7 +403,6 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             self.rollback()  # the step never reached every layer of every group
             return
         self.groups.commit(None if self.token_log is None else self.token_log.hashes)
-        self.groups.demote_filled()
 
     def rollback(self) -> None:
         """Undo the open step of every group (and its tokens in the token log): the cache holds and
