@@ -180,13 +180,8 @@ def test_tokens_equal_the_plain_bounded_cache_while_nothing_is_demoted():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("cold", ["int4", "int8"])
-def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
-    """Decoding a batch past many demotions (and evictions) with ``cold_format``: the C kernel reading both tiers in
-    place gives the logits of the torch path (gathers) within 2e-5 and the same greedy tokens; the kernel runs on
-    pages of both tiers."""
-    _, model = shared_pair("llama")
-    batch = left_padded_batch((9, 5, 13))
+def _kernel_reads_cold_pages(monkeypatch) -> list[bool]:
+    """Per C kernel call from now on: whether it read cold pages (the list grows as the kernel runs)."""
     seen = []
     real = hf_paged.attention.cpu_kernel.paged_attention_cpu
 
@@ -195,6 +190,17 @@ def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
         return real(*args, cold=cold, **kw)
 
     monkeypatch.setattr(hf_paged.attention.cpu_kernel, "paged_attention_cpu", counting)
+    return seen
+
+
+@pytest.mark.parametrize("cold", ["int4", "int8"])
+def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
+    """Decoding a batch past many demotions (and evictions) with ``cold_format``: the C kernel reading both tiers in
+    place gives the logits of the torch path (gathers) within 2e-5 and the same greedy tokens; the kernel runs on
+    pages of both tiers."""
+    _, model = shared_pair("llama")
+    batch = left_padded_batch((9, 5, 13))
+    seen = _kernel_reads_cold_pages(monkeypatch)
     runs = {}
     for backend in ("cpu", "torch"):
         cache = hf_paged.PagedCache(page_size=1, max_pages=40, config=model.config, cold_format=cold, backend=backend,
@@ -372,14 +378,7 @@ def test_without_a_budget_the_kernel_reads_as_the_torch_path_with_beams(page_siz
     reading both tiers in place gives the torch path's tokens and logits within 2e-5."""
     _, model = shared_pair("llama")
     batch = left_padded_batch((19, 5, 33))
-    seen = []
-    real = hf_paged.attention.cpu_kernel.paged_attention_cpu
-
-    def counting(*args, cold=None, **kw):
-        seen.append(cold is not None and bool((cold.cold_row >= 0).any()))
-        return real(*args, cold=cold, **kw)
-
-    monkeypatch.setattr(hf_paged.attention.cpu_kernel, "paged_attention_cpu", counting)
+    seen = _kernel_reads_cold_pages(monkeypatch)
     runs = {}
     for backend in ("cpu", "torch"):
         cache = hf_paged.PagedCache(page_size=page_size, config=model.config, cold_format="int4", backend=backend)
