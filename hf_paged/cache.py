@@ -313,7 +313,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             full pages get content hashes, and a prompt whose leading pages are cached (after
             ``reset()``, or in a fork) computes only its new tokens.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
-        cold_format: "int4", "int8": ``max_pages`` bounds float pages' bytes, cold pages re-quantized first (demotion).
+        cold_format: "int4", "int8": full pages but the sinks demoted; with max_pages (bytes) coldest first, on need.
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
             `hf_paged.open_store` object; docs/prefix_store.md); whether hashed pages the pool evicts go to it first.
         per_head_eviction / head_floor: each (layer, row, KV head) keeps its own tokens (page_size 1, "score"), each
@@ -330,7 +330,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
                  prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
                  per_head_eviction: bool = False, head_floor: float | None = None):  # (these two: `CacheVariant`)
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
-        check_cold_format(cold_format, max_pages, kv_format, config or getattr(model, "config", None), prefix_store)
+        check_cold_format(cold_format, kv_format, config or getattr(model, "config", None), prefix_store)
         self.backend, self.kv_format, self.cold_format = backend, kv_format, cold_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                         observation_window, score_heads, compress_prompt, score_signal)
@@ -397,7 +397,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
 
     def commit(self) -> None:
         """Finish the last step (or roll back a failed one) and hash newly filled pages (not those computed after an
-        eviction).
+        eviction); with a cold format and no budget they are demoted (`LayerGroups.commit`).
 
         A step spans every group: it is final only when every layer of every group wrote it;
         otherwise all groups roll back together.

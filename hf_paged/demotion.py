@@ -1,4 +1,12 @@
-"""Mixed precision under a budget: a bounded cache re-quantizes its coldest pages before it evicts any.
+"""Mixed precision: pages in two tiers, hot (float) and cold (re-quantized), read in place by the kernels.
+
+Without a budget, ``PagedCache(cold_format="int4")`` keeps in float only what quantization hurts most: each row's
+first ``sink_pages`` (the attention sinks) and the page being filled (the newest tokens); every other page turns cold
+once full, when the step that filled it commits (`ColdPages.demote_filled`: at the start of the next step, or at a
+`stats()`, `fork()` or row edit). In pages of 16 that
+holds about int4 pages' bytes (0.154x of float32's, plus two float pages per row and layer).
+
+Under a budget, a bounded cache re-quantizes its coldest pages before it evicts any.
 
 ``PagedCache(max_pages=M, cold_format="int4")`` holds, per layer group, at most the bytes of ``M`` float pages.
 A page is written in the model's dtype (hot). When a step needs pages that the bytes cannot hold, the group
@@ -10,12 +18,12 @@ hold about 6.5x (int4) or 3.9x (int8) the tokens before anything is dropped.
 The pieces:
 
 * `ColdPages`: a group's tier state, one per `TieredBlockManager` (shared by its forks): the live page ids held
-  cold, the layers' pages, and `make_room`, which demotes.
+  cold, the layers' pages, and `make_room` (a budget) or `demote_filled` (none), which demote.
 * `TieredBlockManager`: a `BlockManager` whose bound counts bytes: ``max_pages`` reads ``M`` plus the ids that
   the cold pages' saved bytes pay for, so every check of the block manager and of eviction (``available``,
   ``require``, the eviction loop) holds the byte budget without knowing of it. A freed id is hot again.
 * `MixedPages`: one layer's pages of both tiers (the `LayerPages` interface of `hf_paged.page_store`): float
-  storage for hot pages, per-token quantized storage (`hf_paged.kv_formats.QuantizedPages`) for cold ones,
+  storage for hot pages, quantized storage (`hf_paged.kv_formats.QuantizedPages`) for cold ones,
   and per page id the row it occupies in either; the paged kernels read both tiers in place (`kernel_operands`:
   the hot pools, and the cold ones with the row maps as a `hf_paged.kernels.arguments.ColdTier`), the torch path
   through `gather`.
@@ -26,8 +34,10 @@ starts it afresh, or, into its middle after a crop, decodes it back to hot first
 and cached pages, hot and cold, never exceed ``M`` float pages' (outside a compressed prompt's own step, as for
 any bounded cache). Demotion, like eviction, is final: a rolled-back step keeps its demotions.
 
-Cold pages use per-token codecs (a page of one token works): int4 keys in rotated groups of 16 and values one
-rotated group a head (`kv_formats.KEY_GROUP`), int8 symmetric per token and head.
+Cold pages are only ever written whole, when demoted: int4 in pages of 16 tokens or more is the "int4" page format
+(keys per channel within the page, KIVI's; values one rotated group a token and head), in smaller pages (a page of
+one token works) keys per token in rotated groups of 16 (`kv_formats.KEY_GROUP`), at the same bytes in pages of 16;
+int8 symmetric per token and head (`cold_page_format`).
 """
 
 from __future__ import annotations
@@ -47,24 +57,24 @@ from .page_store import FloatPages
 COLD_FORMATS = ("int4", "int8")
 
 
-def cold_page_format(cold_format: str) -> PageFormat:
-    """The per-token page format of ``cold_format`` (`COLD_FORMATS`)."""
-    if cold_format == "int4":
+def cold_page_format(cold_format: str, page_size: int) -> PageFormat:
+    """The page format of ``cold_format`` (`COLD_FORMATS`) in pages of ``page_size``: int4 keys per channel within
+    a page (the "int4" page format, KIVI's keys) in pages of `KEY_GROUP` tokens or more, where its per-page
+    parameters cost no more than per-token groups of `KEY_GROUP`; per token in rotated groups of `KEY_GROUP` in
+    smaller pages. int8: per token and head."""
+    if cold_format == "int4" and page_size < KEY_GROUP:
         return PageFormat("int4", Int4Codec(KEY_GROUP), Int4Codec(None), ("cpu", "cuda"), even_dims=True)
     return page_format(cold_format)
 
 
-def check_cold_format(cold_format, max_pages, kv_format: str, config=None, prefix_store=None) -> None:
+def check_cold_format(cold_format, kv_format: str, config=None, prefix_store=None) -> None:
     """Raise `CacheUsageError` unless ``cold_format`` (None: no demotion) can serve a cache of these arguments (the
-    model's ``config`` gives the head dim, when known)."""
+    model's ``config`` gives the head dim, when known), with a budget or without."""
     if cold_format is None:
         return
     if cold_format not in COLD_FORMATS:
         raise CacheUsageError(f"cold_format={cold_format!r} is not a cold page format; choose one of "
                               f"{', '.join(map(repr, COLD_FORMATS))}, or None (no demotion)")
-    if max_pages is None:
-        raise CacheUsageError(f"cold_format={cold_format!r} demotes pages to fit a budget: set max_pages (the bytes "
-                              "of that many float pages per layer group), or leave cold_format=None")
     if kv_format != "float":
         raise CacheUsageError(f"cold_format={cold_format!r} demotes float pages: it needs kv_format='float', got "
                               f"{kv_format!r} (use one or the other)")
@@ -78,8 +88,8 @@ class ColdPages:
     """A layer group's tiers: ``ids`` (the live page ids held cold, the same in every layer), ``layers`` (the
     group's `MixedPages` by layer index) and ``demotions`` (pages demoted so far)."""
 
-    def __init__(self, cold_format: str):
-        self.cold_format, self.format = cold_format, cold_page_format(cold_format)
+    def __init__(self, cold_format: str, page_size: int):
+        self.cold_format, self.format = cold_format, cold_page_format(cold_format, page_size)
         self.ids: set[int] = set()
         self.layers: dict[int, MixedPages] = {}
         self.demotions = 0
@@ -109,13 +119,10 @@ class ColdPages:
         hot, cold = self.page_bytes()
         return (held - len(self.ids)) * hot + len(self.ids) * cold
 
-    def make_room(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
-                  sink_pages: int, rank) -> int:
-        """Demote the rows' hot full pages, lowest ``rank(pages, ages)`` first (the eviction policy's order; ties:
-        the oldest), until ``manager`` has ``needed`` pages available or none is left (the first ``sink_pages`` stay
-        hot, as they stay held). -> the number demoted."""
-        if needed <= manager.available() or not self.layers:
-            return 0
+    def hot_full_pages(self, manager, rows: list[list[int]], first_page: int, num_tokens: int,
+                       sink_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' held hot full pages past the first ``sink_pages``, each once (a page shared by rows: at its first
+        place), and their ages (index in their row), oldest first."""
         S = manager.page_size
         start = max(sink_pages - first_page, 0)
         full = num_tokens // S - first_page  # entries before it are full pages
@@ -126,11 +133,20 @@ class ColdPages:
         held = pages != EVICTED
         held[held] = cold_row[pages[held]] < 0
         pages, age = pages[held], age[held]
-        if not len(pages):
-            return 0
         _, first = np.unique(pages, return_index=True)  # a page shared by rows: its first place (the oldest)
         first.sort()
-        pages, age = pages[first], age[first]
+        return pages[first], age[first]
+
+    def make_room(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int,
+                  sink_pages: int, rank) -> int:
+        """Demote the rows' hot full pages, lowest ``rank(pages, ages)`` first (the eviction policy's order; ties:
+        the oldest), until ``manager`` has ``needed`` pages available or none is left (the first ``sink_pages`` stay
+        hot, as they stay held). -> the number demoted."""
+        if needed <= manager.available() or not self.layers:
+            return 0
+        pages, age = self.hot_full_pages(manager, rows, first_page, num_tokens, sink_pages)
+        if not len(pages):
+            return 0
         order = np.lexsort((age, rank(pages, age)))
         hot, cold = self.page_bytes()
         demoted = 0
@@ -139,6 +155,15 @@ class ColdPages:
             self.demote(pages[order[demoted:demoted + count]], manager)
             demoted += count
         return min(demoted, len(order))
+
+    def demote_filled(self, manager, rows: list[list[int]], first_page: int, num_tokens: int,
+                      sink_pages: int) -> None:
+        """No budget: every full page past the first ``sink_pages`` turns cold (once the step that filled it
+        commits), so only the sinks and the page being filled are read in float."""
+        if self.layers:
+            pages, _ = self.hot_full_pages(manager, rows, first_page, num_tokens, sink_pages)
+            if len(pages):
+                self.demote(pages, manager)
 
     def demote(self, pages: np.ndarray, manager) -> None:
         """Re-quantize ``pages`` (hot, full) in every layer; they lose their content hashes (not a full forward's)."""
@@ -171,7 +196,7 @@ class TieredBlockManager(BlockManager):
     cold (`ColdPages.extra_pages`); an id that becomes free (or is handed out again) is hot."""
 
     def __init__(self, page_size: int, max_pages: int | None, cold_format: str):
-        self.cold = ColdPages(cold_format)
+        self.cold = ColdPages(cold_format, page_size)
         self._max_pages = None
         super().__init__(page_size, max_pages)
 
@@ -275,6 +300,10 @@ class MixedPages:
         S = self.page_size
         flat = slots.cpu().numpy().astype(np.int64)
         pages, offsets = flat // S, flat % S
+        rows = self.hot_row[pages]
+        if (rows >= 0).all():  # (a decode step's: pages already hot, so none is cold)
+            self.hot.write(torch.from_numpy(rows * S + offsets).to(self.device), keys, values)
+            return
         written, inverse = np.unique(pages, return_inverse=True)
         first = np.full(len(written), S, dtype=np.int64)
         np.minimum.at(first, inverse, offsets)

@@ -327,6 +327,14 @@ class LayerGroups(dict):
         for group in self.values():
             group.store = group.prefix.store = PageStore(group.page_size, group.store.kv_format, group.manager)
 
+    def demote_filled(self) -> None:
+        """Once a step of the cache is final: each group with a cold format and no budget demotes the full pages its
+        rows hold hot past their sinks (`demotion.ColdPages.demote_filled`)."""
+        for g in self.values():
+            cold = getattr(g.manager, "cold", None)
+            if cold is not None and g.manager.max_pages is None:
+                cold.demote_filled(g.manager, g.rows, g.first_page, g.num_tokens, g.policy.sink_pages)
+
     def plan_together(self, batch_size: int, q_len: int) -> None:
         """Plan a new step of ``batch_size`` rows and ``q_len`` tokens for every group at once when they are per-layer
         groups of bounded pools in a steady state (`eviction.plan_stacked`: one plan per step, where each group
@@ -370,17 +378,17 @@ class LayerGroups(dict):
     def commit(self, row_hashes: list[list[bytes]] | None = None) -> None:
         """Make every group's step final, then give full pages their content hashes (``row_hashes``, per row),
         but not pages computed after an eviction in any group: every layer's later K/V differ from a full
-        forward's."""
+        forward's; then demote the pages filled (`demote_filled`)."""
         if any(group.eviction is not None for group in self.values()):
             record_together(self.values(), self.stack)
         for group in self.values():
             group.commit()
-        if row_hashes is None:
-            return
-        exact = min((g.eviction.exact_tokens for g in self.values() if g.eviction is not None), default=math.inf)
-        for group in self.values():
-            hashes = row_hashes if exact == math.inf else [h[:exact // group.page_size] for h in row_hashes]
-            group.register_hashes(hashes, generated=group.step is not None and group.step.q_len == 1)
+        if row_hashes is not None:
+            exact = min((g.eviction.exact_tokens for g in self.values() if g.eviction is not None), default=math.inf)
+            for group in self.values():
+                hashes = row_hashes if exact == math.inf else [h[:exact // group.page_size] for h in row_hashes]
+                group.register_hashes(hashes, generated=group.step is not None and group.step.q_len == 1)
+        self.demote_filled()
 
     def rollback(self) -> None:
         self.stack = None  # (the next step begins group by group, as every group's rows lost their plan)

@@ -170,11 +170,12 @@ def relocate_rows(manager: BlockManager, rows: list[list[int]], src: list[int], 
 
     Like a vector's growth: each move copies the cache once and adds 25% room, so the
     cost per token is amortised, and decode keeps reading views instead of gathering.
-    Only unshared rows of an unbounded pool move (a shared page stays shared); the copies
-    are appended to ``src``/``dst``, the pages left behind to ``replaced``. Returns whether
-    they moved.
+    Only unshared rows of an unbounded pool of one tier move (a shared page stays shared; a cold page,
+    `hf_paged.demotion`, would be decoded by the copy); the copies are appended to ``src``/``dst``, the
+    pages left behind to ``replaced``. Returns whether they moved.
     """
-    if manager.max_pages is not None or any(p == EVICTED or manager.ref[p] != 1 for r in rows for p in r):
+    if (manager.max_pages is not None or getattr(manager, "cold", None) is not None
+            or any(p == EVICTED or manager.ref[p] != 1 for r in rows for p in r)):
         return False
     stride = len(rows[0]) + len(rows[0]) // 4 + 1
     base = manager.free_run(len(rows) * stride)

@@ -31,14 +31,16 @@ default residual of 128 float tokens) beside them: KV bytes per token from ``Pag
 prefill (float pages of a float32 and of a bfloat16 model, int8, int4; scales included; QuantizedCache: its quantized
 history, and with its residual full); perplexity at each ``--cache-tokens`` length against float32 pages with paired
 intervals: the formats in one forward through their pages, bfloat16 keys and values (simulated), QuantizedCache with
-the text in chunks of its residual length (each token sees what it would see when decoded); and greedy agreement of
-``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts`` prompts of 32-256
-tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt).
+the text in chunks of its residual length (each token sees what it would see when decoded), and int4 cold pages
+(``PagedCache(cold_format="int4")`` without a budget: every full page but the sinks re-quantized to int4, the sinks
+and the newest page read in float) with the text in chunks of a page, paired with QuantizedCache int4 too; and greedy
+agreement of ``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts``
+prompts of 32-256 tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt).
 
 Part ``decode``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size,
-float32, int8 and int4 pages and the QuantizedCache rows holding the same keys and values (computed once per length; a
-batch's rows made distinct): each round decodes ``--decode-tokens`` tokens from a fork of each cache, entries
-alternating (CPU time per token, medians and quartiles of per-round ratios against float32 pages over ``--repeats``
+float32, int8 and int4 pages, int4 cold pages and the QuantizedCache rows holding the same keys and values (computed
+once per length; a batch's rows made distinct): each round decodes ``--decode-tokens`` tokens from a fork of each
+cache, entries alternating (CPU time per token, medians and quartiles of per-round ratios against float32 pages over ``--repeats``
 rounds).
 
 Part ``mixed``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a

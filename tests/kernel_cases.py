@@ -134,7 +134,7 @@ def two_tier_case(case: dict, cold_format: str, seed: int = 0, cold_share: float
     from hf_paged.demotion import ColdPages
 
     P, S, H, D = case["k_pool"].shape
-    layer = ColdPages(cold_format).make_layer(0, S, H, D, D, case["k_pool"].dtype, case["k_pool"].device)
+    layer = ColdPages(cold_format, S).make_layer(0, S, H, D, D, case["k_pool"].dtype, case["k_pool"].device)
     layer.grow_to(P)
     layer.write(torch.arange(P * S, device=case["k_pool"].device), case["k_pool"].flatten(0, 1),
                 case["v_pool"].flatten(0, 1))

@@ -1,5 +1,6 @@
-"""Mixed precision under a budget (issue 32): `PagedCache(max_pages=M, cold_format=...)` holds M float pages' bytes per
-layer group and re-quantizes its coldest pages before it evicts any (`hf_paged.demotion`)."""
+"""Mixed precision (issue 32, `hf_paged.demotion`): under a budget, `PagedCache(max_pages=M, cold_format=...)` holds M
+float pages' bytes per layer group and re-quantizes its coldest pages before it evicts any; without one, every full page
+but a row's sinks turns cold before the next step."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hf_paged
-from hf_paged.demotion import ColdPages, MixedPages
-from hf_paged.kv_formats import dequantize, quantize
+from hf_paged.demotion import ColdPages, MixedPages, cold_page_format
+from hf_paged.kv_formats import QuantizedPages, dequantize, page_format, quantize
 from test_failed_step import _decode, _fail_after_layer
-from tiny_models import left_padded_batch, make_pair, shared_pair
+from tiny_models import left_padded_batch, make_config, make_pair, shared_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,7 +105,7 @@ def test_the_byte_budget_is_never_exceeded(page_size, extra, cold, eviction, bat
 @pytest.mark.parametrize("cold", ["int4", "int8"])
 def test_demoted_pages_read_back_within_the_format_tolerance(cold):
     S, H, D, pages_n = 2, 2, 16, 6
-    tiers = ColdPages(cold)
+    tiers = ColdPages(cold, S)
     layer = tiers.make_layer(0, S, H, D, D, torch.float32, "cpu")
     layer.grow_to(pages_n)
     g = torch.Generator().manual_seed(0)
@@ -136,7 +137,7 @@ def test_demoted_pages_read_back_within_the_format_tolerance(cold):
 
 def test_a_write_into_a_cold_page_starts_it_hot():
     S, H, D = 4, 1, 8
-    tiers = ColdPages("int4")
+    tiers = ColdPages("int4", S)
     layer = tiers.make_layer(0, S, H, D, D, torch.float32, "cpu")
     layer.grow_to(2)
     x = torch.randn(2 * S, H, D, generator=torch.Generator().manual_seed(1))
@@ -179,13 +180,8 @@ def test_tokens_equal_the_plain_bounded_cache_while_nothing_is_demoted():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("cold", ["int4", "int8"])
-def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
-    """Decoding a batch past many demotions (and evictions) with ``cold_format``: the C kernel reading both tiers in
-    place gives the logits of the torch path (gathers) within 2e-5 and the same greedy tokens; the kernel runs on
-    pages of both tiers."""
-    _, model = shared_pair("llama")
-    batch = left_padded_batch((9, 5, 13))
+def _kernel_reads_cold_pages(monkeypatch) -> list[bool]:
+    """Per C kernel call from now on: whether it read cold pages (the list grows as the kernel runs)."""
     seen = []
     real = hf_paged.attention.cpu_kernel.paged_attention_cpu
 
@@ -194,6 +190,17 @@ def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
         return real(*args, cold=cold, **kw)
 
     monkeypatch.setattr(hf_paged.attention.cpu_kernel, "paged_attention_cpu", counting)
+    return seen
+
+
+@pytest.mark.parametrize("cold", ["int4", "int8"])
+def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
+    """Decoding a batch past many demotions (and evictions) with ``cold_format``: the C kernel reading both tiers in
+    place gives the logits of the torch path (gathers) within 2e-5 and the same greedy tokens; the kernel runs on
+    pages of both tiers."""
+    _, model = shared_pair("llama")
+    batch = left_padded_batch((9, 5, 13))
+    seen = _kernel_reads_cold_pages(monkeypatch)
     runs = {}
     for backend in ("cpu", "torch"):
         cache = hf_paged.PagedCache(page_size=1, max_pages=40, config=model.config, cold_format=cold, backend=backend,
@@ -265,10 +272,14 @@ def test_a_failed_step_rolls_back_and_its_retry_is_exact():
 def test_bad_arguments_are_refused_before_any_work():
     with pytest.raises(hf_paged.CacheUsageError, match="cold_format='int3'"):
         hf_paged.PagedCache(max_pages=4, cold_format="int3")
-    with pytest.raises(hf_paged.CacheUsageError, match="set max_pages"):
-        hf_paged.PagedCache(cold_format="int4")
     with pytest.raises(hf_paged.CacheUsageError, match="kv_format='float'"):
         hf_paged.PagedCache(max_pages=4, cold_format="int4", kv_format="int8")
+    with pytest.raises(hf_paged.CacheUsageError, match="kv_format='float'"):  # (no budget: demoted as they fill)
+        hf_paged.PagedCache(cold_format="int4", kv_format="int4")
+    config = make_config("llama")
+    config.head_dim = 15
+    with pytest.raises(hf_paged.CacheUsageError, match="cold_format|kv_format='int4' packs two values a byte"):
+        hf_paged.PagedCache(cold_format="int4", config=config)
 
 
 def test_the_evaluation_script_adds_cold_format_rows_at_the_same_budgets():
@@ -303,3 +314,92 @@ def test_torch_compile_is_refused_with_a_reason():
                 compiled(_ids(1, 12)[:, start:start + 4], **{hf_paged.CACHE_KWARG: cache})
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------- without a budget
+@pytest.mark.parametrize("page_size", [16, 2])
+def test_cold_pages_are_the_page_formats_by_page_size(page_size):
+    """int4 cold pages of 16 tokens are the "int4" page format's, code for code (keys per channel within the page);
+    smaller ones keep per-token keys (a page's parameters would cost more than its tokens' groups)."""
+    H, D, n = 2, 16, 3
+    tiers = ColdPages("int4", page_size)
+    layer = tiers.make_layer(0, page_size, H, D, D, torch.float32, "cpu")
+    layer.grow_to(n)
+    x = torch.randn(n * page_size, H, D, generator=torch.Generator().manual_seed(2)) * 2
+    layer.write(torch.arange(n * page_size), x, x.flip(-1))
+    layer.demote(np.array([0, 2]))
+    assert getattr(tiers.format.key, "per_page", False) == (page_size >= 16)
+    if page_size >= 16:
+        pages = QuantizedPages(page_format("int4"), page_size, H, D, D, torch.float32, "cpu")
+        pages.grow_to(n)
+        pages.write(torch.arange(n * page_size), x, x.flip(-1))
+        rows = torch.from_numpy(layer.cold_row[[0, 2]])
+        for name in ("k_codes", "k_scale", "v_codes", "v_scale"):
+            assert torch.equal(getattr(layer.cold, name)[rows], getattr(pages, name)[[0, 2]]), name
+    per_token = QuantizedPages(cold_page_format("int4", 1), page_size, H, D, D, torch.float32, "cpu")
+    per_token.grow_to(1)
+    assert layer.cold_page_bytes == per_token.page_bytes()  # in pages of 16: the same bytes as per-token keys
+    assert layer.cold_page_bytes < 0.2 * layer.hot_page_bytes
+
+
+@pytest.mark.parametrize("page_size", [16, 3])
+def test_without_a_budget_every_full_page_but_the_sinks_turns_cold(page_size):
+    """``cold_format`` without ``max_pages``: before each step, every full page of a row past its sink pages is cold;
+    the sinks and the page being filled are read in float; ``kv_bytes`` counts each tier at its bytes; the prefill
+    reads float pages (the plain cache's logits)."""
+    _, model = shared_pair("llama")
+    ids = _ids(2, 70, seed=8)
+    cache = hf_paged.PagedCache(page_size=page_size, config=model.config, cold_format="int4")
+    plain = hf_paged.PagedCache(page_size=page_size, config=model.config)
+    sinks = cache.policy.sink_pages
+    prompt = 37
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :prompt], **{hf_paged.CACHE_KWARG: cache}).logits
+        assert torch.equal(first, model(input_ids=ids[:, :prompt], **{hf_paged.CACHE_KWARG: plain}).logits)
+        for t in range(prompt, ids.shape[1]):
+            model(input_ids=ids[:, t:t + 1], **{hf_paged.CACHE_KWARG: cache})
+            for group in _groups(cache):
+                full = t // page_size  # pages full before this step
+                want = {p for row in group.rows for p in row[sinks:full]}
+                assert group.manager.cold.ids == want
+                group.manager.cold.check_invariants(group.manager)
+                layers = group.manager.cold.layers.values()
+                held = len({p for row in group.rows for p in row})
+                assert group.store.held_bytes() == sum((held - len(want)) * layer.hot_page_bytes
+                                                       + len(want) * layer.cold_page_bytes for layer in layers)
+    stats = cache.stats()
+    assert stats["pages_cold"] == len(cache.groups) * 2 * (ids.shape[1] // page_size - sinks)  # (committed: demoted)
+    assert stats["kv_bytes"] < 0.5 * plain.stats()["kv_bytes"] * ids.shape[1] / prompt
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_without_a_budget_the_kernel_reads_as_the_torch_path_with_beams(page_size, monkeypatch):
+    """Beam search on a cache without a budget (pages turn cold as they fill, shared by the beams): the C kernel
+    reading both tiers in place gives the torch path's tokens and logits within 2e-5."""
+    _, model = shared_pair("llama")
+    batch = left_padded_batch((19, 5, 33))
+    seen = _kernel_reads_cold_pages(monkeypatch)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        cache = hf_paged.PagedCache(page_size=page_size, config=model.config, cold_format="int4", backend=backend)
+        out = model.generate(**batch, max_new_tokens=40, num_beams=2, do_sample=False, cache=cache,
+                             output_scores=True, return_dict_in_generate=True)
+        runs[backend] = out, cache.stats()
+        for group in _groups(cache):
+            group.manager.cold.check_invariants(group.manager)
+    (kernel, stats), (torch_path, _) = runs["cpu"], runs["torch"]
+    assert stats["demotions"] > 0 and any(seen)
+    assert torch.equal(kernel.sequences, torch_path.sequences)
+    torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), rtol=0, atol=2e-5)
+
+
+def test_without_a_budget_a_failed_step_retries_exactly():
+    _, model = shared_pair("llama")
+    batch = left_padded_batch((9, 5, 13))
+    make = lambda: hf_paged.PagedCache(page_size=4, config=model.config, cold_format="int4")  # noqa: E731
+    reference = make()
+    expected = _decode(model, reference, batch, 30)
+    cache = make()
+    got = _decode(model, cache, batch, 30, fail_at=24, fail_in=_fail_after_layer(1))
+    assert reference.stats()["demotions"] > 0
+    assert torch.equal(got, expected)

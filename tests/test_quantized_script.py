@@ -111,18 +111,21 @@ def test_perplexity_part_on_the_real_model(tmp_path):
 def test_cache_part_measures_the_real_caches(tmp_path):
     """Through PagedCache/generate_many pages: bytes per token from stats() (int8 about a quarter of float32's),
     float32 pages as their own reference at each length, bfloat16 and the QuantizedCache rows beside the formats
-    (or skipped with a reason), agreement counted per prompt."""
+    (or skipped with a reason), int4 cold pages last (paired with QuantizedCache int4 where it ran), agreement
+    counted per prompt."""
     assert quantized.main(["--quick", "--parts", "cache", "--cache-tokens", "64,96", "--num-prompts", "2",
                            "--out", str(tmp_path), "--no-progress"]) == 0
     cache = json.loads((tmp_path / "quantized.json").read_text())["cache"]
     sizes = cache["bytes_per_token"]
     assert sizes["bfloat16"] == sizes["float32"] / 2 and 0.25 < sizes["int8"] / sizes["float32"] <= 0.27
     assert sizes["int4"] < sizes["int8"]
+    assert sizes["int4"] < sizes[quantized.COLD] < sizes["int4"] + sizes["float32"] / 2  # (2 pages: the sink float)
     peers = [] if cache["peer_skipped"] else [f"QuantizedCache int{n} (quanto)" for n in (4, 2)]
     assert [block["tokens"] for block in cache["perplexity"]] == [64, 96]
     for block in cache["perplexity"]:
         rows = block["rows"]
-        assert [row["name"] for row in rows] == ["float32", "bfloat16", "int8", "int4", *peers]
+        assert [row["name"] for row in rows] == ["float32", "bfloat16", "int8", "int4", *peers, quantized.COLD]
+        assert ("vs_peer" in rows[-1]) == bool(peers) and rows[-1]["kl_mean"] < rows[3]["kl_mean"]
         assert rows[0]["relative"] == rows[0]["kl_mean"] == 0 and rows[0]["tokens"] == block["tokens"]
         assert all(r["low"] <= r["relative"] <= r["high"] and r["bytes_per_token"] > 0 for r in rows)
     for name in peers:
@@ -153,7 +156,7 @@ def test_decode_part_times_every_cache_against_float_pages(tmp_path):
                            "--decode-tokens", "2", "--repeats", "1", "--peer-bits", "4", "--out", str(tmp_path),
                            "--no-progress"]) == 0
     decode = json.loads((tmp_path / "quantized.json").read_text())["decode"]
-    names = list(quantized.CACHE_FORMATS) + ([] if decode["peer_skipped"] else ["QuantizedCache int4 (quanto)"])
+    names = [*quantized.CACHE_FORMATS, quantized.COLD, *([] if decode["peer_skipped"] else ["QuantizedCache int4 (quanto)"])]
     assert [(r["batch"], r["cache"]) for r in decode["results"]] == [(b, n) for b in (1, 2) for n in names]
     assert all(r["cpu_ratio"] == 1 for r in decode["results"] if r["cache"] == "float")
     one, two = ({r["cache"]: r["kv_bytes"] for r in decode["results"] if r["batch"] == b} for b in (1, 2))

@@ -76,6 +76,13 @@ class CacheStream:
                 bar.update(end - start)
         return nll
 
+    def log_probs(self, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Feed one row's ``ids [T]`` in chunks of ``chunk`` tokens; -> the float32 log-probabilities ``[T - 1, V]``
+        of every next token given what the cache holds when it is predicted."""
+        out = [torch.log_softmax(self.forward(ids[None, start:start + chunk])[0].float(), dim=-1).cpu()
+               for start in range(0, len(ids), chunk)]
+        return torch.cat(out)[:-1]
+
     def score_after(self, logits: torch.Tensor, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """The NLL of every token of one row's ``ids [T]``, the first given the previous token's ``logits [V]``
         (e.g. `feed`'s), the others as `score` feeds them; -> ``[T]`` float64 on the CPU."""

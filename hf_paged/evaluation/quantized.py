@@ -31,11 +31,13 @@ from ..page_store import FloatPages
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
 from .memory import MemoryMeter, _libc
+from .nll import CacheStream
 from .run_info import load_average, versions
 from .text import load_token_ids
 
 PARTS = ("perplexity", "speed", "cache", "decode", "mixed")
 CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
+COLD = "int4 cold pages (sinks, newest page float)"  # PagedCache(cold_format="int4"): pages demoted as they fill
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4", "float32+int4")  # the last: two tiers, 7 of 8 pages cold
 COLD_SHARE = 8  # "float32+int4": every page but each 8th is cold (a cache at a quarter of the context's bytes)
 LAYER = dict(query_heads=9, kv_heads=3, head_dim=64)  # one SmolLM2-135M layer
@@ -223,7 +225,7 @@ def layer_pages(name: str, num_pages: int, page_size: int):
     elif "+" in name:  # a two-tier layer (`hf_paged.demotion.MixedPages`), demoted once written (`speed_part`)
         from ..demotion import ColdPages
 
-        pages = ColdPages(name.partition("+")[2]).make_layer(0, *shape, torch.float32, "cpu")
+        pages = ColdPages(name.partition("+")[2], page_size).make_layer(0, *shape, torch.float32, "cpu")
     else:
         pages = QuantizedPages(page_format(name), *shape, torch.float32, "cpu")
     pages.grow_to(num_pages)
@@ -307,11 +309,20 @@ def speed_part(args, progress) -> dict:
 
 
 # ------------------------------------------------------------------------------------- the real caches
-def _bytes_per_token(model, ids: torch.Tensor, page_size: int, kv_format: str) -> float:
-    """``stats()["kv_bytes"]`` of a `PagedCache` in ``kv_format`` after a prefill of ``ids``, per token."""
+def _paged(model, page_size: int, name: str):
+    """An empty `PagedCache` for a cache part entry: a ``CACHE_FORMATS`` page format, or `COLD`."""
     import hf_paged
 
-    cache = hf_paged.PagedCache(page_size=page_size, config=model.config, kv_format=kv_format)
+    formats = dict(cold_format="int4") if name == COLD else dict(kv_format=name)
+    return hf_paged.PagedCache(page_size=page_size, config=model.config, **formats)
+
+
+def _bytes_per_token(model, ids: torch.Tensor, page_size: int, name: str) -> float:
+    """``stats()["kv_bytes"]`` of a `_paged` cache after a prefill of ``ids``, per token (`COLD`: its full pages
+    demoted but the sinks, as the prefill's commit leaves them)."""
+    import hf_paged
+
+    cache = _paged(model, page_size, name)
     with torch.no_grad():
         model(input_ids=ids[None], use_cache=True, **{hf_paged.CACHE_KWARG: cache})
     return cache.stats()["kv_bytes"] / len(ids)
@@ -369,7 +380,7 @@ def cache_part(args, progress) -> dict:
     model.generation_config.eos_token_id = None
     sdpa, bits, peer_skipped = _peer_models(args)
     ids, info = load_token_ids(tokenizer, max(args.cache_tokens))
-    bar = progress(total=2 + len(args.cache_tokens) * (1 + len(CACHE_FORMATS) + len(bits))
+    bar = progress(total=2 + len(args.cache_tokens) * (2 + len(CACHE_FORMATS) + len(bits))
                    + len(CACHE_FORMATS) * bool(args.num_prompts), desc="real caches")
     # KV bytes per token: float pages of a float32 and a bfloat16 model, int8 and int4 pages (scales included), and
     # QuantizedCache after a prefill (everything quantized) and with its float residual full
@@ -379,8 +390,8 @@ def cache_part(args, progress) -> dict:
              "bfloat16": _bytes_per_token(bf16, tokens, args.page_size, "float")}
     del bf16
     bar.update(1)
-    for kv_format in CACHE_FORMATS[1:]:
-        sizes[kv_format] = _bytes_per_token(model, tokens, args.page_size, kv_format)
+    for name in (*CACHE_FORMATS[1:], COLD):
+        sizes[name] = _bytes_per_token(model, tokens, args.page_size, name)
     peer_sizes = {}
     for nbits in bits:
         name = peer.name(nbits, args.peer_residual)
@@ -388,18 +399,20 @@ def cache_part(args, progress) -> dict:
         sizes[name] = peer_sizes[name]["prefilled"]
     bar.update(1)
     # perplexity at each length: float pages (the reference), bfloat16 keys and values (simulated), int8 and int4
-    # pages in one forward, QuantizedCache in chunks of its residual (each token's decoding view)
+    # pages in one forward, QuantizedCache in chunks of its residual and `COLD` in chunks of a page (each token's
+    # decoding view), `COLD` also paired with QuantizedCache int4
     bf16_scheme = next(s for s in schemes(64, args.page_size) if s.name == "bfloat16")
     perplexity = []
     for length in args.cache_tokens:
         text, rows, reference, ref_row = ids[:length], [], None, None
 
-        def add(name, logp):
+        def add(name, logp, bytes_per_token=None):
             nonlocal reference, ref_row
             row = _scored(logp, text, args.block, name, reference, ref_row)
             if reference is None:
                 reference, ref_row = logp, row
-            rows.append(dict(row, bytes_per_token=sizes.get(name), wall_s=time.perf_counter() - t0))
+            rows.append(dict(row, bytes_per_token=bytes_per_token or sizes.get(name),
+                             wall_s=time.perf_counter() - t0))
             bar.update(1)
 
         for kv_format in CACHE_FORMATS:
@@ -416,6 +429,15 @@ def cache_part(args, progress) -> dict:
         for nbits in bits:
             t0 = time.perf_counter()
             add(peer.name(nbits, args.peer_residual), peer.log_probs(sdpa, text, nbits, args.peer_residual))
+        t0 = time.perf_counter()
+        stream = CacheStream(model, _paged(model, args.page_size, COLD), hf_paged.CACHE_KWARG)
+        add(COLD, stream.log_probs(text, args.page_size), stream.cache.stats()["kv_bytes"] / length)
+        del stream
+        rival = next((row for row in rows if row["name"] == peer.name(4, args.peer_residual)), None)
+        if rival is not None:  # `COLD` against QuantizedCache int4, paired over the same blocks
+            blocks = [min(args.block, length - 1 - b) for b in range(0, length - 1, args.block)]
+            ratio = paired_ratio_interval(rows[-1]["block_nll"], rival["block_nll"], blocks)
+            rows[-1]["vs_peer"] = dict(name=rival["name"], **dict(zip(("relative", "low", "high"), ratio)))
         perplexity.append(dict(tokens=length, rows=rows))
         del reference
     # greedy agreement with float pages: generate_many over the many-prompts workload (none: --num-prompts 0)
@@ -480,7 +502,8 @@ def _decode_setup(args, progress, desc: str):
 
 def decode_part(args, progress) -> dict:
     """``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size, float32, int8
-    and int4 pages and QuantizedCache int4/int2 holding the same keys and values, entries alternating."""
+    and int4 pages, int4 cold pages (`COLD`) and QuantizedCache int4/int2 holding the same keys and values, entries
+    alternating."""
     import hf_paged
 
     from . import quantized_peer as peer
@@ -488,7 +511,7 @@ def decode_part(args, progress) -> dict:
     model, tokenizer, bar = _decode_setup(args, progress, "decode through the caches")
     sdpa, bits, peer_skipped = _peer_models(args)
     peers = {peer.name(nbits, args.peer_residual): nbits for nbits in bits}
-    entries = list(CACHE_FORMATS) + list(peers)
+    entries = [*CACHE_FORMATS, COLD, *peers]
     meter = MemoryMeter(torch.device("cpu"))
     results = []
     for context in args.decode_contexts:
@@ -498,11 +521,11 @@ def decode_part(args, progress) -> dict:
             meter.start()  # this configuration's peak resident memory, from what the models and ``kv`` hold
             caches = {}
             for name in entries:  # each filled on its own, the memory freed while filling it handed back
-                empty = (hf_paged.PagedCache(page_size=args.page_size, config=model.config, kv_format=name)
-                         if name in CACHE_FORMATS else peer.make_cache(sdpa.config, peers[name], args.peer_residual))
+                empty = (peer.make_cache(sdpa.config, peers[name], args.peer_residual) if name in peers
+                         else _paged(model, args.page_size, name))
                 caches[name] = _filled(empty, kv, batch)
                 release_memory()
-            kv_bytes = {name: (cache.stats()["kv_bytes"] if name in CACHE_FORMATS else peer.kv_bytes(cache))
+            kv_bytes = {name: (peer.kv_bytes(cache) if name in peers else cache.stats()["kv_bytes"])
                         for name, cache in caches.items()}
             bar.update(1)
             inputs = dict(input_ids=prompt[None].expand(batch, -1), attention_mask=torch.ones(batch, context,
@@ -513,10 +536,10 @@ def decode_part(args, progress) -> dict:
             for round_ in range(args.repeats):
                 shift = round_ % len(entries)
                 for name in entries[shift:] + entries[:shift]:
-                    if name in CACHE_FORMATS:
-                        runner, kwargs = model, {hf_paged.CACHE_KWARG: caches[name].fork()}
-                    else:
+                    if name in peers:
                         runner, kwargs = sdpa, {hf_paged.CACHE_KWARG: peer.fork(caches[name])}
+                    else:
+                        runner, kwargs = model, {hf_paged.CACHE_KWARG: caches[name].fork()}
                     cpu, wall = time.process_time(), time.perf_counter()
                     runner.generate(**inputs, **kwargs)
                     times[name].append(((time.process_time() - cpu) / args.decode_tokens,
@@ -720,7 +743,9 @@ def cache_markdown(r: dict) -> list[str]:
                   "95% paired bootstrap interval over blocks of tokens. Pages: one forward through "
                   "`PagedCache(kv_format=...)` ('hf_paged' attention); bfloat16: keys and values rounded to bfloat16 "
                   "(a DynamicCache keeping them so, 'sdpa'); QuantizedCache: the text in chunks of its residual "
-                  "length, each token's decoding view ('sdpa').", ""]
+                  "length, each token's decoding view ('sdpa'); int4 cold pages: `PagedCache(cold_format=\"int4\")` "
+                  "(no budget: full pages demoted but the sinks), the text in chunks of a page, each token's "
+                  "decoding view; its bytes: at the end of the text.", ""]
         lines += _table("| cache< | perplexity | vs float32 pages [95% interval] | KL mean | top-1 agreement | "
                         "bytes vs float32 |",
                         [[row["name"], f"{row['perplexity']:.4f}",
@@ -728,6 +753,8 @@ def cache_markdown(r: dict) -> list[str]:
                           f"{row['kl_mean']:.5f}", f"{row['top1_agreement']:.4f}",
                           f"{row['bytes_per_token'] / sizes['float32']:.3f}x" if row["bytes_per_token"] else ""]
                          for row in block["rows"]])
+        lines += [f"\n{row['name']} against {row['vs_peer']['name']}, paired: {_interval(row['vs_peer'])}"
+                  for row in block["rows"] if "vs_peer" in row]
     if r["agreement"]:
         lines += ["", "Greedy agreement with float pages: `generate_many` over the many-prompts workload "
                   f"({r['agreement'][0]['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each):",

@@ -21,6 +21,7 @@ import copy
 import torch
 
 from ..model_config import CACHE_KWARG
+from .nll import CacheStream
 
 RESIDUAL = 128  # transformers' default residual_length
 
@@ -83,13 +84,8 @@ def fork(cache):
 def log_probs(model, ids: torch.Tensor, nbits: int, residual_length: int = RESIDUAL) -> torch.Tensor:
     """float32 log-probabilities ``[T - 1, V]`` of every next token of ``ids`` (1-D), the text fed through a fresh
     `QuantizedCache` in chunks of ``residual_length`` tokens (module docstring: each token's decoding view)."""
-    cache = make_cache(model.config, nbits, residual_length)
-    out = []
-    for start in range(0, len(ids), residual_length):
-        chunk = ids[None, start:start + residual_length]
-        logits = model(input_ids=chunk, use_cache=True, **{CACHE_KWARG: cache}).logits[0]
-        out.append(torch.log_softmax(logits.float(), dim=-1))
-    return torch.cat(out)[:-1]
+    stream = CacheStream(model, make_cache(model.config, nbits, residual_length), CACHE_KWARG)
+    return stream.log_probs(ids, residual_length)
 
 
 def bytes_per_token(model, ids: torch.Tensor, nbits: int, residual_length: int = RESIDUAL) -> dict:

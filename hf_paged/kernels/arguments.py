@@ -28,8 +28,9 @@ class ColdTier:
     """The cold pools of a two-tier layer and where each page lives: page id ``p`` of a page table is row
     ``hot_row[p]`` of the hot (float) pools, or else row ``cold_row[p]`` of these pools in ``format`` (int8 or
     int4 codes with their float16 scales, layout of `hf_paged.kv_formats`; a `PageFormat`, since cold int4 pages
-    use per-token keys, not the per-page keys of the "int4" page format); -1 in both: the id holds nothing and is
-    skipped like a hole. Invariant (the owner's): no id has a row in both."""
+    of fewer than 16 tokens use per-token keys, not the per-page keys of the "int4" page format,
+    `demotion.cold_page_format`); -1 in both: the id holds nothing and is skipped like a hole. Invariant (the
+    owner's): no id has a row in both."""
 
     k_pool: torch.Tensor
     v_pool: torch.Tensor

@@ -24,7 +24,8 @@
  * row that the group's query heads share). int4 keys' parameters go into the queries once per page instead
  * (q . x = q . low + (q * step) . code, `page_query`), so a slot costs dot products with its bare codes; int4 codes
  * are read 32 at a time split by parity (`nibbles32`), the operands in the same order. int4 keys per token (the cold
- * pages of a two-tier layer): like int4 values, in groups of gcd(D, 16), stored rotated (k_page_params = 0).
+ * pages of a two-tier layer in pages under 16 tokens): like int4 values, in groups of gcd(D, 16), stored rotated
+ * (k_page_params = 0).
  *
  * Two tiers (hf_paged/demotion.py, `ColdTier`): the pools are a layer's hot float pages, `cold` points at a copy of
  * the arguments whose pool fields hold its cold int8 / int4 pages, and table ids are page ids that hot_row /
