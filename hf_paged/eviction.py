@@ -238,10 +238,10 @@ class EvictionPolicy:
         """A page's rank is its share of the last step that observed it (a "score" with no decay: TOVA)."""
         return self.name == "score" and self.decay == 0
 
-    def whole_shares(self, pages: np.ndarray, mass: torch.Tensor) -> np.ndarray | None:
+    def whole_shares(self, pages: np.ndarray, mass: torch.Tensor, whole: bool = False) -> np.ndarray | None:
         """`record`'s shares in one pass over the rows (the same numbers), for a "score" policy when no row has
-        holes; else None."""
-        if self.name != "score" or not pages.size or (pages == EVICTED).any():
+        holes (``whole``: known to have none); else None."""
+        if self.name != "score" or not pages.size or (not whole and (pages == EVICTED).any()):
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
@@ -707,8 +707,9 @@ class PlanStack:
     ``[L, B, Nk]`` array with their positions, and their logical tables as ``[L, B, capacity]``, so that one
     vectorised pass finds every group's victims' pages, edits the tables and makes the slots; group l's `StepPlan`
     views slice l. Each group's victims are its own (its last shares, or its history): the rows, pages, histories
-    and plans equal those of L separate `recycle` steps. Invariant: ``plans[l]`` is group l's plan made (or copied)
-    last; a step whose groups' plans are others is planned by a new stack, or group by group."""
+    and plans equal those of L separate `recycle` steps. Invariants: ``plans[l]`` is group l's plan made (or copied)
+    last; a step whose groups' plans are others is planned by a new stack, or group by group. The live tables have
+    no holes (a recycled page keeps its column)."""
 
     def __init__(self, plans: list):
         (L, (B, n)), live = (len(plans), plans[0].table.shape), plans[0].read_table.shape[1]
@@ -722,6 +723,7 @@ class PlanStack:
         self.plans = list(plans)
         self.highest = int(self.read_table.max()) if self.read_table.size else -1  # (the live ids stay while stacked)
         self.histories: StackedHistories | None = None  # the groups' histories, stacked by `stacked_histories`
+        self.rows: list = []  # each group's rows (its list) as the stack's last step planned them
         self.q_pos: torch.Tensor | None = None  # the step's query positions [B, Q], edited in place (`queries`)
         self.memos: list[tuple | None] = [None] * L  # group l's kernel index on the host, its tensors (`_memo`)
 
@@ -761,14 +763,14 @@ class PlanStack:
         every condition of `plan_stacked` that those plans and the groups' pools and policies kept since then holds
         (bounded, lossy, no cold tier, read through live tables) and is checked once for the stack; per group, what
         can change between steps: no step open, full attention (every page kept), its pool full and not overdrawn,
-        its rows and length as the stack planned them."""
+        its rows and length as the stack planned them (the same lists: a group's rows are edited in place only in
+        the steps it plans, which replace its plan, or in a rollback, which ends the stack)."""
         last = self.plans[0]
         n, S = last.num_tokens, last.page_size
         return (n % S == 0 and q_len <= S and self.holds([group.step for group in groups])
-                and all(not group.step_open and len(group.rows) == batch_size and group.num_tokens == n
+                and all(not group.step_open and group.rows is rows and len(rows) == batch_size and group.num_tokens == n
                         and group.sliding_window is None and not group.manager.overdrawn
-                        and group.manager.available() <= 0 and plan.rows == group.rows
-                        for group, plan in zip(groups, self.plans)))
+                        and group.manager.available() <= 0 for group, rows in zip(groups, self.rows)))
 
     @staticmethod
     def fits(plans: list) -> bool:
@@ -821,6 +823,7 @@ class PlanStack:
         histories = self.stacked_histories(groups)
         if histories is not None:  # (each victim page starts afresh, written at its group's next clock)
             histories.written(pages, np.array([group.eviction.clock + 1 for group in groups]))
+        self.rows = [group.rows for group in groups]
         tables, slot_rows = torch.from_numpy(self.table)[:, :, :self.width].unbind(), torch.from_numpy(slots).unbind()
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
             self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], tables[l],
@@ -834,6 +837,7 @@ class PlanStack:
         last_pages = self.table[:, :, self.width - 1]
         slots = (last_pages[..., None] * S + past % S + np.arange(q_len)).reshape(len(groups), -1)
         self.queries(past, q_len)
+        self.rows = [group.rows for group in groups]
         for l, (group, slot_row) in enumerate(zip(groups, torch.from_numpy(slots).unbind())):
             self.plans[l] = group.begin_planned(self._continued, l, group, slot_row, q_len)
         return True
@@ -909,7 +913,7 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     together = stack is not None and stack.holds(plans)
     tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
         [p.read_table.numpy() for p in plans])
-    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
+    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]), whole=together)  # (a stack has no holes)
     if shares is None:
         return
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
