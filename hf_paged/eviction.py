@@ -315,7 +315,8 @@ class EvictionPolicy:
             rank = shares if shares is not None and self.ranks_by_last_share else self._rank(history, table)
         recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
         rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
-        columns, best = rank.argmin(axis=1), rank.min(axis=1, keepdims=True)
+        columns = rank.argmin(axis=1)
+        best = np.take_along_axis(rank, columns[:, None], axis=1)  # (the minimum: one pass fewer than min)
         if best.max() == np.inf:
             return None
         ties = rank == best
@@ -760,17 +761,19 @@ class PlanStack:
 
     def steady(self, groups: list, batch_size: int, q_len: int) -> bool:
         """The next step of ``groups`` is one that `recycle` plans: their plans are the ones this stack made last, so
-        every condition of `plan_stacked` that those plans and the groups' pools and policies kept since then holds
-        (bounded, lossy, no cold tier, read through live tables) and is checked once for the stack; per group, what
-        can change between steps: no step open, full attention (every page kept), its pool full and not overdrawn,
+        every condition of `plan_stacked` that those plans kept since then holds (read through live tables, no rows
+        assumed identical) and is checked once for the stack; per group, the rest of `GroupEviction.recycles` (a stack
+        made for steps that `advance` did not check them): no step open, full attention (every page kept), a lossy
+        policy, its pool full, not overdrawn and without a cold tier (demotion first: the general path),
         its rows and length as the stack planned them (the same lists: a group's rows are edited in place only in
         the steps it plans, which replace its plan, or in a rollback, which ends the stack)."""
         last = self.plans[0]
         n, S = last.num_tokens, last.page_size
         return (n % S == 0 and q_len <= S and self.holds([group.step for group in groups])
                 and all(not group.step_open and group.rows is rows and len(rows) == batch_size and group.num_tokens == n
-                        and group.sliding_window is None and not group.manager.overdrawn
-                        and group.manager.available() <= 0 for group, rows in zip(groups, self.rows)))
+                        and group.sliding_window is None and group.policy.lossy and not group.manager.overdrawn
+                        and getattr(group.manager, "cold", None) is None and group.manager.available() <= 0
+                        for group, rows in zip(groups, self.rows)))
 
     @staticmethod
     def fits(plans: list) -> bool:
