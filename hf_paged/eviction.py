@@ -238,10 +238,10 @@ class EvictionPolicy:
         """A page's rank is its share of the last step that observed it (a "score" with no decay: TOVA)."""
         return self.name == "score" and self.decay == 0
 
-    def whole_shares(self, pages: np.ndarray, mass: torch.Tensor) -> np.ndarray | None:
+    def whole_shares(self, pages: np.ndarray, mass: torch.Tensor, whole: bool = False) -> np.ndarray | None:
         """`record`'s shares in one pass over the rows (the same numbers), for a "score" policy when no row has
-        holes; else None."""
-        if self.name != "score" or not pages.size or (pages == EVICTED).any():
+        holes (``whole``: known to have none); else None."""
+        if self.name != "score" or not pages.size or (not whole and (pages == EVICTED).any()):
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
@@ -315,7 +315,8 @@ class EvictionPolicy:
             rank = shares if shares is not None and self.ranks_by_last_share else self._rank(history, table)
         recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
         rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
-        columns, best = rank.argmin(axis=1), rank.min(axis=1, keepdims=True)
+        columns = rank.argmin(axis=1)
+        best = np.take_along_axis(rank, columns[:, None], axis=1)  # (the minimum: one pass fewer than min)
         if best.max() == np.inf:
             return None
         ties = rank == best
@@ -707,8 +708,9 @@ class PlanStack:
     ``[L, B, Nk]`` array with their positions, and their logical tables as ``[L, B, capacity]``, so that one
     vectorised pass finds every group's victims' pages, edits the tables and makes the slots; group l's `StepPlan`
     views slice l. Each group's victims are its own (its last shares, or its history): the rows, pages, histories
-    and plans equal those of L separate `recycle` steps. Invariant: ``plans[l]`` is group l's plan made (or copied)
-    last; a step whose groups' plans are others is planned by a new stack, or group by group."""
+    and plans equal those of L separate `recycle` steps. Invariants: ``plans[l]`` is group l's plan made (or copied)
+    last; a step whose groups' plans are others is planned by a new stack, or group by group. The live tables have
+    no holes (a recycled page keeps its column)."""
 
     def __init__(self, plans: list):
         (L, (B, n)), live = (len(plans), plans[0].table.shape), plans[0].read_table.shape[1]
@@ -722,6 +724,30 @@ class PlanStack:
         self.plans = list(plans)
         self.highest = int(self.read_table.max()) if self.read_table.size else -1  # (the live ids stay while stacked)
         self.histories: StackedHistories | None = None  # the groups' histories, stacked by `stacked_histories`
+        self.rows: list = []  # each group's rows (its list) as the stack's last step planned them
+        self.q_pos: torch.Tensor | None = None  # the step's query positions [B, Q], edited in place (`queries`)
+        self.memos: list[tuple | None] = [None] * L  # group l's kernel index on the host, its tensors (`_memo`)
+
+    def queries(self, past: int, q_len: int) -> torch.Tensor:
+        """The step's query positions ``[B, q_len]`` after ``past`` tokens: one tensor over the stack's steps, edited in
+        place, so that every group's kernel index stays the same tensors (a kernel keeps a checked index's arguments,
+        `cpu_paged_attention._index_args`; an earlier step's plans are finished)."""
+        rows = self.read_table.shape[1]
+        if self.q_pos is None or self.q_pos.shape != (rows, q_len):
+            self.q_pos, self.memos = query_positions(rows, past, q_len), [None] * len(self.plans)
+        else:
+            self.q_pos.numpy()[:] = np.arange(past, past + q_len)
+        return self.q_pos
+
+    def _memo(self, l: int, num_pages: int, read_table: torch.Tensor, read_pos: torch.Tensor) -> dict:
+        """A new plan's memo (its ``_on_device``) holding the kernel index on the host of group l's live table and
+        positions with the stack's query positions: made once (`remember_kernel_index`) while they are the same
+        tensors, for pools of the same pages (their page ids stay while the stack recycles them)."""
+        kept = self.memos[l]
+        if kept is None or kept[0] is not read_table or kept[1] is not read_pos or kept[2] != num_pages:
+            kept = self.memos[l] = (read_table, read_pos, num_pages, {})
+            remember_kernel_index(kept[3], HOST, num_pages, (read_table, read_pos, self.q_pos))
+        return dict(kept[3])
 
     def stacked_histories(self, groups: list) -> StackedHistories | None:
         """The groups' histories stacked (`StackedHistories`), with a column for every live page of the stack; None
@@ -732,6 +758,22 @@ class PlanStack:
                 return None  # (two groups share a history: their pages' rows would collide)
             self.histories = StackedHistories(histories)
         return self.histories if self.histories.valid(histories, self.highest) else None
+
+    def steady(self, groups: list, batch_size: int, q_len: int) -> bool:
+        """The next step of ``groups`` is one that `recycle` plans: their plans are the ones this stack made last, so
+        every condition of `plan_stacked` that those plans kept since then holds (read through live tables, no rows
+        assumed identical) and is checked once for the stack; per group, the rest of `GroupEviction.recycles` (a stack
+        made for steps that `advance` did not check them): no step open, full attention (every page kept), a lossy
+        policy, its pool full, not overdrawn and without a cold tier (demotion first: the general path),
+        its rows and length as the stack planned them (the same lists: a group's rows are edited in place only in
+        the steps it plans, which replace its plan, or in a rollback, which ends the stack)."""
+        last = self.plans[0]
+        n, S = last.num_tokens, last.page_size
+        return (n % S == 0 and q_len <= S and self.holds([group.step for group in groups])
+                and all(not group.step_open and group.rows is rows and len(rows) == batch_size and group.num_tokens == n
+                        and group.sliding_window is None and group.policy.lossy and not group.manager.overdrawn
+                        and getattr(group.manager, "cold", None) is None and group.manager.available() <= 0
+                        for group, rows in zip(groups, self.rows)))
 
     @staticmethod
     def fits(plans: list) -> bool:
@@ -780,13 +822,15 @@ class PlanStack:
         self.table[:, :, n] = pages
         self.width = n + 1
         slots = pages * S if q_len == 1 else (pages[..., None] * S + np.arange(q_len)).reshape(L, -1)
-        q_pos = query_positions(B, past, q_len)
+        self.queries(past, q_len)
         histories = self.stacked_histories(groups)
         if histories is not None:  # (each victim page starts afresh, written at its group's next clock)
             histories.written(pages, np.array([group.eviction.clock + 1 for group in groups]))
+        self.rows = [group.rows for group in groups]
+        tables, slot_rows = torch.from_numpy(self.table)[:, :, :self.width].unbind(), torch.from_numpy(slots).unbind()
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
-            self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], slots[l], q_pos,
-                                                stacked=histories is not None)
+            self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], tables[l],
+                                                slot_rows[l], q_len, stacked=histories is not None)
         return True
 
     def advance(self, groups: list, q_len: int) -> bool:
@@ -795,28 +839,24 @@ class PlanStack:
         S, past = self.plans[0].page_size, self.plans[0].num_tokens
         last_pages = self.table[:, :, self.width - 1]
         slots = (last_pages[..., None] * S + past % S + np.arange(q_len)).reshape(len(groups), -1)
-        q_pos = query_positions(last_pages.shape[1], past, q_len)
-        for l, group in enumerate(groups):
-            self.plans[l] = group.begin_planned(self._continued, l, group, slots[l], q_pos)
+        self.queries(past, q_len)
+        self.rows = [group.rows for group in groups]
+        for l, (group, slot_row) in enumerate(zip(groups, torch.from_numpy(slots).unbind())):
+            self.plans[l] = group.begin_planned(self._continued, l, group, slot_row, q_len)
         return True
 
-    def _continued(self, l: int, group, slots: np.ndarray, q_pos: torch.Tensor):
+    def _continued(self, l: int, group, slots: torch.Tensor, q_len: int):
         last = self.plans[l]
-        q_len = q_pos.shape[1]
-        plan = last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
-                        slots=torch.from_numpy(slots), copy_src=None, copy_dst=None, usage=None, shares=None,
-                        victims=None, _on_device={})
-        remember_kernel_index(plan._on_device, HOST, group.manager.num_pages,
-                              (plan.read_table, plan.read_pos, q_pos))
-        return plan
+        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len, slots=slots,
+                        copy_src=None, copy_dst=None, usage=None, shares=None, victims=None,
+                        _on_device=self._memo(l, group.manager.num_pages, last.read_table, last.read_pos))
 
-    def _recycled(self, l: int, group, entries: list[int], pages: list[int], slots: np.ndarray, q_pos: torch.Tensor):
+    def _recycled(self, l: int, group, entries: list[int], pages: list[int], table: torch.Tensor, slots: torch.Tensor,
+                  q_len: int):
         """Group l's part of `recycle`: its rows' entries ``entries`` (pages ``pages``) are evicted and the pages
-        appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan, with its
-        kernel index on the host (its live table, checked once: it keeps its page ids while the stack recycles them,
-        and the step's query positions ``q_pos``, every group's)."""
+        appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan (logical
+        ``table``, ``slots``), with its kernel index on the host (`_memo`)."""
         eviction, manager, last = group.eviction, group.manager, self.plans[l]
-        q_len = q_pos.shape[1]
         eviction._evicting(manager.max_pages, last.num_tokens)
         for row, planned, entry, page in zip(group.rows, last.rows, entries, pages):
             row[entry] = planned[entry] = EVICTED
@@ -825,21 +865,22 @@ class PlanStack:
             planned.append(page)
         eviction.evictions += len(pages)
         read_table, read_pos = self.live[l]
-        plan = last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len,
-                        table=torch.from_numpy(self.table[l, :, :self.width]), slots=torch.from_numpy(slots),
+        return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len, table=table, slots=slots,
                         copy_src=None, copy_dst=None, slab=None, same_as=None, read_table=read_table, read_pos=read_pos,
-                        usage=None, shares=None, victims=None, _on_device={}, _columns=None)
-        remember_kernel_index(plan._on_device, HOST, manager.num_pages, (read_table, read_pos, q_pos))
-        return plan
+                        usage=None, shares=None, victims=None, _columns=None,
+                        _on_device=self._memo(l, manager.num_pages, read_table, read_pos))
 
 
-def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: bool) -> PlanStack | None:
+def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: bool,
+                 steady: bool = False) -> PlanStack | None:
     """Plan the step of every group in ``groups`` (per-layer groups of one cache, each able to begin a step that
     keeps its rows' tables, its last step final) at once when they are all in one steady state: each row's new
     tokens fit in its last page (``continuing``: `step_plan.continues` holds for every group), or each row of a
     full pool recycles a victim (`GroupEviction.recycles`); through ``stack`` when it made their plans, else a new
-    one. -> the stack that planned the step; None, changing nothing, when the groups are not so (each then plans its
-    own)."""
+    one (``steady``: ``stack.steady`` holds, it recycles). -> the stack that planned the step; None, changing nothing,
+    when the groups are not so (each then plans its own)."""
+    if steady:
+        return stack if stack.recycle(groups, q_len) else None
     plans = [group.step for group in groups]
     if continuing and all(plan.read_table is not None for plan in plans):
         step = PlanStack.advance
@@ -875,7 +916,7 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     together = stack is not None and stack.holds(plans)
     tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
         [p.read_table.numpy() for p in plans])
-    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
+    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]), whole=together)  # (a stack has no holes)
     if shares is None:
         return
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)

@@ -340,6 +340,9 @@ class LayerGroups(dict):
         groups of bounded pools in a steady state (`eviction.plan_stacked`: one plan per step, where each group
         would plan its own as its first layer writes; every group then begins the step with the first layer)."""
         groups = list(self.values())
+        if self.stack is not None and self.stack.steady(groups, batch_size, q_len):  # (it planned the last step too)
+            self.stack = plan_stacked(groups, self.stack, q_len, continuing=False, steady=True)
+            return
         together = len(groups) > 1 and all(
             g.eviction is not None and not g.step_open and len(g.rows) == batch_size and not g.manager.overdrawn
             and g.first_kept_page(g.num_tokens) == g.first_page for g in groups)
