@@ -245,6 +245,9 @@ class EvictionPolicy:
             return None
         shares = mass.detach().cpu().numpy().astype(np.float64)
         even = shares.sum(axis=1, keepdims=True) / pages.shape[1]
+        if (even > 0).all():
+            shares /= even
+            return shares
         np.divide(shares, even, out=shares, where=even > 0)
         shares[~(even[:, 0] > 0)] = 0.0  # a row whose mass sums to nothing (or NaN), as `record`'s rows
         return shares
@@ -316,7 +319,7 @@ class EvictionPolicy:
         recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
         rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
         columns = rank.argmin(axis=1)
-        best = np.take_along_axis(rank, columns[:, None], axis=1)  # (the minimum: one pass fewer than min)
+        best = rank[np.arange(len(rank)), columns][:, None]  # (the minimum: one pass fewer than min)
         if best.max() == np.inf:
             return None
         ties = rank == best
@@ -662,9 +665,10 @@ class StackedHistories:
     become views of its row (the same numbers, padded with no history), so that one pass writes or folds every
     group's pages (through flat indices: row l's page p is ``l * P + p``). Valid while no history replaced its
     arrays (`PageHistory.cover` grows them; a fork's groups share the histories): `valid` tells, and a stack then
-    stacks them anew."""
+    stacks them anew. ``live``: the stack's live tables ``[L, B, Nk]`` (their pages stay while stacked), whose flat
+    indices `fold_last_shares` keeps."""
 
-    def __init__(self, histories: list[PageHistory]):
+    def __init__(self, histories: list[PageHistory], live: np.ndarray):
         self.histories = histories
         self.width = max(len(h.ema) for h in histories)
         self.flat = {}
@@ -677,6 +681,9 @@ class StackedHistories:
             self.flat[name] = rows.reshape(-1)
         self._views = [h.ema for h in histories]
         self.offsets = np.arange(len(histories))[:, None] * self.width
+        self.live = self._index(live)
+        self.counted = np.zeros(len(self.flat["observed"]), dtype=bool)  # (the live pages: one pass counts them;
+        self.counted[self.live[self.live < len(self.counted)]] = True  # used while `valid`: each in its row)
 
     def valid(self, histories: list[PageHistory], highest_page: int) -> bool:
         """These are the stacked histories (in order), still viewing their rows, with a column for every page up to
@@ -694,12 +701,11 @@ class StackedHistories:
         self.flat["last_used"][index] = np.repeat(2 * clocks, pages.shape[1])
         self.flat["ema"][index], self.flat["observed"][index] = 0.0, 0
 
-    def fold_last_shares(self, pages: np.ndarray, shares: np.ndarray) -> None:
-        """Group l's pages (``pages [L * B, Nk]``, each group's B rows in turn) get their ``shares`` as scores
+    def fold_last_shares(self, shares: np.ndarray) -> None:
+        """Group l's live pages (the stack's, each group's B rows in turn) get their ``shares [L * B, Nk]`` as scores
         (`EvictionPolicy.fold_last_shares`: a page in several rows of a group gets the last row's)."""
-        index = self._index(pages)
-        self.flat["ema"][index] = shares.reshape(-1)
-        self.flat["observed"][index] += 1
+        self.flat["ema"][self.live] = shares.reshape(-1)
+        np.add(self.flat["observed"], self.counted, out=self.flat["observed"])
 
 
 class PlanStack:
@@ -753,10 +759,11 @@ class PlanStack:
         """The groups' histories stacked (`StackedHistories`), with a column for every live page of the stack; None
         when they cannot be."""
         histories = [group.eviction.history for group in groups]
-        if self.histories is None or not self.histories.valid(histories, self.highest):
-            if len(set(map(id, histories))) < len(histories):
-                return None  # (two groups share a history: their pages' rows would collide)
-            self.histories = StackedHistories(histories)
+        if self.histories is not None and self.histories.valid(histories, self.highest):
+            return self.histories
+        if len(set(map(id, histories))) < len(histories):
+            return None  # (two groups share a history: their pages' rows would collide)
+        self.histories = StackedHistories(histories, self.read_table)
         return self.histories if self.histories.valid(histories, self.highest) else None
 
     def steady(self, groups: list, batch_size: int, q_len: int) -> bool:
@@ -908,12 +915,11 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     if len(plans) < 2:
         return
     policy, first = picking[0].policy, plans[0]
-    key = (first.read_table.shape, first.num_tokens, first.page_size, first.usage.device)
-    if not all((g.policy is policy or g.policy == policy)
-               and (p.read_table.shape, p.num_tokens, p.page_size, p.usage.device) == key
-               for g, p in zip(picking, plans)):
+    together = stack is not None and stack.holds(plans)  # (then the plans have one shape and step: `PlanStack.fits`)
+    key = (lambda p: p.usage.device) if together else (  # noqa: E731
+        lambda p: (p.usage.device, p.read_table.shape, p.num_tokens, p.page_size))
+    if not all((g.policy is policy or g.policy == policy) and key(p) == key(first) for g, p in zip(picking, plans)):
         return  # (each group records its own step when it commits)
-    together = stack is not None and stack.holds(plans)
     tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
         [p.read_table.numpy() for p in plans])
     shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]), whole=together)  # (a stack has no holes)
@@ -922,7 +928,7 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
     histories = stack.stacked_histories(picking) if together and not policy.decay else None
     if histories is not None:  # (no decay: the shares become the scores, every group's in one pass)
-        histories.fold_last_shares(tables, shares)
+        histories.fold_last_shares(shares)
     for l, (group, plan) in enumerate(zip(picking, plans)):
         part = shares[l * rows:(l + 1) * rows]
         if histories is not None or policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
