@@ -32,6 +32,8 @@ class BlockManager:
     pages ever in use at once, however often cached pages are made and reused.
     """
 
+    cold = None  # a two-tier pool's tiers (`hf_paged.demotion.TieredBlockManager`); None: pages of one tier
+
     def __init__(self, page_size: int, max_pages: int | None = None, initial_pages: int = 0):
         self.page_size = page_size
         self.max_pages = max_pages  # pages the pool may hold now: the bound, or None (no limit) while overdrawn

@@ -125,7 +125,7 @@ class PagedLayer(CacheLayerMixin):
         batch do not share pages."""
         self._ready_for(keys, values)
         group = self.group
-        self.compiled_sizes = (group.members[self], group.mask_sizes(q_len))  # as the forward asks before it runs
+        self.compiled_sizes = (self.tokens_written, group.mask_sizes(q_len))  # as the forward asks before it runs
         group.join_step(self, batch, q_len, lambda: list(range(batch)))
         plan = group.step.on(self.device)
         group.store.prepare(self.pages, group.manager.num_pages, plan.copy_src, plan.copy_dst)

@@ -445,7 +445,7 @@ class GroupEviction:
     def _demote(self, manager, rows: list[list[int]], first_page: int, num_tokens: int, needed: int) -> None:
         """A pool with a cold format (`hf_paged.demotion`) re-quantizes its coldest pages, by this policy's ranking,
         before anything is evicted; later tokens then differ from a full forward's."""
-        cold = getattr(manager, "cold", None)
+        cold = manager.cold
         if cold is not None and cold.make_room(manager, rows, first_page, num_tokens, needed, self.policy.sink_pages,
                                                self.give_up_order):
             self.exact_tokens = min(self.exact_tokens, num_tokens)
@@ -491,12 +491,18 @@ class GroupEviction:
 
     def recycles(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last) -> bool:
         """The step after ``num_tokens`` tokens is a full pool's steady step that `recycle` plans from ``last``: each
-        row starts one new page and must evict one for it, and the rows are as ``last`` planned them."""
+        row starts one new page and must evict one for it (`pool_recycles`), and the rows are as ``last`` planned
+        them."""
+        return self.pool_recycles(manager, num_tokens, q_len) and not (
+            last is None or last.read_table is None or last.same_as is not None or last.num_tokens != num_tokens
+            or last.rows != rows)
+
+    def pool_recycles(self, manager, num_tokens: int, q_len: int) -> bool:
+        """The pool's side of `recycles`: a lossy policy's bounded pool, full and of one tier (a cold tier demotes
+        first: the general path), and a step of at most a page that starts a page."""
         S = manager.page_size
         return not (not self.policy.lossy or manager.max_pages is None or manager.available() > 0 or num_tokens % S
-                    or getattr(manager, "cold", None) is not None  # (demotion first: the general path)
-                    or q_len > S or last is None or last.read_table is None or last.same_as is not None
-                    or last.num_tokens != num_tokens or last.rows != rows)
+                    or manager.cold is not None or q_len > S)
 
     def recycled_step(self, manager, rows: list[list[int]], num_tokens: int, q_len: int, last):
         """The plan of a full pool's steady step (`recycle`; None when it is not one): its victims hold the tokens."""
@@ -769,18 +775,16 @@ class PlanStack:
     def steady(self, groups: list, batch_size: int, q_len: int) -> bool:
         """The next step of ``groups`` is one that `recycle` plans: their plans are the ones this stack made last, so
         every condition of `plan_stacked` that those plans kept since then holds (read through live tables, no rows
-        assumed identical) and is checked once for the stack; per group, the rest of `GroupEviction.recycles` (a stack
-        made for steps that `advance` did not check them): no step open, full attention (every page kept), a lossy
-        policy, its pool full, not overdrawn and without a cold tier (demotion first: the general path),
-        its rows and length as the stack planned them (the same lists: a group's rows are edited in place only in
-        the steps it plans, which replace its plan, or in a rollback, which ends the stack)."""
-        last = self.plans[0]
-        n, S = last.num_tokens, last.page_size
-        return (n % S == 0 and q_len <= S and self.holds([group.step for group in groups])
-                and all(not group.step_open and group.rows is rows and len(rows) == batch_size and group.num_tokens == n
-                        and group.sliding_window is None and group.policy.lossy and not group.manager.overdrawn
-                        and getattr(group.manager, "cold", None) is None and group.manager.available() <= 0
-                        for group, rows in zip(groups, self.rows)))
+        assumed identical) and is checked once for the stack; per group, the pool's side of `GroupEviction.recycles`
+        (`pool_recycles`: a stack made for steps that `advance` planned did not check it), no step open, full
+        attention (every page kept), not overdrawn, its rows and length as the stack planned them (the same lists,
+        where `recycles` compares them: a group's rows are edited in place only in the steps it plans, which replace
+        its plan, or in a rollback, which ends the stack)."""
+        n = self.plans[0].num_tokens
+        return self.holds([group.step for group in groups]) and all(
+            not group.step_open and group.rows is rows and len(rows) == batch_size and group.num_tokens == n
+            and group.sliding_window is None and not group.manager.overdrawn
+            and group.eviction.pool_recycles(group.manager, n, q_len) for group, rows in zip(groups, self.rows))
 
     @staticmethod
     def fits(plans: list) -> bool:

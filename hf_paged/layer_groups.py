@@ -40,9 +40,6 @@ class Members:
     def __iter__(self):
         return iter(list(self._layers))
 
-    def __getitem__(self, layer) -> int:
-        return layer.tokens_written
-
     def join(self, layer, tokens: int = 0) -> None:
         """``layer`` is a member, having written ``tokens`` tokens."""
         self._layers.add(layer)
@@ -148,10 +145,10 @@ class LayerGroup(PageRows):
         """The plan of the step ``layer`` writes now: the group plans it when the layer is the first member
         to write new tokens (``identical_rows()`` then tells which rows of a fresh batch may share pages).
         Raises when the layer's tokens are not those of the planned step."""
-        if (written := layer.tokens_written) == self.num_tokens:  # (up_to_date)
+        if self.up_to_date(layer):
             fresh_batch = self.num_tokens == 0 and not self.rows and batch_size > 1
             return self.begin_step(batch_size, q_len, identical_rows() if fresh_batch else None)
-        if self.step is None or written + q_len != self.num_tokens or batch_size != self.step.batch_size:
+        if self.step is None or layer.tokens_written + q_len != self.num_tokens or batch_size != self.step.batch_size:
             raise CacheUsageError(
                 f"layer {layer.layer_idx} received {q_len} token(s) for a batch of {batch_size}, but its group planned "
                 f"a step of {self.step.q_len if self.step else 0} token(s) for {self.batch_size} row(s): every layer "
@@ -331,9 +328,8 @@ class LayerGroups(dict):
         """Once a step of the cache is final: each group with a cold format and no budget demotes the full pages its
         rows hold hot past their sinks (`demotion.ColdPages.demote_filled`)."""
         for g in self.values():
-            cold = getattr(g.manager, "cold", None)
-            if cold is not None and g.manager.max_pages is None:
-                cold.demote_filled(g.manager, g.rows, g.first_page, g.num_tokens, g.policy.sink_pages)
+            if g.manager.cold is not None and g.manager.max_pages is None:
+                g.manager.cold.demote_filled(g.manager, g.rows, g.first_page, g.num_tokens, g.policy.sink_pages)
 
     def plan_together(self, batch_size: int, q_len: int) -> None:
         """Plan a new step of ``batch_size`` rows and ``q_len`` tokens for every group at once when they are per-layer

@@ -174,7 +174,7 @@ def relocate_rows(manager: BlockManager, rows: list[list[int]], src: list[int], 
     `hf_paged.demotion`, would be decoded by the copy); the copies are appended to ``src``/``dst``, the
     pages left behind to ``replaced``. Returns whether they moved.
     """
-    if (manager.max_pages is not None or getattr(manager, "cold", None) is not None
+    if (manager.max_pages is not None or manager.cold is not None
             or any(p == EVICTED or manager.ref[p] != 1 for r in rows for p in r)):
         return False
     stride = len(rows[0]) + len(rows[0]) // 4 + 1
