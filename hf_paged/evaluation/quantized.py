@@ -204,8 +204,7 @@ def perplexity_part(args, progress) -> dict:
         if reference is None:
             reference, ref_row = logp, row
         kl = (reference.exp() * (reference - logp)).sum(-1)
-        blocks = [len(nll[s:s + args.block]) for s in range(0, len(nll), args.block)]
-        ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], blocks)
+        ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], _blocks(len(nll), args.block))
         row.update(kl_mean=float(kl.mean()), kl_p99=float(kl.quantile(0.99)),
                    top1_agreement=float((logp.argmax(-1) == reference.argmax(-1)).float().mean()),
                    relative=ratio, low=low, high=high, bytes_ratio=row["bytes_per_token"] / ref_row["bytes_per_token"],
@@ -333,13 +332,17 @@ def _first_divergence(got: list[int], want: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
+def _blocks(count: int, block: int) -> list[int]:
+    """The sizes of the blocks of ``block`` tokens (the last one shorter) that ``count`` scored tokens make."""
+    return [min(block, count - b) for b in range(0, count, block)]
+
+
 def _scored(logp: torch.Tensor, ids: torch.Tensor, block: int, name: str, reference: torch.Tensor | None,
             ref_row: dict | None) -> dict:
     """A perplexity row of ``logp [T - 1, V]`` for the next tokens of ``ids``: per-block NLL sums, and against
     ``reference`` (float pages' log-probabilities, ``ref_row`` their row; None: this is the reference) the paired
     interval of the perplexity ratio, mean KL divergence and top-1 agreement (computed in slices to bound memory)."""
     nll = -logp.gather(-1, ids[1:, None])[:, 0].double()
-    sizes = [len(nll[b:b + block]) for b in range(0, len(nll), block)]
     row = dict(name=name, tokens=len(ids), perplexity=math.exp(float(nll.mean())),
                block_nll=[float(nll[b:b + block].sum()) for b in range(0, len(nll), block)])
     if reference is None:
@@ -349,7 +352,7 @@ def _scored(logp: torch.Tensor, ids: torch.Tensor, block: int, name: str, refere
         ref, got = reference[s:s + 1024], logp[s:s + 1024]
         kl += float((ref.exp() * (ref - got)).sum())
         top1 += int((got.argmax(-1) == ref.argmax(-1)).sum())
-    ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], sizes)
+    ratio, low, high = paired_ratio_interval(row["block_nll"], ref_row["block_nll"], _blocks(len(nll), block))
     return dict(row, relative=ratio, low=low, high=high, kl_mean=kl / len(logp), top1_agreement=top1 / len(logp))
 
 
@@ -435,8 +438,7 @@ def cache_part(args, progress) -> dict:
         del stream
         rival = next((row for row in rows if row["name"] == peer.name(4, args.peer_residual)), None)
         if rival is not None:  # `COLD` against QuantizedCache int4, paired over the same blocks
-            blocks = [min(args.block, length - 1 - b) for b in range(0, length - 1, args.block)]
-            ratio = paired_ratio_interval(rows[-1]["block_nll"], rival["block_nll"], blocks)
+            ratio = paired_ratio_interval(rows[-1]["block_nll"], rival["block_nll"], _blocks(length - 1, args.block))
             rows[-1]["vs_peer"] = dict(name=rival["name"], **dict(zip(("relative", "low", "high"), ratio)))
         perplexity.append(dict(tokens=length, rows=rows))
         del reference
