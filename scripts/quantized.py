@@ -40,8 +40,8 @@ prompts of 32-256 tokens, 8 or 64 new tokens each; tokens before the first diffe
 Part ``decode``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size,
 float32, int8 and int4 pages, int4 cold pages and the QuantizedCache rows holding the same keys and values (computed
 once per length; a batch's rows made distinct): each round decodes ``--decode-tokens`` tokens from a fork of each
-cache, entries alternating (CPU time per token, medians and quartiles of per-round ratios against float32 pages over ``--repeats``
-rounds).
+cache, entries alternating (CPU time per token, medians and quartiles of per-round ratios against float32 pages over
+``--repeats`` rounds).
 
 Part ``mixed``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size of a
 mixed-precision cache (``PagedCache(page_size=1, max_pages=B, cold_format="int4")``: hot float32 and cold int4 pages

@@ -156,7 +156,8 @@ def test_decode_part_times_every_cache_against_float_pages(tmp_path):
                            "--decode-tokens", "2", "--repeats", "1", "--peer-bits", "4", "--out", str(tmp_path),
                            "--no-progress"]) == 0
     decode = json.loads((tmp_path / "quantized.json").read_text())["decode"]
-    names = [*quantized.CACHE_FORMATS, quantized.COLD, *([] if decode["peer_skipped"] else ["QuantizedCache int4 (quanto)"])]
+    peers = [] if decode["peer_skipped"] else ["QuantizedCache int4 (quanto)"]
+    names = [*quantized.CACHE_FORMATS, quantized.COLD, *peers]
     assert [(r["batch"], r["cache"]) for r in decode["results"]] == [(b, n) for b in (1, 2) for n in names]
     assert all(r["cpu_ratio"] == 1 for r in decode["results"] if r["cache"] == "float")
     one, two = ({r["cache"]: r["kv_bytes"] for r in decode["results"] if r["batch"] == b} for b in (1, 2))
