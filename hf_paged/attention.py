@@ -275,8 +275,9 @@ def _kernel_for(view: PagedView, q_len: int):
 def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, sliding_window, softcap, s_aux):
     """A paged kernel walks the page table (holes included); the mask is aligned on its last column. When every
     query is observed the kernel also returns the usage per page: attention mass (the C kernel reduces it over the
-    heads itself, ``page_mass_heads``), or the "output" signal where it measures it (the C kernel, pages of one
-    token); otherwise `_observe_tail` measures it on the live pages."""
+    heads itself, ``page_mass_heads``, into the probe's buffer if it gives one: `UsageProbe.into`), or the "output"
+    signal where it measures it (the C kernel, pages of one token); otherwise `_observe_tail` measures it on the live
+    pages."""
     page_table, page_pos, q_pos = view.kernel_index()
     in_c = kernel is cpu_kernel.paged_attention_cpu
     mask_offset = 0
@@ -290,7 +291,7 @@ def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, s
     measured = observed and (not output or (in_c and view.page_size == 1))
     options = {}
     if measured and in_c:
-        options["page_mass_heads"] = probe.heads
+        options["page_mass_heads"], options["page_mass_out"] = probe.heads, probe.into()
     if measured and output:
         options["page_mass_signal"] = "output"
     result = kernel(

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -340,17 +339,26 @@ def warn_first_eviction(policy: EvictionPolicy, max_pages: int) -> None:
         "tokens are no longer attended). Raise max_pages, or use eviction='error' to fail instead.")
 
 
-@dataclass(frozen=True)
 class UsageProbe:
-    """What attention measures of one layer in one step for a policy that tracks usage: ``report`` takes the usage
-    per live page ``[B, H, Nk]`` (averaged over the observed queries), or ``[B, Nk]`` when a kernel reduced it over
-    the heads as ``heads`` says ("mean" or "max"); the step's last ``observed_queries`` queries are observed;
-    ``signal``: a page's attention mass ("attention") or how far it moves each head's output ("output")."""
+    """What attention measures of one layer in one step (``plan``'s) for a ``policy`` that tracks usage: `report`
+    takes the usage per live page ``[B, H, Nk]`` (averaged over the observed queries), or ``[B, Nk]`` when a kernel
+    reduced it over the heads as ``heads`` says ("mean" or "max"); the step's last ``observed_queries`` queries are
+    observed; ``signal``: a page's attention mass ("attention") or how far it moves each head's output ("output")."""
 
-    report: Callable[[torch.Tensor], None]
-    observed_queries: int
-    heads: str
-    signal: str
+    __slots__ = ("plan", "policy", "observed_queries", "heads", "signal")
+
+    def __init__(self, plan, policy: EvictionPolicy):
+        self.plan, self.policy = plan, policy
+        self.observed_queries, self.heads, self.signal = policy.observation_window, policy.heads, policy.signal
+
+    def report(self, page_mass: torch.Tensor) -> None:
+        self.plan.add_usage(self.policy.page_signal(page_mass))
+
+    def into(self) -> torch.Tensor | None:
+        """Where a kernel may write the ``[B, Nk]`` usage it then reports: the plan's row of its `PlanStack`'s usage
+        (``usage_out``) while no layer reported this step (a group of several layers adds theirs), else None."""
+        plan = self.plan
+        return plan.usage_out if plan.usage is None else None
 
 
 def page_usage(probs: torch.Tensor, out: torch.Tensor, values: torch.Tensor, page_size: int,
@@ -409,9 +417,7 @@ class GroupEviction:
         """What attention measures of a layer in ``plan``'s step for this policy, or None when it tracks no usage."""
         if not self.tracks_usage:
             return None
-        signal, p = self.policy.page_signal, self.policy
-        return UsageProbe(lambda page_mass: plan.add_usage(signal(page_mass)), p.observation_window, p.heads,
-                          p.signal)
+        return UsageProbe(plan, self.policy)
 
     def record(self, plan) -> None:
         """Hand the step's attention per page to the policy (once); a policy that ranks pages by their last share
@@ -739,6 +745,9 @@ class PlanStack:
         self.rows: list = []  # each group's rows (its list) as the stack's last step planned them
         self.q_pos: torch.Tensor | None = None  # the step's query positions [B, Q], edited in place (`queries`)
         self.memos: list[tuple | None] = [None] * L  # group l's kernel index on the host, its tensors (`_memo`)
+        self.slots: tuple | None = None  # the step's slots [L, B * Q]: an array and its rows as tensors (`_slots`)
+        self.usage = torch.empty((L, B, live), dtype=torch.float32)  # the step's usage, row l group l's plan's
+        self.usage_rows = self.usage.unbind()  # (`StepPlan.usage_out`: a kernel writes it, `record_together` reads it)
 
     def queries(self, past: int, q_len: int) -> torch.Tensor:
         """The step's query positions ``[B, q_len]`` after ``past`` tokens: one tensor over the stack's steps, edited in
@@ -750,6 +759,15 @@ class PlanStack:
         else:
             self.q_pos.numpy()[:] = np.arange(past, past + q_len)
         return self.q_pos
+
+    def _slots(self, slots: np.ndarray) -> tuple:
+        """Each group's slots of the step, the rows of ``slots [L, B * Q]``: one tensor over the stack's steps, written
+        in place as `queries` is (an earlier step's plans are finished), its rows made once."""
+        if self.slots is None or self.slots[0].shape != slots.shape:
+            self.slots = (slots, torch.from_numpy(slots).unbind())
+        else:
+            self.slots[0][:] = slots
+        return self.slots[1]
 
     def _memo(self, l: int, num_pages: int, read_table: torch.Tensor, read_pos: torch.Tensor) -> dict:
         """A new plan's memo (its ``_on_device``) holding the kernel index on the host of group l's live table and
@@ -838,7 +856,7 @@ class PlanStack:
         if histories is not None:  # (each victim page starts afresh, written at its group's next clock)
             histories.written(pages, np.array([group.eviction.clock + 1 for group in groups]))
         self.rows = [group.rows for group in groups]
-        tables, slot_rows = torch.from_numpy(self.table)[:, :, :self.width].unbind(), torch.from_numpy(slots).unbind()
+        tables, slot_rows = torch.from_numpy(self.table)[:, :, :self.width].unbind(), self._slots(slots)
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
             self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], tables[l],
                                                 slot_rows[l], q_len, stacked=histories is not None)
@@ -852,7 +870,7 @@ class PlanStack:
         slots = (last_pages[..., None] * S + past % S + np.arange(q_len)).reshape(len(groups), -1)
         self.queries(past, q_len)
         self.rows = [group.rows for group in groups]
-        for l, (group, slot_row) in enumerate(zip(groups, torch.from_numpy(slots).unbind())):
+        for l, (group, slot_row) in enumerate(zip(groups, self._slots(slots))):
             self.plans[l] = group.begin_planned(self._continued, l, group, slot_row, q_len)
         return True
 
@@ -860,6 +878,7 @@ class PlanStack:
         last = self.plans[l]
         return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len, slots=slots,
                         copy_src=None, copy_dst=None, usage=None, shares=None, victims=None,
+                        usage_out=self.usage_rows[l],
                         _on_device=self._memo(l, group.manager.num_pages, last.read_table, last.read_pos))
 
     def _recycled(self, l: int, group, entries: list[int], pages: list[int], table: torch.Tensor, slots: torch.Tensor,
@@ -878,7 +897,7 @@ class PlanStack:
         read_table, read_pos = self.live[l]
         return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len, table=table, slots=slots,
                         copy_src=None, copy_dst=None, slab=None, same_as=None, read_table=read_table, read_pos=read_pos,
-                        usage=None, shares=None, victims=None, _columns=None,
+                        usage=None, shares=None, victims=None, _columns=None, usage_out=self.usage_rows[l],
                         _on_device=self._memo(l, manager.num_pages, read_table, read_pos))
 
 
@@ -920,13 +939,16 @@ def record_together(groups, stack: PlanStack | None = None) -> None:
         return
     policy, first = picking[0].policy, plans[0]
     together = stack is not None and stack.holds(plans)  # (then the plans have one shape and step: `PlanStack.fits`)
+    written = together and all(map(operator.is_, map(operator.attrgetter("usage"), plans), stack.usage_rows))
     key = (lambda p: p.usage.device) if together else (  # noqa: E731
         lambda p: (p.usage.device, p.read_table.shape, p.num_tokens, p.page_size))
-    if not all((g.policy is policy or g.policy == policy) and key(p) == key(first) for g, p in zip(picking, plans)):
+    if not all(g.policy is policy or g.policy == policy for g in picking) or not written and not all(
+            key(p) == key(first) for p in plans):  # (the stack's usage rows are one tensor: one device)
         return  # (each group records its own step when it commits)
     tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
         [p.read_table.numpy() for p in plans])
-    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]), whole=together)  # (a stack has no holes)
+    usage = stack.usage.view(tables.shape) if written else torch.cat([p.usage for p in plans])  # (kernels wrote it)
+    shares = policy.whole_shares(tables, usage, whole=together)  # (a stack has no holes)
     if shares is None:
         return
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)

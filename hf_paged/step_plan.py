@@ -48,6 +48,8 @@ class StepPlan:
     rows: list[list[int]] | None = None  # a copy of the rows as planned (`extend_plan`, `continue_plan` compare)
     _columns: object = None  # the `eviction.PlanColumns` `extend_plan` appends to, once it has extended this plan
     packed = False  # (a class constant) rows of one batch, not sequences packed into one row (`RaggedStep`)
+    usage_out = None  # float32 [B, Nk]: where a kernel may write this step's usage (`eviction.PlanStack` sets it on
+    # the plans it makes, `UsageProbe.into`; not a field: copies, `but` or `dataclasses.replace`, do not keep it)
 
     @property
     def kv_len(self) -> int:
@@ -57,7 +59,7 @@ class StepPlan:
         """A copy with ``changes`` (`dataclasses.replace` without its per-field work: a decode step of a bounded
         cache makes one per layer group)."""
         plan = object.__new__(StepPlan)
-        plan.__dict__ = {**self.__dict__, **changes}
+        plan.__dict__ = {**self.__dict__, "usage_out": None, **changes}
         return plan
 
     def kernel_index(self, device: torch.device, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -75,6 +75,23 @@ def test_page_mass_reduced_over_heads_in_the_kernel(name, splits):
         cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads="sum")
 
 
+def test_page_mass_written_into_a_given_buffer():
+    """``page_mass_out`` (a row of a larger buffer) receives every entry of the reduced page mass, as a new tensor
+    would, and is returned; a buffer of another shape or dtype, or without a head reduction, is refused."""
+    case = make_case(seed=3, **dict(KERNEL_CASES["mha-page1-decode-fp32"], dtype=torch.float32))
+    out, mass = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads="mean")
+    buffer = torch.full((3, *mass.shape), float("nan"))
+    row = buffer.unbind()[1]
+    given_out, given = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads="mean",
+                                                      page_mass_out=row)
+    assert given is row and torch.equal(given, mass) and torch.equal(given_out, out)
+    assert buffer[0].isnan().all() and buffer[2].isnan().all()
+    for wrong, heads in ((torch.zeros(mass.shape[0], mass.shape[1] + 1), "mean"), (torch.zeros(mass.shape).double(),
+                         "mean"), (torch.zeros(mass.shape), None)):
+        with pytest.raises(ValueError, match="page_mass_out"):
+            cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, page_mass_heads=heads, page_mass_out=wrong)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("shape", [

@@ -194,6 +194,7 @@ def paged_attention_cpu(
     num_splits: int | None = None,
     page_mass_heads: str | None = None,
     page_mass_signal: str = "attention",
+    page_mass_out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_format: str = "float",
@@ -209,7 +210,8 @@ def paged_attention_cpu(
     ``out [B, Q, Hq, D]`` in ``query.dtype``, and float32 ``page_mass [B, Hq, N]`` (averaged over the queries)
     with ``return_page_mass``, or its heads' ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``;
     ``page_mass_signal="output"`` (pages of one token): instead of each token's probability, how far it moves
-    the head's output (reference.py).
+    the head's output (reference.py). ``page_mass_out``: with ``page_mass_heads``, a contiguous float32 ``[B, N]``
+    tensor the reduced page mass is written into (every entry) and returned, instead of a new one.
     """
     library = _library()
     if isinstance(library, str):
@@ -231,7 +233,13 @@ def paged_attention_cpu(
     q32 = query if query.dtype == torch.float32 else query.float()
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
     page_mass = None
-    if return_page_mass:
+    if return_page_mass and page_mass_out is not None:
+        if not (page_mass_heads and page_mass_out.shape == (B, N) and page_mass_out.dtype == torch.float32
+                and page_mass_out.is_cpu and page_mass_out.is_contiguous()):
+            raise ValueError(f"page_mass_out must be a contiguous float32 CPU tensor [B, N] = [{B}, {N}] with "
+                             f"page_mass_heads, got {tuple(page_mass_out.shape)} {page_mass_out.dtype}")
+        page_mass = page_mass_out
+    elif return_page_mass:
         page_mass = torch.zeros((B, N) if page_mass_heads else (B, Hq, N), dtype=torch.float32)
     args = _PagedArgs.from_buffer_copy(pools)
     args.q, args.q_stride[:] = q32.data_ptr(), q32.stride()
