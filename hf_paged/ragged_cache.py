@@ -35,9 +35,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import PagedKV, PagedView, paged_attention_forward
 from .backends import check_backend, layer_backend
-from .block_manager import EVICTED, MAX_PAGE_SIZE, BlockManager
+from .block_manager import EVICTED, MAX_PAGE_SIZE
 from .compiled_many import RaggedRead
+from .demotion import check_cold_format, make_manager, pages_format, tier_stats
 from .errors import CacheUsageError, check_positive_int
+from .eviction import default_sink_pages
 from .kv_formats import check_kv_format
 from .model_config import head_dim, layer_windows
 from .page_store import PageStore
@@ -109,10 +111,11 @@ class RaggedGroup:
     """The layers of a `RaggedCache` that keep the same tokens (one sliding window, or none): their block manager,
     page store and prefix index, and the step planned in them (``step``, ``undo`` until it is final)."""
 
-    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None, kv_format: str = "float"):
+    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None, kv_format: str = "float",
+                 cold_format: str | None = None):
         self.sliding_window = sliding_window
         self.span = attention_span(sliding_window, page_size)
-        self.manager = BlockManager(page_size, max_pages)
+        self.manager = make_manager(page_size, max_pages, cold_format)  # (two tiers with a cold format)
         self.store = PageStore(page_size, kv_format, self.manager)
         self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         self.step: RaggedStep | None = None
@@ -250,10 +253,15 @@ class RaggedCache(Cache):
         kv_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4", "fp8_e4m3").
         prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
             through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
+        cold_format: "int4" or "int8": as `PagedCache(cold_format=...)` without a budget, every full page of a
+            sequence but its sink pages (those of its first 4 tokens) is re-quantized (`hf_paged.demotion`) when the
+            step that filled it is final (`finish_step`); demoted pages are never hashed, so prompts share only
+            their float sink pages. With ``max_pages``, the pool holds ``max_pages`` float pages' bytes: pages
+            turning cold make room for more sequences (admission sees it), and the schedule is the same.
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None,
-                 kv_format: str = "float", prefix_store=None, store_spill: bool = True):
+                 kv_format: str = "float", prefix_store=None, store_spill: bool = True, cold_format: str | None = None):
         if not isinstance(config, PretrainedConfig):
             raise CacheUsageError(f"config must be a transformers model config (model.config), got "
                                   f"{type(config).__name__}.")
@@ -261,14 +269,16 @@ class RaggedCache(Cache):
         check_positive_int("max_pages", max_pages, allow_none=True)
         check_backend(backend)
         check_kv_format(kv_format, head_dim=head_dim(config))
+        check_cold_format(cold_format, kv_format, config, prefix_store)
         layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
         if "chunked_attention" in layer_types:
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
                                   "model.generate with a PagedCache for this model.")
-        self.page_size, self.backend, self.kv_format = page_size, backend, kv_format
+        self.page_size, self.backend, self.kv_format, self.cold_format = page_size, backend, kv_format, cold_format
+        self.sink_pages = default_sink_pages(page_size)  # (kept float with a cold format, as `PagedCache`'s)
         windows = layer_windows(config)
         widest_first = sorted(set(windows), key=lambda w: -math.inf if w is None else -w)
-        self.groups = [RaggedGroup(w, page_size, max_pages, kv_format) for w in widest_first]
+        self.groups = [RaggedGroup(w, page_size, max_pages, kv_format, cold_format) for w in widest_first]
         by_window = dict(zip(widest_first, self.groups))
         super().__init__(layers=[RaggedLayer(self, by_window[w], i) for i, w in enumerate(windows)])
         self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
@@ -286,6 +296,7 @@ class RaggedCache(Cache):
     store = property(lambda self: self.groups[0].store)
     prefix = property(lambda self: self.groups[0].prefix)
     step = property(lambda self: self.groups[0].step)
+    page_format = property(lambda self: pages_format(self.kv_format, self.cold_format))  # (a prefix hash root's)
 
     # ----------------------------------------------------------------- users
     def claim(self, user) -> None:
@@ -384,8 +395,12 @@ class RaggedCache(Cache):
 
     def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int, generated: bool = False) -> None:
         """The sequence's full logical pages ``[start, end)`` get their content hashes ``hashes[i]`` in every group
-        (pages that left a window are skipped); ``generated``: decode steps filled them (for a prefix store)."""
+        (pages that left a window are skipped, and cold ones: not what a full forward computes, they are never shared);
+        ``generated``: decode steps filled them (for a prefix store)."""
         for group, table in zip(self.groups, self.sequences[seq_id].tables):
+            cold = group.manager.cold
+            if cold is not None:
+                table = [EVICTED if page in cold.ids else page for page in table]
             group.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
@@ -426,9 +441,16 @@ class RaggedCache(Cache):
         return self.step
 
     def finish_step(self) -> None:
-        """Make the planned step final (every layer wrote it): pages it replaced are released."""
+        """Make the planned step final (every layer wrote it): pages it replaced are released; with a cold format,
+        the full pages past the sinks are demoted (`hf_paged.demotion.ColdPages.demote_filled`)."""
+        planned = self.groups[0].undo is not None
         for group in self.groups:
             group.finish()
+        if planned and self.cold_format is not None:
+            seqs = list(self.sequences.values())
+            for g, group in enumerate(self.groups):
+                group.manager.cold.demote_filled(group.manager, [s.tables[g] for s in seqs], 0,
+                                                 [s.length for s in seqs], self.sink_pages)
 
     def abort_step(self) -> None:
         """Undo the planned step: sequences get their pages and lengths back, new pages are released."""
@@ -441,7 +463,8 @@ class RaggedCache(Cache):
     def stats(self) -> dict:
         """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`), and with
         a prefix store its counters (``store_*``)."""
-        return {**ragged_cache_stats(self), **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
+        return {**ragged_cache_stats(self), **tier_stats(self.groups),
+                **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""

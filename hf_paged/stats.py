@@ -22,8 +22,7 @@ def ragged_cache_stats(cache) -> dict:
     out = dict(page_size=cache.page_size, pages_total=sum(m.num_pages for m in managers),
                pages_used=sum(m.num_used for m in managers), pages_free=sum(len(m.free) for m in managers),
                pages_cached=sum(len(m.cached) for m in managers), tokens_stored=tokens,
-               kv_bytes=sum((g.manager.num_used + len(g.manager.cached)) * g.store.page_bytes()
-                            + g.store.residual_bytes() for g in cache.groups),
+               kv_bytes=sum(g.store.held_bytes() for g in cache.groups),
                pool_bytes=sum(g.store.pool_bytes() for g in cache.groups), evictions=0, prefix_hits=cache.prefix_hits,
                tokens_held=tokens)
     for group in cache.groups:
