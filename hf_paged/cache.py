@@ -514,4 +514,4 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
         ``kv_bytes`` counts used + cached pages of every layer (cold pages at theirs; `demotion.tier_stats`)."""
         self.commit()
-        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats(), **tier_stats(self.groups.values()))
+        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats(), **tier_stats(self.groups))

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from .compiled_many import active_cache, compile_many_steps
 from .cpu_weights import is_packed, packed_linear_weights
+from .demotion import pages_format
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .kv_formats import check_kv_format
@@ -127,7 +128,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     _check(prompts, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
     requests = [Request(i, p, m, n) for i, (p, m) in enumerate(zip(prompts, max_new))]
     root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers],
-                             cache.page_format)
+                             pages_format(cache.kv_format, cache.cold_format))
     scheduler = Scheduler(cache, requests, int(max_batch_tokens), root)
     if cache.store_tier is not None:
         cache.store_tier.bind(root, model)

@@ -37,7 +37,7 @@ from .attention import PagedKV, PagedView, paged_attention_forward
 from .backends import check_backend, layer_backend
 from .block_manager import EVICTED, MAX_PAGE_SIZE
 from .compiled_many import RaggedRead
-from .demotion import check_cold_format, make_manager, pages_format, tier_stats
+from .demotion import check_cold_format, make_manager
 from .errors import CacheUsageError, check_positive_int
 from .eviction import default_sink_pages
 from .kv_formats import check_kv_format
@@ -116,6 +116,7 @@ class RaggedGroup:
         self.sliding_window = sliding_window
         self.span = attention_span(sliding_window, page_size)
         self.manager = make_manager(page_size, max_pages, cold_format)  # (two tiers with a cold format)
+        self.sink_pages = default_sink_pages(page_size)  # kept float with a cold format (as `PagedCache`'s)
         self.store = PageStore(page_size, kv_format, self.manager)
         self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         self.step: RaggedStep | None = None
@@ -169,11 +170,25 @@ class RaggedGroup:
         self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S)
         return self.step
 
-    def finish(self) -> None:
-        """The step is final (every layer wrote it): pages it replaced are released."""
+    def finish(self, sequences=(), g: int = 0) -> None:
+        """The step is final (every layer wrote it): pages it replaced are released; with a cold format, the full
+        pages of ``sequences`` (`SequencePages`, whose table here is ``tables[g]``) past their sinks are demoted
+        (`hf_paged.demotion.ColdPages.demote_filled`)."""
         if self.undo is not None:
             self.undo.commit(self.manager)
+            if self.manager.cold is not None:
+                seqs = list(sequences)
+                self.manager.cold.demote_filled(self.manager, [s.tables[g] for s in seqs], 0,
+                                                [s.length for s in seqs], self.sink_pages)
         self.step, self.undo = None, None
+
+    def register_hot_pages(self, table: list[int], hashes: list[bytes], start: int, end: int, generated: bool) -> None:
+        """`PrefixIndex.register_pages` for a sequence's ``table``, but cold pages get no hash: not what a full
+        forward computes, they are never shared (so prompts share only float sink pages)."""
+        cold = self.manager.cold
+        if cold is not None:
+            table = [EVICTED if page in cold.ids else page for page in table]
+        self.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
 
     def abort(self) -> None:
         """The step failed: the tables are as before it, pages it brought in are released."""
@@ -250,14 +265,10 @@ class RaggedCache(Cache):
         page_size: tokens per page.
         max_pages: pages in each group's pool (None: they grow); admission control keeps within it.
         backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
-        kv_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4", "fp8_e4m3").
+        kv_format, cold_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4",
+            "fp8_e4m3"), and "int4"/"int8" pages demoted once full (`RaggedGroup.finish`; max_pages then counts bytes).
         prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
             through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
-        cold_format: "int4" or "int8": as `PagedCache(cold_format=...)` without a budget, every full page of a
-            sequence but its sink pages (those of its first 4 tokens) is re-quantized (`hf_paged.demotion`) when the
-            step that filled it is final (`finish_step`); demoted pages are never hashed, so prompts share only
-            their float sink pages. With ``max_pages``, the pool holds ``max_pages`` float pages' bytes: pages
-            turning cold make room for more sequences (admission sees it), and the schedule is the same.
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None,
@@ -270,12 +281,10 @@ class RaggedCache(Cache):
         check_backend(backend)
         check_kv_format(kv_format, head_dim=head_dim(config))
         check_cold_format(cold_format, kv_format, config, prefix_store)
-        layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
-        if "chunked_attention" in layer_types:
+        if "chunked_attention" in (getattr(config.get_text_config(decoder=True), "layer_types", None) or ()):
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
                                   "model.generate with a PagedCache for this model.")
         self.page_size, self.backend, self.kv_format, self.cold_format = page_size, backend, kv_format, cold_format
-        self.sink_pages = default_sink_pages(page_size)  # (kept float with a cold format, as `PagedCache`'s)
         windows = layer_windows(config)
         widest_first = sorted(set(windows), key=lambda w: -math.inf if w is None else -w)
         self.groups = [RaggedGroup(w, page_size, max_pages, kv_format, cold_format) for w in widest_first]
@@ -296,7 +305,6 @@ class RaggedCache(Cache):
     store = property(lambda self: self.groups[0].store)
     prefix = property(lambda self: self.groups[0].prefix)
     step = property(lambda self: self.groups[0].step)
-    page_format = property(lambda self: pages_format(self.kv_format, self.cold_format))  # (a prefix hash root's)
 
     # ----------------------------------------------------------------- users
     def claim(self, user) -> None:
@@ -395,13 +403,9 @@ class RaggedCache(Cache):
 
     def hash_pages(self, seq_id: int, hashes: list[bytes], start: int, end: int, generated: bool = False) -> None:
         """The sequence's full logical pages ``[start, end)`` get their content hashes ``hashes[i]`` in every group
-        (pages that left a window are skipped, and cold ones: not what a full forward computes, they are never shared);
-        ``generated``: decode steps filled them (for a prefix store)."""
+        (pages that left a window are skipped); ``generated``: decode steps filled them (for a prefix store)."""
         for group, table in zip(self.groups, self.sequences[seq_id].tables):
-            cold = group.manager.cold
-            if cold is not None:
-                table = [EVICTED if page in cold.ids else page for page in table]
-            group.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
+            group.register_hot_pages(table, hashes, start, end, generated)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
         """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it in ``groups[0]``
@@ -441,16 +445,9 @@ class RaggedCache(Cache):
         return self.step
 
     def finish_step(self) -> None:
-        """Make the planned step final (every layer wrote it): pages it replaced are released; with a cold format,
-        the full pages past the sinks are demoted (`hf_paged.demotion.ColdPages.demote_filled`)."""
-        planned = self.groups[0].undo is not None
-        for group in self.groups:
-            group.finish()
-        if planned and self.cold_format is not None:
-            seqs = list(self.sequences.values())
-            for g, group in enumerate(self.groups):
-                group.manager.cold.demote_filled(group.manager, [s.tables[g] for s in seqs], 0,
-                                                 [s.length for s in seqs], self.sink_pages)
+        """Make the planned step final (every layer wrote it): pages it replaced are released, filled ones demoted."""
+        for g, group in enumerate(self.groups):
+            group.finish(self.sequences.values(), g)
 
     def abort_step(self) -> None:
         """Undo the planned step: sequences get their pages and lengths back, new pages are released."""
@@ -463,8 +460,7 @@ class RaggedCache(Cache):
     def stats(self) -> dict:
         """Page and memory accounting with `PagedCache.stats`'s fields (`hf_paged.stats.ragged_cache_stats`), and with
         a prefix store its counters (``store_*``)."""
-        return {**ragged_cache_stats(self), **tier_stats(self.groups),
-                **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
+        return {**ragged_cache_stats(self), **({} if self.store_tier is None else self.store_tier.counters_snapshot())}
 
     def page_bytes(self) -> int:
         """Bytes of one page summed over every layer's keys and values (0 before the first step)."""

@@ -13,10 +13,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .demotion import tier_stats
+
 
 def ragged_cache_stats(cache) -> dict:
     """`PagedCache.stats`'s fields for a `RaggedCache`, summed over its layer groups (it never evicts a live page,
-    so ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters."""
+    so ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters and, with a
+    cold format, its tiers' (`hf_paged.demotion.tier_stats`)."""
     managers = [group.manager for group in cache.groups]
     tokens = sum(seq.length for seq in cache.sequences.values())
     out = dict(page_size=cache.page_size, pages_total=sum(m.num_pages for m in managers),
@@ -28,7 +31,7 @@ def ragged_cache_stats(cache) -> dict:
     for group in cache.groups:
         for key, value in group.prefix.stats().items():
             out[key] = out.get(key, 0) + value
-    return out
+    return {**out, **tier_stats(dict(enumerate(cache.groups)))}
 
 
 @dataclass

@@ -50,7 +50,7 @@ def check_tiers(cache):
         cold.check_invariants(manager)
         manager.check_invariants()
         want = {p for seq in cache.sequences.values()
-                for p in seq.tables[g][cache.sink_pages:seq.length // cache.page_size] if p != EVICTED}
+                for p in seq.tables[g][cache.groups[0].sink_pages:seq.length // cache.page_size] if p != EVICTED}
         assert cold.ids == want
         assert not set(manager.page_hash) & cold.ids, "a cold page is hashed"
 
@@ -101,7 +101,7 @@ def test_a_prompt_sharing_a_prefix_gets_its_own_tokens(llama):
         hits = cache.prefix_hits
         got = many(model, prompts, news, cache=cache)
         assert got == want
-        assert cache.prefix_hits - hits == (2 if run == 0 else 3) * cache.sink_pages
+        assert cache.prefix_hits - hits == (2 if run == 0 else 3) * cache.groups[0].sink_pages
         cold = cache.manager.cold
         assert not set(cache.manager.page_hash) & cold.ids
 
