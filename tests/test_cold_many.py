@@ -11,6 +11,7 @@ import torch
 
 import hf_paged
 from hf_paged.block_manager import EVICTED
+from hf_paged.demotion import MixedPages
 from hf_paged.ragged_cache import RaggedCache
 from test_generate_many import CountingForward, random_prompts
 from tiny_models import make_pair
@@ -168,3 +169,27 @@ def test_the_cache_stays_usable_after_a_rejected_argument(llama):
     assert many(model, prompts, (6, 6), cache=cache, cold_format="int4") == want
     assert many(model, prompts, (6, 6), cache=cache) == want
     assert cache.stats()["pages_cold"] == 0 and not any(cache.manager.ref)
+
+
+def test_freed_pages_give_their_rows_back_once_per_layer_not_every_step(llama, monkeypatch):
+    """A layer's pages drop the rows of the pool's free pages when pages were freed since its last write (the block
+    manager's ``frees``), not at every step: once at the first step, once after a sequence finished, whose pages then
+    hold no rows while the other sequence decodes on."""
+    _, model = llama
+    calls = []
+    forget = MixedPages.forget_residuals
+    monkeypatch.setattr(MixedPages, "forget_residuals", lambda self, pages: (calls.append(1), forget(self, pages)))
+    cache = RaggedCache(model.config, page_size=4, cold_format="int4")
+    stream = hf_paged.stream_many(model, random_prompts((9, 30), seed=7), max_new_tokens=[2, 20], cache=cache,
+                                  eos_token_id=[], progress=False)
+    counts = [0, 0]
+    for index, _ in stream:
+        counts[index] += 1
+        if counts[1] == 10:
+            break
+    free = list(cache.manager.free)
+    assert counts[0] == 2 and free  # (the short sequence's pages but its hashed sink page)
+    for layer in cache.manager.cold.layers.values():
+        assert (layer.hot_row[free] < 0).all() and (layer.cold_row[free] < 0).all()
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    stream.close()
