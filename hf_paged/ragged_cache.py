@@ -170,16 +170,18 @@ class RaggedGroup:
         self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S)
         return self.step
 
-    def finish(self, sequences=(), g: int = 0) -> None:
+    def finish(self, sequences: dict | None = None, g: int = 0, prefilling=()) -> None:
         """The step is final (every layer wrote it): pages it replaced are released; with a cold format, the full
-        pages of ``sequences`` (`SequencePages`, whose table here is ``tables[g]``) past their sinks are demoted
-        (`hf_paged.demotion.ColdPages.demote_filled`)."""
+        pages of ``sequences`` (id -> `SequencePages`, whose table here is ``tables[g]``) past their sinks are demoted
+        (`hf_paged.demotion.ColdPages.demote_filled`), but none that a sequence still ``prefilling`` holds: a prompt
+        is read in float, as a `PagedCache`'s prefill reads it, whatever its chunks."""
         if self.undo is not None:
             self.undo.commit(self.manager)
-            if self.manager.cold is not None:
-                seqs = list(sequences)
-                self.manager.cold.demote_filled(self.manager, [s.tables[g] for s in seqs], 0,
-                                                [s.length for s in seqs], self.sink_pages)
+            if self.manager.cold is not None and sequences:
+                reading = {page for i in prefilling for page in sequences[i].tables[g]}
+                done = [seq for i, seq in sequences.items() if i not in prefilling]
+                tables = [[EVICTED if page in reading else page for page in seq.tables[g]] for seq in done]
+                self.manager.cold.demote_filled(self.manager, tables, 0, [seq.length for seq in done], self.sink_pages)
         self.step, self.undo = None, None
 
     def register_hot_pages(self, table: list[int], hashes: list[bytes], start: int, end: int, generated: bool) -> None:
@@ -444,10 +446,10 @@ class RaggedCache(Cache):
             seq.length += n
         return self.step
 
-    def finish_step(self) -> None:
-        """Make the planned step final (every layer wrote it): pages it replaced are released, filled ones demoted."""
+    def finish_step(self, prefilling=()) -> None:
+        """Make the planned step final (every layer wrote it): `RaggedGroup.finish` (``prefilling``: sequence ids)."""
         for g, group in enumerate(self.groups):
-            group.finish(self.sequences.values(), g)
+            group.finish(self.sequences, g, prefilling)
 
     def abort_step(self) -> None:
         """Undo the planned step: sequences get their pages and lengths back, new pages are released."""
