@@ -198,3 +198,14 @@ def test_freed_pages_give_their_rows_back_once_per_layer_not_every_step(llama, m
         assert (layer.hot_row[free] < 0).all() and (layer.cold_row[free] < 0).all()
     assert len(calls) == 2 * model.config.num_hidden_layers
     stream.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_backends_read_the_cold_pages_as_the_c_kernel(llama, backend):
+    """The torch path (gathers) and the Triton kernel (interpreted on the CPU) give the C kernel's tokens."""
+    _, model = llama
+    prompts = random_prompts((6, 21, 37), seed=9)
+    caches = {name: RaggedCache(model.config, page_size=4, cold_format="int4", backend=name)
+              for name in ("cpu", backend)}
+    got = {name: many(model, prompts, (8, 8, 8), cache=cache) for name, cache in caches.items()}
+    assert got[backend] == got["cpu"] and caches[backend].stats()["demotions"] > 0
