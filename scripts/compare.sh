@@ -52,7 +52,7 @@ python scripts/many_prompts.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/ma
 if [ ${#QUICK[@]} -eq 0 ]; then
   QUANTIZED=(--cache-tokens 2048 --decode-contexts 1024,4096 --decode-tokens 8 --repeats 3)
 else
-  QUANTIZED=(--quick)
+  QUANTIZED=(--quick --repeats 1)  # (one round: the agreement part runs each of its 5 entries once)
 fi
 python scripts/quantized.py --parts cache,agreement,decode "${QUANTIZED[@]}" --threads "$THREADS" --out "$OUT/quantized"
 [ -z "$STORE" ] || python scripts/prefix_store.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/prefix_store"

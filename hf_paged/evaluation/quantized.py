@@ -767,7 +767,7 @@ def _table(header: str, cells: list[list]) -> list[str]:
 def cache_markdown(r: dict) -> list[str]:
     """The `cache_part` tables."""
     sizes = r["bytes_per_token"]
-    lines = [f"## Through the real caches: PagedCache / generate_many with kv_format, pages of {r['page_size']}", "",
+    lines = [f"## Through the real caches: PagedCache with kv_format, pages of {r['page_size']}", "",
              f"KV bytes per token after a prefill of {r['bytes_tokens']} tokens, every layer, scales included "
              "(pages: `stats()[\"kv_bytes\"]`; QuantizedCache: its quantized history, the residual empty, and in "
              "brackets with its float residual full):", ""]
