@@ -5,7 +5,7 @@
 # (scripts/many_prompts.py: generate_many against generate and transformers' continuous batching, about 6.5
 # minutes), then quantized pages through the real caches (scripts/quantized.py --parts cache,agreement,decode at 2048
 # tokens, greedy agreement of generate_many's page formats and cold pages over the many-prompts workload, decode at
-# 1k and 4k, with transformers' QuantizedCache where optimum-quanto is installed; about 17 minutes; the
+# 1k and 4k, with transformers' QuantizedCache where optimum-quanto is installed; about 19 minutes; the
 # stored results at 8k and 16k tokens have their commands in docs/quantized.md). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored); nothing tracked changes.
 #
 #   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install] [--prefix-store]
