@@ -42,6 +42,7 @@ class BlockManager:
         self.num_pages = 0
         self.ref: list[int] = []
         self.free: OrderedDict[int, None] = OrderedDict()
+        self.frees = 0  # changes whenever pages holding content may have become free (a new id holds none)
         self.cached: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self.page_hash: dict[int, bytes] = {}
         self.hash_to_page: dict[bytes, int] = {}
@@ -152,6 +153,7 @@ class BlockManager:
                 self.cached[page] = None  # most recently used end
             else:
                 self.free[page] = None
+                self.frees += 1
 
     def release_row(self, pages: list[int]) -> None:
         """Release a row's pages tail first, so its prefix outlives its suffix in the LRU order.
@@ -177,6 +179,7 @@ class BlockManager:
         if page in self.cached:
             del self.cached[page]
             self.free[page] = None
+            self.frees += 1
 
     # ---------------------------------------------------------- prefix hashes
     def set_hash(self, page: int, content_hash: bytes) -> None:
@@ -203,6 +206,7 @@ class BlockManager:
         """Drop every reference: pages with a content hash become cached (their content is complete: a page gets
         its hash once computed, and loses it before it is handed out again), others free. It also restores the
         invariants after an operation was interrupted midway (a page in no list, a count that no row holds)."""
+        self.frees += 1
         self.hash_to_page = {h: p for p, h in self.page_hash.items()}
         for page in range(self.num_pages):
             self.ref[page] = 0
@@ -220,6 +224,7 @@ class BlockManager:
             self._drop_hash(page)
         self.ref = [0] * self.num_pages
         self.free = OrderedDict.fromkeys(range(self.num_pages))
+        self.frees += 1
         self.cached.clear()
 
     def check_invariants(self) -> None:

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from .compiled_many import active_cache, compile_many_steps
 from .cpu_weights import is_packed, packed_linear_weights
+from .demotion import pages_format
 from .model_config import ATTN_IMPLEMENTATION, CACHE_KWARG
 from .errors import CacheUsageError
 from .kv_formats import check_kv_format
@@ -50,13 +51,14 @@ def _check(prompts: list[list[int]], max_new: list[int], vocab_size: int, cache:
 
 
 def _cache_for(model, cache: RaggedCache | None, page_size: int | None, max_pages: int | None,
-               kv_format: str | None, prefix_store=None) -> RaggedCache:
+               kv_format: str | None, prefix_store=None, cold_format: str | None = None) -> RaggedCache:
     """The run's cache: ``cache``, or a new one of ``page_size`` (default 16) and ``max_pages`` pages in ``kv_format``
-    (default "float"), which the model's device must read (and ``prefix_store``). The pool's arguments belong to the
-    cache: with ``cache=``, values other than the cache's own are refused."""
+    (default "float"), which the model's device must read (and ``prefix_store``, ``cold_format``). The pool's
+    arguments belong to the cache: with ``cache=``, values other than the cache's own are refused."""
     if cache is None:
         cache = RaggedCache(model.config, 16 if page_size is None else page_size, max_pages,
-                            kv_format="float" if kv_format is None else kv_format, prefix_store=prefix_store)
+                            kv_format="float" if kv_format is None else kv_format, prefix_store=prefix_store,
+                            cold_format=cold_format)
         check_kv_format(cache.kv_format, model.device)
         return cache
     if prefix_store is not None:
@@ -68,7 +70,8 @@ def _cache_for(model, cache: RaggedCache | None, page_size: int | None, max_page
     check_kv_format(cache.kv_format, model.device)
     for name, given, own in (("page_size", page_size, cache.page_size), ("max_pages", max_pages,
                                                                          cache.manager.max_pages),
-                             ("kv_format", kv_format, cache.kv_format)):
+                             ("kv_format", kv_format, cache.kv_format),
+                             ("cold_format", cold_format, cache.cold_format)):
         if given is not None and given != own:
             raise CacheUsageError(f"{name}={given!r} with cache= (whose {name} is {own!r}): the pool's size is the "
                                   f"cache's. Give it to RaggedCache(...) or leave cache= out.")
@@ -86,7 +89,7 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
                 page_size: int | None = None, max_pages: int | None = None, max_batch_tokens: int = 256,
                 cache: RaggedCache | None = None, progress: bool = True, stats: GenerationStats | None = None,
                 pack_weights: bool = False, compile: bool = False, kv_format: str | None = None,
-                prefix_store=None, **generate_kwargs) -> Iterator[tuple[int, int]]:
+                prefix_store=None, cold_format: str | None = None, **generate_kwargs) -> Iterator[tuple[int, int]]:
     """Yield ``(output index, token)`` as tokens are produced; output ``i * num_return_sequences + j`` is
     sample ``j`` of prompt ``i``. Arguments as for `generate_many`; they are checked here, before the generator
     is returned. The cache is taken (for this thread) when iteration starts and given back, every sequence released,
@@ -118,10 +121,14 @@ def stream_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None = 
     seeds = (per_prompt("seed", seeds, len(prompts)) if isinstance(seeds, list) else
              [seeds + i * n for i in range(len(prompts))])
     own_store = cache is None and prefix_store is not None  # (closed when the run ends)
-    cache = _cache_for(model, cache, page_size, max_pages, kv_format, prefix_store)
+    cache = _cache_for(model, cache, page_size, max_pages, kv_format, prefix_store, cold_format)
+    if compile and cache.cold_format is not None:
+        raise CacheUsageError(f"compile=True reads one pool of pages per layer; cold_format={cache.cold_format!r} "
+                              "keeps two tiers. Drop compile=True, or use cold_format=None.")
     _check(prompts, max_new, model.config.get_text_config(decoder=True).vocab_size, cache)
     requests = [Request(i, p, m, n) for i, (p, m) in enumerate(zip(prompts, max_new))]
-    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers], cache.kv_format)
+    root = model_fingerprint(model, cache.page_size, [layer.sliding_window for layer in cache.layers],
+                             pages_format(cache.kv_format, cache.cold_format))
     scheduler = Scheduler(cache, requests, int(max_batch_tokens), root)
     if cache.store_tier is not None:
         cache.store_tier.bind(root, model)
@@ -271,6 +278,8 @@ def generate_many(model, prompts, *, max_new_tokens: int | Sequence[int] | None 
         return_dict_in_generate: return a `ManyOutput` (sequences, finish reasons, stats, texts).
         page_size, max_pages, kv_format: the page pool of a new cache (16, ``None``: it grows, "float"; "int8",
             "int4", or "fp8_e4m3" on CUDA, as for `PagedCache`); prompts wait for pages when it is full.
+        cold_format: "int4" or "int8" for a new cache (`RaggedCache`'s ``cold_format``): each sequence's full pages
+            but its sinks re-quantized once filled, as `PagedCache(cold_format=...)` does (not with ``compile``).
         max_batch_tokens: tokens per step (decode tokens + prefill chunks), which bounds each step.
         cache: a `RaggedCache` to reuse across calls (its cached prefix pages are then shared).
         progress: a tqdm bar of finished sequences, with tokens/s, queue, pages and time to first token.

@@ -119,14 +119,16 @@ class ColdPages:
         hot, cold = self.page_bytes()
         return (held - len(self.ids)) * hot + len(self.ids) * cold
 
-    def hot_full_pages(self, manager, rows: list[list[int]], first_page: int, num_tokens: int,
+    def hot_full_pages(self, manager, rows: list[list[int]], first_page: int, num_tokens: int | list[int],
                        sink_pages: int) -> tuple[np.ndarray, np.ndarray]:
         """The rows' held hot full pages past the first ``sink_pages``, each once (a page shared by rows: at its first
-        place), and their ages (index in their row), oldest first."""
+        place), and their ages (index in their row), oldest first. ``num_tokens``: the rows' tokens (one count for
+        every row, or one per row: `hf_paged.ragged_cache`'s sequences)."""
         S = manager.page_size
         start = max(sink_pages - first_page, 0)
-        full = num_tokens // S - first_page  # entries before it are full pages
-        spans = [np.asarray(row[start:full], dtype=np.int64) for row in rows]
+        counts = num_tokens if isinstance(num_tokens, list) else [num_tokens] * len(rows)
+        spans = [np.asarray(row[start:n // S - first_page], dtype=np.int64)  # (entries before n // S are full pages)
+                 for row, n in zip(rows, counts)]
         pages = np.concatenate([np.zeros(0, dtype=np.int64), *spans])
         age = np.concatenate([np.zeros(0, dtype=np.int64), *(start + np.arange(len(span)) for span in spans)])
         cold_row = next(iter(self.layers.values())).cold_row  # (every layer's: the group's cold ids, `ids`)
@@ -156,7 +158,7 @@ class ColdPages:
             demoted += count
         return min(demoted, len(order))
 
-    def demote_filled(self, manager, rows: list[list[int]], first_page: int, num_tokens: int,
+    def demote_filled(self, manager, rows: list[list[int]], first_page: int, num_tokens: int | list[int],
                       sink_pages: int) -> None:
         """No budget: every full page past the first ``sink_pages`` turns cold (once the step that filled it
         commits), so only the sinks and the page being filled are read in float."""
@@ -189,6 +191,18 @@ def tier_stats(groups) -> dict:
     """``pages_cold`` (held cold now) and ``demotions`` (so far) summed over a cache's groups; {} without tiers."""
     tiers = [g.manager.cold for g in groups.values() if g.manager.cold is not None]
     return dict(pages_cold=sum(len(t.ids) for t in tiers), demotions=sum(t.demotions for t in tiers)) if tiers else {}
+
+
+def make_manager(page_size: int, max_pages: int | None, cold_format: str | None) -> BlockManager:
+    """A layer group's block manager: pages of one tier (``cold_format`` None), else a `TieredBlockManager`."""
+    return BlockManager(page_size, max_pages) if cold_format is None else TieredBlockManager(page_size, max_pages,
+                                                                                            cold_format)
+
+
+def pages_format(kv_format: str, cold_format: str | None) -> str:
+    """The name of a cache's page format: ``kv_format``, or with a cold tier both (``"float+int4"``), as a layer's
+    pages name it (``kv_format``) and prefix hashes take it into their root."""
+    return kv_format if cold_format is None else f"{kv_format}+{cold_format}"
 
 
 class TieredBlockManager(BlockManager):
@@ -240,7 +254,7 @@ class MixedPages:
     def __init__(self, tiers: ColdPages, page_size: int, heads: int, head_dim: int, value_dim: int,
                  dtype: torch.dtype, device):
         self.tiers, self.page_size, self.dtype, self.device = tiers, page_size, dtype, torch.device(device)
-        self.kv_format = f"float+{tiers.cold_format}"
+        self.kv_format = pages_format("float", tiers.cold_format)
         self.hot = FloatPages(page_size, heads, head_dim, value_dim, dtype, self.device)
         self.cold = QuantizedPages(tiers.format, page_size, heads, head_dim, value_dim, dtype, self.device)
         self.hot.grow_to(1), self.cold.grow_to(1)

@@ -20,7 +20,7 @@ import weakref
 
 from .attention import PagedView
 from .block_manager import BlockManager
-from .demotion import TieredBlockManager
+from .demotion import make_manager
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy, GroupEviction, plan_stacked, record_together
 from .page_store import PageStore
@@ -310,9 +310,8 @@ class LayerGroups(dict):
         ``kv_format`` (with a ``cold_format``, a byte budget that demotes pages first: `hf_paged.demotion`)."""
         key = (sliding_window, layer_idx) if per_layer else sliding_window
         if key not in self:
-            manager = (BlockManager(page_size, max_pages) if cold_format is None
-                       else TieredBlockManager(page_size, max_pages, cold_format))
-            self[key] = LayerGroup(manager, sliding_window, policy, kv_format=kv_format)
+            self[key] = LayerGroup(make_manager(page_size, max_pages, cold_format), sliding_window, policy,
+                                   kv_format=kv_format)
         return self[key]
 
     def keep(self, groups: set[int]) -> None:

@@ -150,13 +150,15 @@ class PageStore:
     of its first keys (so ``device_map`` puts each layer's pages on its device); forks share the store.
 
     Invariant: every layer's pages are grown to the manager's ``num_pages`` before a step writes them; a write
-    drops the residuals (int4's float keys of partial pages) of the ``manager``'s free pages (a row that ended,
-    or was cropped or rolled back, left them), so they are held for live pages only.
+    drops the residuals (int4's float keys of partial pages; a two-tier layer's rows) of the ``manager``'s free pages
+    (a row that ended, or was cropped or rolled back, left them), so they are held for live pages only: once per
+    layer after pages were freed (the manager's ``frees`` changed), not at every step.
     """
 
     def __init__(self, page_size: int, kv_format: str = "float", manager=None):
         self.page_size, self.kv_format, self.manager = page_size, kv_format, manager
         self.layers: dict[int, FloatPages] = {}
+        self._frees_seen: dict[int, int] = {}  # id of a layer's pages -> the manager's ``frees`` it last dropped
 
     def layer(self, layer_idx: int) -> FloatPages | None:
         return self.layers.get(layer_idx)
@@ -178,8 +180,9 @@ class PageStore:
         (copy-on-write, before any write), then write the tokens ``[T, H, D]`` into ``slots``."""
         if copy_src is not None or pages.num_pages < num_pages:
             self.prepare(pages, num_pages, copy_src, copy_dst)
-        if self.manager is not None:
+        if self.manager is not None and self._frees_seen.get(id(pages)) != self.manager.frees:
             pages.forget_residuals(self.manager.free)
+            self._frees_seen[id(pages)] = self.manager.frees
         pages.write(slots, keys, values)
 
     @staticmethod

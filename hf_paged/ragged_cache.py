@@ -35,9 +35,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import PagedKV, PagedView, paged_attention_forward
 from .backends import check_backend, layer_backend
-from .block_manager import EVICTED, MAX_PAGE_SIZE, BlockManager
+from .block_manager import EVICTED, MAX_PAGE_SIZE
 from .compiled_many import RaggedRead
+from .demotion import check_cold_format, make_manager
 from .errors import CacheUsageError, check_positive_int
+from .eviction import default_sink_pages
 from .kv_formats import check_kv_format
 from .model_config import head_dim, layer_windows
 from .page_store import PageStore
@@ -109,10 +111,12 @@ class RaggedGroup:
     """The layers of a `RaggedCache` that keep the same tokens (one sliding window, or none): their block manager,
     page store and prefix index, and the step planned in them (``step``, ``undo`` until it is final)."""
 
-    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None, kv_format: str = "float"):
+    def __init__(self, sliding_window: int | None, page_size: int, max_pages: int | None, kv_format: str = "float",
+                 cold_format: str | None = None):
         self.sliding_window = sliding_window
         self.span = attention_span(sliding_window, page_size)
-        self.manager = BlockManager(page_size, max_pages)
+        self.manager = make_manager(page_size, max_pages, cold_format)  # (two tiers with a cold format)
+        self.sink_pages = default_sink_pages(page_size)  # kept float with a cold format (as `PagedCache`'s)
         self.store = PageStore(page_size, kv_format, self.manager)
         self.prefix = PrefixIndex(self.manager, self.store)  # prompt and generated pages, by content hash
         self.step: RaggedStep | None = None
@@ -166,11 +170,27 @@ class RaggedGroup:
         self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S)
         return self.step
 
-    def finish(self) -> None:
-        """The step is final (every layer wrote it): pages it replaced are released."""
+    def finish(self, sequences: dict | None = None, g: int = 0, prefilling=()) -> None:
+        """The step is final (every layer wrote it): pages it replaced are released; with a cold format, the full
+        pages of ``sequences`` (id -> `SequencePages`, whose table here is ``tables[g]``) past their sinks are demoted
+        (`hf_paged.demotion.ColdPages.demote_filled`), but none that a sequence still ``prefilling`` holds: a prompt
+        is read in float, as a `PagedCache`'s prefill reads it, whatever its chunks."""
         if self.undo is not None:
             self.undo.commit(self.manager)
+            if self.manager.cold is not None and sequences:
+                reading = {page for i in prefilling for page in sequences[i].tables[g]}
+                done = [seq for i, seq in sequences.items() if i not in prefilling]
+                tables = [[EVICTED if page in reading else page for page in seq.tables[g]] for seq in done]
+                self.manager.cold.demote_filled(self.manager, tables, 0, [seq.length for seq in done], self.sink_pages)
         self.step, self.undo = None, None
+
+    def register_hot_pages(self, table: list[int], hashes: list[bytes], start: int, end: int, generated: bool) -> None:
+        """`PrefixIndex.register_pages` for a sequence's ``table``, but cold pages get no hash: not what a full
+        forward computes, they are never shared (so prompts share only float sink pages)."""
+        cold = self.manager.cold
+        if cold is not None:
+            table = [EVICTED if page in cold.ids else page for page in table]
+        self.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
 
     def abort(self) -> None:
         """The step failed: the tables are as before it, pages it brought in are released."""
@@ -247,13 +267,14 @@ class RaggedCache(Cache):
         page_size: tokens per page.
         max_pages: pages in each group's pool (None: they grow); admission control keeps within it.
         backend: as for `PagedCache` ("auto", "cpu", "triton", "torch"; default ``$HF_PAGED_BACKEND``).
-        kv_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4", "fp8_e4m3").
+        kv_format, cold_format: as for `PagedCache`: how pages store keys and values ("float", "int8", "int4",
+            "fp8_e4m3"), and "int4"/"int8" pages demoted once full (`RaggedGroup.finish`; max_pages then counts bytes).
         prefix_store, store_spill: a prefix store under the pool, as for `PagedCache` (prompt pages written
             through, loaded on a lookup miss, evicted hashed pages spilled; ``stats()`` counts the traffic).
     """
 
     def __init__(self, config, page_size: int = 16, max_pages: int | None = None, backend: str | None = None,
-                 kv_format: str = "float", prefix_store=None, store_spill: bool = True):
+                 kv_format: str = "float", prefix_store=None, store_spill: bool = True, cold_format: str | None = None):
         if not isinstance(config, PretrainedConfig):
             raise CacheUsageError(f"config must be a transformers model config (model.config), got "
                                   f"{type(config).__name__}.")
@@ -261,14 +282,14 @@ class RaggedCache(Cache):
         check_positive_int("max_pages", max_pages, allow_none=True)
         check_backend(backend)
         check_kv_format(kv_format, head_dim=head_dim(config))
-        layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
-        if "chunked_attention" in layer_types:
+        check_cold_format(cold_format, kv_format, config, prefix_store)
+        if "chunked_attention" in (getattr(config.get_text_config(decoder=True), "layer_types", None) or ()):
             raise CacheUsageError("generate_many does not support chunked_attention layers (Llama 4): use "
                                   "model.generate with a PagedCache for this model.")
-        self.page_size, self.backend, self.kv_format = page_size, backend, kv_format
+        self.page_size, self.backend, self.kv_format, self.cold_format = page_size, backend, kv_format, cold_format
         windows = layer_windows(config)
         widest_first = sorted(set(windows), key=lambda w: -math.inf if w is None else -w)
-        self.groups = [RaggedGroup(w, page_size, max_pages, kv_format) for w in widest_first]
+        self.groups = [RaggedGroup(w, page_size, max_pages, kv_format, cold_format) for w in widest_first]
         by_window = dict(zip(widest_first, self.groups))
         super().__init__(layers=[RaggedLayer(self, by_window[w], i) for i, w in enumerate(windows)])
         self.store_tier = make_tier(prefix_store, store_spill)  # pages shared beyond this process (or None)
@@ -386,7 +407,7 @@ class RaggedCache(Cache):
         """The sequence's full logical pages ``[start, end)`` get their content hashes ``hashes[i]`` in every group
         (pages that left a window are skipped); ``generated``: decode steps filled them (for a prefix store)."""
         for group, table in zip(self.groups, self.sequences[seq_id].tables):
-            group.prefix.register_pages(table, hashes, 0, start, end, generated=generated)
+            group.register_hot_pages(table, hashes, start, end, generated)
 
     def step_pages(self, new_tokens: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
         """Per ``(seq_id, n)`` of a step, in packed order: the pages `begin_step` allocates for it in ``groups[0]``
@@ -425,10 +446,10 @@ class RaggedCache(Cache):
             seq.length += n
         return self.step
 
-    def finish_step(self) -> None:
-        """Make the planned step final (every layer wrote it): pages it replaced are released."""
-        for group in self.groups:
-            group.finish()
+    def finish_step(self, prefilling=()) -> None:
+        """Make the planned step final (every layer wrote it): `RaggedGroup.finish` (``prefilling``: sequence ids)."""
+        for g, group in enumerate(self.groups):
+            group.finish(self.sequences, g, prefilling)
 
     def abort_step(self) -> None:
         """Undo the planned step: sequences get their pages and lengths back, new pages are released."""

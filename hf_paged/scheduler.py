@@ -176,10 +176,12 @@ class Scheduler:
         return planned
 
     def after_step(self, step: list[tuple[Sequence, int]]) -> None:
-        """The step was computed: advance the sequences and hash their newly full pages."""
-        self.cache.finish_step()
+        """The step was computed: advance the sequences, make the step final (a cold format leaves the pages of the
+        prompts still being read in float) and hash their newly full pages."""
         for seq, n in step:
             seq.computed += n
+        self.cache.finish_step({seq.out_index for seq in self.running if seq.prefilling})
+        for seq, _ in step:
             self._hash_full_pages(seq)
 
     def _hash_full_pages(self, seq: Sequence) -> None:

@@ -13,23 +13,25 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .demotion import tier_stats
+
 
 def ragged_cache_stats(cache) -> dict:
     """`PagedCache.stats`'s fields for a `RaggedCache`, summed over its layer groups (it never evicts a live page,
-    so ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters."""
+    so ``evictions`` is 0, and ``tokens_held`` is ``tokens_stored``), with its prefix listeners' counters and, with a
+    cold format, its tiers' (`hf_paged.demotion.tier_stats`)."""
     managers = [group.manager for group in cache.groups]
     tokens = sum(seq.length for seq in cache.sequences.values())
     out = dict(page_size=cache.page_size, pages_total=sum(m.num_pages for m in managers),
                pages_used=sum(m.num_used for m in managers), pages_free=sum(len(m.free) for m in managers),
                pages_cached=sum(len(m.cached) for m in managers), tokens_stored=tokens,
-               kv_bytes=sum((g.manager.num_used + len(g.manager.cached)) * g.store.page_bytes()
-                            + g.store.residual_bytes() for g in cache.groups),
+               kv_bytes=sum(g.store.held_bytes() for g in cache.groups),
                pool_bytes=sum(g.store.pool_bytes() for g in cache.groups), evictions=0, prefix_hits=cache.prefix_hits,
                tokens_held=tokens)
     for group in cache.groups:
         for key, value in group.prefix.stats().items():
             out[key] = out.get(key, 0) + value
-    return out
+    return {**out, **tier_stats(dict(enumerate(cache.groups)))}
 
 
 @dataclass

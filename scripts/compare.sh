@@ -3,8 +3,9 @@
 # and the Britannica text: speed and memory (scripts/benchmark.py, about 8 minutes on 2 idle cores), perplexity
 # under page budgets (scripts/perplexity.py, 2048 tokens, about 3.5 minutes), then many prompts of different lengths
 # (scripts/many_prompts.py: generate_many against generate and transformers' continuous batching, about 6.5
-# minutes), then quantized pages through the real caches (scripts/quantized.py --parts cache,decode at 2048 tokens,
-# decode at 1k and 4k, with transformers' QuantizedCache where optimum-quanto is installed; about 15 minutes; the
+# minutes), then quantized pages through the real caches (scripts/quantized.py --parts cache,agreement,decode at 2048
+# tokens, greedy agreement of generate_many's page formats and cold pages over the many-prompts workload, decode at
+# 1k and 4k, with transformers' QuantizedCache where optimum-quanto is installed; about 19 minutes; the
 # stored results at 8k and 16k tokens have their commands in docs/quantized.md). Each run writes a new folder runs/<UTC time>[-quick]/ (git-ignored); nothing tracked changes.
 #
 #   bash scripts/compare.sh [--quick] [--threads N] [--out DIR] [--no-install] [--prefix-store]
@@ -51,9 +52,9 @@ python scripts/many_prompts.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/ma
 if [ ${#QUICK[@]} -eq 0 ]; then
   QUANTIZED=(--cache-tokens 2048 --decode-contexts 1024,4096 --decode-tokens 8 --repeats 3)
 else
-  QUANTIZED=(--quick)
+  QUANTIZED=(--quick --repeats 1)  # (one round: the agreement part runs each of its 5 entries once)
 fi
-python scripts/quantized.py --parts cache,decode "${QUANTIZED[@]}" --threads "$THREADS" --out "$OUT/quantized"
+python scripts/quantized.py --parts cache,agreement,decode "${QUANTIZED[@]}" --threads "$THREADS" --out "$OUT/quantized"
 [ -z "$STORE" ] || python scripts/prefix_store.py "${QUICK[@]}" --threads "$THREADS" --out "$OUT/prefix_store"
 echo "compare.sh: done in $(( $(date +%s) - START )) s; results in $OUT/ (benchmark/, perplexity/, many_prompts/, quantized/:" \
      ".md, .json, .png)"

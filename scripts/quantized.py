@@ -33,9 +33,13 @@ history, and with its residual full); perplexity at each ``--cache-tokens`` leng
 intervals: the formats in one forward through their pages, bfloat16 keys and values (simulated), QuantizedCache with
 the text in chunks of its residual length (each token sees what it would see when decoded), and int4 cold pages
 (``PagedCache(cold_format="int4")`` without a budget: every full page but the sinks re-quantized to int4, the sinks
-and the newest page read in float) with the text in chunks of a page, paired with QuantizedCache int4 too; and greedy
-agreement of ``generate_many(kv_format=...)`` with float pages over the many-prompts workload (``--num-prompts``
-prompts of 32-256 tokens, 8 or 64 new tokens each; tokens before the first difference, per prompt).
+and the newest page read in float) with the text in chunks of a page, paired with QuantizedCache int4 too.
+
+Part ``agreement``: greedy agreement with float pages over the many-prompts workload (``--num-prompts`` prompts of
+32-256 tokens, 8 or 64 new tokens each): ``generate_many`` with float32 pages, ``kv_format`` "int8" and "int4" pages
+and ``cold_format`` "int8" and "int4" (every full page but the sinks demoted once filled); per prompt the new tokens
+before the first difference (median, min, prompts equal), per entry the run's peak ``kv_bytes`` and CPU seconds per
+run (medians over ``--repeats`` rounds, entries alternating, and the per-round ratio to float32 pages).
 
 Part ``decode``: ``generate``'s decode speed at each ``--decode-contexts`` length and ``--decode-batches`` size,
 float32, int8 and int4 pages, int4 cold pages and the QuantizedCache rows holding the same keys and values (computed
@@ -58,6 +62,7 @@ study is `hf_paged.evaluation.quantized`.
 Examples:
     python scripts/quantized.py                          # every part (hours on 1 core: 8k and 16k tokens)
     python scripts/quantized.py --parts cache --out results/quantized/cache
+    python scripts/quantized.py --parts agreement --repeats 3 --out results/quantized/agreement
     python scripts/quantized.py --parts decode --decode-contexts 1024,4096 --repeats 5 --out results/quantized/decode
     python scripts/quantized.py --parts speed --contexts 4096 --batches 1
     python scripts/quantized.py --parts mixed --decode-contexts 1024,4096 --decode-batches 1 --out runs/mixed
@@ -97,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=int_list, default=None,
                    help=f"speed: rows per call (default {DEFAULTS['batches']})")
     p.add_argument("--repeats", type=int, default=None,
-                   help=f"speed, decode: rounds (default {DEFAULTS['repeats']})")
+                   help=f"speed, agreement, decode: rounds (default {DEFAULTS['repeats']})")
     p.add_argument("--calls", type=int, default=None, help=f"speed: kernel calls per format and round "
                                                            f"(default {DEFAULTS['calls']})")
     p.add_argument("--cache-tokens", type=int_list, default=None,
@@ -115,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"cache, decode: QuantizedCache's residual_length, the newest tokens it keeps in float "
                         f"(default {DEFAULTS['peer_residual']}, transformers' own)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"cache: prompts of the many-prompts workload, 0: none (default {DEFAULTS['num_prompts']})")
+                   help=f"agreement: prompts of the many-prompts workload (default {DEFAULTS['num_prompts']})")
     p.add_argument("--mixed-budget", type=float, default=None,
                    help=f"mixed: the bounded caches' bytes, as a share of the batch's float32 bytes (default "
                    f"{DEFAULTS['mixed_budget']})")
@@ -138,8 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0 < args.mixed_budget < 1:
         p.error(f"--mixed-budget is a share of the context's bytes, between 0 and 1, got {args.mixed_budget}")
-    if args.num_prompts < 0:
-        p.error("--num-prompts must be 0 (no agreement table) or positive")
+    if args.num_prompts <= 0:
+        p.error("--num-prompts must be positive")
     return args
 
 

@@ -111,10 +111,9 @@ def test_perplexity_part_on_the_real_model(tmp_path):
 def test_cache_part_measures_the_real_caches(tmp_path):
     """Through PagedCache/generate_many pages: bytes per token from stats() (int8 about a quarter of float32's),
     float32 pages as their own reference at each length, bfloat16 and the QuantizedCache rows beside the formats
-    (or skipped with a reason), int4 cold pages last (paired with QuantizedCache int4 where it ran), agreement
-    counted per prompt."""
-    assert quantized.main(["--quick", "--parts", "cache", "--cache-tokens", "64,96", "--num-prompts", "2",
-                           "--out", str(tmp_path), "--no-progress"]) == 0
+    (or skipped with a reason), int4 cold pages last (paired with QuantizedCache int4 where it ran)."""
+    assert quantized.main(["--quick", "--parts", "cache", "--cache-tokens", "64,96", "--out", str(tmp_path),
+                           "--no-progress"]) == 0
     cache = json.loads((tmp_path / "quantized.json").read_text())["cache"]
     sizes = cache["bytes_per_token"]
     assert sizes["bfloat16"] == sizes["float32"] / 2 and 0.25 < sizes["int8"] / sizes["float32"] <= 0.27
@@ -130,9 +129,21 @@ def test_cache_part_measures_the_real_caches(tmp_path):
         assert all(r["low"] <= r["relative"] <= r["high"] and r["bytes_per_token"] > 0 for r in rows)
     for name in peers:
         assert sizes[name] < cache["peer_bytes"][name]["full_residual"]
-    assert [row["kv_format"] for row in cache["agreement"]] == ["int8", "int4"]
-    assert all(len(row["tokens_before_divergence"]) == 2 for row in cache["agreement"])
     assert "## Through the real caches" in (tmp_path / "quantized.md").read_text()
+
+
+@pytest.mark.slow
+def test_agreement_part_counts_tokens_before_the_first_difference_per_prompt(tmp_path):
+    """generate_many with each entry over the many-prompts workload: float pages agree with themselves, every entry
+    has a count per prompt and its run's peak bytes (the quantized and cold ones below float32's)."""
+    assert quantized.main(["--quick", "--parts", "agreement", "--num-prompts", "3", "--repeats", "1",
+                           "--out", str(tmp_path), "--no-progress"]) == 0
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "quantized.json").read_text())["agreement"]["rows"]}
+    assert list(rows) == list(quantized.AGREEMENT_ENTRIES)
+    assert rows["float"]["equal"] == 3 and rows["float"]["min"] == min(rows["float"]["wanted"])
+    assert all(len(r["tokens_before_divergence"]) == 3 and r["cpu_s"] > 0 for r in rows.values())
+    assert all(rows[name]["peak_kv_bytes"] < rows["float"]["peak_kv_bytes"] for name in list(rows)[1:])
+    assert "## Greedy agreement with float pages" in (tmp_path / "quantized.md").read_text()
 
 
 @pytest.mark.slow

@@ -101,3 +101,19 @@ def test_bad_two_tier_input_is_refused_with_a_reason():
                                                                         .int()})))
     with pytest.raises(ValueError, match="pairs float hot pools with quantized cold ones"):
         cpu_kernel.paged_attention_cpu(**dict(case, cold=type(cold)(**{**vars(cold), "format": page_format("float")})))
+
+
+def test_a_cold_tier_is_checked_once_and_its_row_maps_at_every_call():
+    """A two-tier layer's pools and formats are checked at the first call and kept (its `ColdTier` is made anew at
+    every call), but its row maps' values, which change as pages move between tiers, at every call."""
+    case, _ = two_tier_case(make_case(seed=8, **_shape("mha-page1-decode-fp32")), "int8", seed=8)
+    want = cpu_kernel.paged_attention_cpu(**case)
+    cold = case["cold"]
+    row = int(cold.cold_row.argmax())
+    held = int(cold.cold_row[row])
+    cold.cold_row[row] = cold.k_pool.shape[0]  # in place (the same tensor): a row past the cold pools
+    with pytest.raises(ValueError, match=r"ColdTier.cold_row holds rows outside \[-1, "):
+        cpu_kernel.paged_attention_cpu(**dict(case, cold=type(cold)(**vars(cold))))
+    cold.cold_row[row] = held
+    torch.testing.assert_close(cpu_kernel.paged_attention_cpu(**dict(case, cold=type(cold)(**vars(cold)))), want,
+                               rtol=0, atol=0)

@@ -3,9 +3,10 @@
 The study behind scripts/quantized.py (which documents both parts and the arguments): `perplexity_part` scores
 the embedded text through `SimulatedPages`, a DynamicCache that keeps what each page `Scheme` hands back;
 `speed_part` times the C kernel's decode call on one SmolLM2-shaped layer with pages of each format; `cache_part`
-measures the real caches with quantized pages (`PagedCache(kv_format=...)`, `generate_many(kv_format=...)`): KV bytes
-per token from ``stats()``, perplexity, greedy agreement with float pages over the many-prompts workload, and
-``generate``'s decode speed; `mixed_part` the decode speed of a mixed-precision cache (``cold_format="int4"``).
+measures the real caches with quantized pages (`PagedCache(kv_format=...)`): KV bytes per token from ``stats()`` and
+perplexity; `agreement_part` the greedy agreement of `generate_many` (``kv_format``, ``cold_format``) with float pages
+over the many-prompts workload; `decode_part` ``generate``'s decode speed; `mixed_part` the decode speed of a
+mixed-precision cache (``cold_format="int4"``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .. import assets
 from ..kv_formats import KEY_GROUP, Int4Codec, QuantizedPages, dequantize, page_format, quantize
 from ..model_config import CACHE_KWARG
 from ..page_store import FloatPages
+from ..stats import GenerationStats
 from .formats import pyplot, write_report
 from .intervals import paired_ratio_interval
 from .memory import MemoryMeter, _libc
@@ -35,7 +37,7 @@ from .nll import CacheStream
 from .run_info import load_average, versions
 from .text import load_token_ids
 
-PARTS = ("perplexity", "speed", "cache", "decode", "mixed")
+PARTS = ("perplexity", "speed", "cache", "agreement", "decode", "mixed")
 CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
 COLD = "int4 cold pages (sinks, newest page float)"  # PagedCache(cold_format="int4"): pages demoted as they fill
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4", "float32+int4")  # the last: two tiers, 7 of 8 pages cold
@@ -49,6 +51,8 @@ QUICK = dict(max_tokens=256, contexts="256,1024", batches="1,2", repeats=3, call
              decode_contexts="128,256", decode_batches="1,2", decode_tokens=4, num_prompts=4, peer_bits="4,2",
              peer_residual=128, mixed_budget=0.25)
 MIXED_ENTRIES = ("float", "bounded float", "mixed int4", "mixed int4, torch path")  # part "mixed"
+AGREEMENT_ENTRIES = {"float": {}, "int8": dict(kv_format="int8"), "int4": dict(kv_format="int4"),  # part "agreement"
+                     "cold int8": dict(cold_format="int8"), "cold int4": dict(cold_format="int4")}
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -370,21 +374,17 @@ def _peer_models(args):
 
 
 def cache_part(args, progress) -> dict:
-    """Bytes, perplexity at each ``--cache-tokens`` length, and greedy agreement through `PagedCache`/`generate_many`
-    pages, with transformers' QuantizedCache (quanto) beside them where it runs."""
-    import types
-
+    """Bytes and perplexity at each ``--cache-tokens`` length through `PagedCache` pages, with transformers'
+    QuantizedCache (quanto) beside them where it runs."""
     import hf_paged
 
     from . import quantized_peer as peer
-    from .many_prompts import workload
 
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
     model.generation_config.eos_token_id = None
     sdpa, bits, peer_skipped = _peer_models(args)
     ids, info = load_token_ids(tokenizer, max(args.cache_tokens))
-    bar = progress(total=2 + len(args.cache_tokens) * (2 + len(CACHE_FORMATS) + len(bits))
-                   + len(CACHE_FORMATS) * bool(args.num_prompts), desc="real caches")
+    bar = progress(total=2 + len(args.cache_tokens) * (2 + len(CACHE_FORMATS) + len(bits)), desc="real caches")
     # KV bytes per token: float pages of a float32 and a bfloat16 model, int8 and int4 pages (scales included), and
     # QuantizedCache after a prefill (everything quantized) and with its float residual full
     tokens = ids[: args.page_size * max(1, min(args.cache_tokens) // (2 * args.page_size))]  # whole pages
@@ -442,23 +442,61 @@ def cache_part(args, progress) -> dict:
             rows[-1]["vs_peer"] = dict(name=rival["name"], **dict(zip(("relative", "low", "high"), ratio)))
         perplexity.append(dict(tokens=length, rows=rows))
         del reference
-    # greedy agreement with float pages: generate_many over the many-prompts workload (none: --num-prompts 0)
-    shape = types.SimpleNamespace(system_prompt=0, num_prompts=args.num_prompts, min_len=32, max_len=256,
-                                  short_new=8, long_new=64)
-    prompts, wanted = workload(tokenizer, shape) if args.num_prompts else ([], [])
-    outputs = {}
-    for kv_format in CACHE_FORMATS if prompts else ():
-        outputs[kv_format] = hf_paged.generate_many(model, prompts, max_new_tokens=wanted, eos_token_id=[],
-                                                    page_size=args.page_size, kv_format=kv_format, progress=False)
-        bar.update(1)
-    agreement = []
-    for kv_format in CACHE_FORMATS[1:] if prompts else ():
-        same = [_first_divergence(got, want) for got, want in zip(outputs[kv_format], outputs["float"])]
-        agreement.append(dict(kv_format=kv_format, prompts=len(prompts), wanted=wanted, tokens_before_divergence=same,
-                              equal=sum(s == n for s, n in zip(same, wanted)), agreeing_share=sum(same) / sum(wanted)))
     bar.close()
     return dict(text=info, page_size=args.page_size, bytes_per_token=sizes, bytes_tokens=len(tokens),
-                peer_bytes=peer_sizes, peer_skipped=peer_skipped, perplexity=perplexity, agreement=agreement)
+                peer_bytes=peer_sizes, peer_skipped=peer_skipped, perplexity=perplexity)
+
+
+def agreement_part(args, progress) -> dict:
+    """Greedy agreement with float pages over the many-prompts workload (``--num-prompts`` Britannica prompts of
+    32-256 tokens, 8 or 64 new tokens each): `generate_many` on the embedded SmolLM2 (float32, "hf_paged") with each
+    `AGREEMENT_ENTRIES` cache (kv_format int8/int4 pages; cold_format int8/int4: full pages but the sinks demoted
+    once filled), entries in turn, ``--repeats`` rounds alternating their order. Per entry and prompt: new tokens
+    before the first difference from float pages'; per entry: the peak ``kv_bytes`` of the run (after a step) and
+    CPU seconds per run (``time.process_time``, medians)."""
+    import types
+
+    import hf_paged
+
+    from .many_prompts import workload
+
+    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype=torch.float32, attn_implementation="hf_paged")
+    shape = types.SimpleNamespace(system_prompt=0, num_prompts=args.num_prompts, min_len=32, max_len=256,
+                                  short_new=8, long_new=64)
+    prompts, wanted = workload(tokenizer, shape)
+    names = list(AGREEMENT_ENTRIES)
+    outputs, peaks, cpu = {}, {}, {name: [] for name in names}
+    bar = progress(total=len(names) * args.repeats, desc="agreement")
+    for round_ in range(args.repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            stats = PeakBytes()
+            t0 = time.process_time()
+            outputs[name] = hf_paged.generate_many(model, prompts, max_new_tokens=wanted, eos_token_id=[],
+                                                   page_size=args.page_size, progress=False, stats=stats,
+                                                   **AGREEMENT_ENTRIES[name])
+            cpu[name].append(time.process_time() - t0)
+            peaks[name] = stats.peak_kv_bytes
+            bar.update(1)
+    bar.close()
+    rows = []
+    for name in names:
+        same = [_first_divergence(got, want) for got, want in zip(outputs[name], outputs["float"])]
+        rows.append(dict(cache=name, prompts=len(prompts), wanted=wanted, tokens_before_divergence=same,
+                         equal=sum(s == n for s, n in zip(same, wanted)), median=statistics.median(same),
+                         min=min(same), agreeing_share=sum(same) / sum(wanted), peak_kv_bytes=peaks[name],
+                         cpu_s=statistics.median(cpu[name]), cpu_ratio=statistics.median(
+                             c / f for c, f in zip(cpu[name], cpu["float"]))))
+    return dict(page_size=args.page_size, threads=torch.get_num_threads(), repeats=args.repeats, rows=rows)
+
+
+class PeakBytes(GenerationStats):
+    """`GenerationStats` that also keep the largest ``kv_bytes`` the run's cache held after a step."""
+
+    peak_kv_bytes = 0
+
+    def step(self, *, cache_stats: dict, **kwargs) -> None:
+        super().step(cache_stats=cache_stats, **kwargs)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, cache_stats["kv_bytes"])
 
 
 # ------------------------------------------------------------------------------------------ decode speed
@@ -709,6 +747,8 @@ def markdown(report: dict) -> str:
         lines.append("")
     if "cache" in report:
         lines += cache_markdown(report["cache"])
+    if "agreement" in report:
+        lines += agreement_markdown(report["agreement"], report["environment"])
     if "decode" in report:
         lines += decode_markdown(report["decode"], report["environment"])
     if "mixed" in report:
@@ -727,7 +767,7 @@ def _table(header: str, cells: list[list]) -> list[str]:
 def cache_markdown(r: dict) -> list[str]:
     """The `cache_part` tables."""
     sizes = r["bytes_per_token"]
-    lines = [f"## Through the real caches: PagedCache / generate_many with kv_format, pages of {r['page_size']}", "",
+    lines = [f"## Through the real caches: PagedCache with kv_format, pages of {r['page_size']}", "",
              f"KV bytes per token after a prefill of {r['bytes_tokens']} tokens, every layer, scales included "
              "(pages: `stats()[\"kv_bytes\"]`; QuantizedCache: its quantized history, the residual empty, and in "
              "brackets with its float residual full):", ""]
@@ -757,15 +797,27 @@ def cache_markdown(r: dict) -> list[str]:
                          for row in block["rows"]])
         lines += [f"\n{row['name']} against {row['vs_peer']['name']}, paired: {_interval(row['vs_peer'])}"
                   for row in block["rows"] if "vs_peer" in row]
-    if r["agreement"]:
-        lines += ["", "Greedy agreement with float pages: `generate_many` over the many-prompts workload "
-                  f"({r['agreement'][0]['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each):",
-                  ""]
-        lines += _table("| pages< | prompts equal | new tokens before the first difference (per prompt)< | "
-                        "share of wanted |",
-                        [[row["kv_format"], f"{row['equal']}/{row['prompts']}",
-                          ", ".join(f"{s}/{w}" for s, w in zip(row["tokens_before_divergence"], row["wanted"])),
-                          f"{row['agreeing_share']:.1%}"] for row in r["agreement"]])
+    return lines + [""]
+
+
+def agreement_markdown(r: dict, environment: dict) -> list[str]:
+    """The `agreement_part` table."""
+    rows = r["rows"]
+    lines = ["## Greedy agreement with float pages: `generate_many` over the many-prompts workload", "",
+             f"{rows[0]['prompts']} Britannica prompts of 32-256 tokens, 8 or 64 new tokens each, pages of "
+             f"{r['page_size']}, {r['threads']} thread(s). Per prompt: new tokens before the first difference from "
+             "float32 pages' (median, min, prompts equal throughout); peak KV bytes of the run (`stats()` after a "
+             f"step); CPU seconds per run, median of {r['repeats']} rounds (entries alternating) and the median "
+             f"per-round ratio to float32 pages. Load average {environment['load_avg_start']} before, "
+             f"{environment['load_avg_end']} after.", ""]
+    lines += _table("| cache< | prompts equal | median | min | share of wanted | peak KV MiB | vs float32 | "
+                    "CPU s/run | vs float32 (CPU) | per prompt< |",
+                    [[row["cache"], f"{row['equal']}/{row['prompts']}", f"{row['median']:g}", row["min"],
+                      f"{row['agreeing_share']:.1%}", f"{row['peak_kv_bytes'] / 2**20:.2f}",
+                      f"{row['peak_kv_bytes'] / rows[0]['peak_kv_bytes']:.3f}x", f"{row['cpu_s']:.1f}",
+                      f"{row['cpu_ratio']:.2f}",
+                      ", ".join(f"{s}/{w}" for s, w in zip(row["tokens_before_divergence"], row["wanted"]))]
+                     for row in rows])
     return lines + [""]
 
 
@@ -836,6 +888,15 @@ def plot(report: dict, path: Path) -> None:
             ax.set_ylabel("perplexity vs float32 pages (%), 95% interval")
             ax.set_title(f"{title}Perplexity against bytes through the real caches")
             ax.legend(fontsize=6)
+        elif part == "agreement":
+            rows = report["agreement"]["rows"]
+            for i, row in enumerate(rows):
+                ax.plot(row["peak_kv_bytes"] / rows[0]["peak_kv_bytes"], 100 * row["agreeing_share"], "o",
+                        color=f"C{i}", label=f"{row['cache']}: {row['equal']}/{row['prompts']} prompts equal")
+            ax.set_xlabel("peak KV bytes / float32 pages'")
+            ax.set_ylabel("wanted tokens before the first difference (%)")
+            ax.set_title(f"{title}generate_many greedy agreement with float32 pages")
+            ax.legend(fontsize=7)
         elif part in ("decode", "mixed"):
             results = report[part]["results"]
             names = list(dict.fromkeys(r["cache"] for r in results))
@@ -877,7 +938,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     for part in args.parts:
         report[part] = {"perplexity": perplexity_part, "speed": speed_part, "cache": cache_part,
-                        "decode": decode_part, "mixed": mixed_part}[part](args, progress)
+                        "agreement": agreement_part, "decode": decode_part, "mixed": mixed_part}[part](args, progress)
     environment.update(load_avg_end=load_average(), wall_s=time.perf_counter() - t0)
     table = markdown(report)
     write_report(Path(args.out), "quantized", table, report, plot=lambda path: plot(report, path))

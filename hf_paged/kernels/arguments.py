@@ -106,18 +106,24 @@ def _check_cold(hot: PageFormat, D: int, k_pool, v_pool, cold: ColdTier, device)
     if tuple(cold.k_pool.shape[1:3]) != tuple(k_pool.shape[1:3]):
         raise ValueError(f"cold pools hold pages of {tuple(cold.k_pool.shape[1:3])} (slots, heads), the hot pools "
                          f"{tuple(k_pool.shape[1:3])}")
-    maps = (("hot_row", cold.hot_row, k_pool.shape[0]), ("cold_row", cold.cold_row, cold.k_pool.shape[0]))
-    for name, rows, size in maps:
+    for name, rows in (("hot_row", cold.hot_row), ("cold_row", cold.cold_row)):
         if rows.dtype != torch.int64 or rows.dim() != 1 or rows.shape != cold.hot_row.shape or not rows.is_contiguous():
             raise ValueError(f"ColdTier.{name} must be a contiguous int64 [ids] tensor like hot_row, got {rows.dtype} "
                              f"{list(rows.shape)}")
         for tensor in (rows, cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale):
             if tensor.device != device:
                 raise ValueError(f"the ColdTier's tensors must be on the query's device {device}")
+    check_cold_rows(cold, k_pool.shape[0])
+    return cold.hot_row.shape[0]
+
+
+def check_cold_rows(cold: ColdTier, hot_pages: int) -> None:
+    """The row maps point into the pools of their tier (the hot pools hold ``hot_pages`` pages): their values change
+    as pages move between tiers, so a caller that keeps the rest of `check_pools` checks them at every call."""
+    for name, rows, size in (("hot_row", cold.hot_row, hot_pages), ("cold_row", cold.cold_row, cold.k_pool.shape[0])):
         low, high = (int(x) for x in rows.aminmax()) if rows.numel() else (-1, -1)
         if low < -1 or high >= size:
             raise ValueError(f"ColdTier.{name} holds rows outside [-1, {size}) (its pools' pages)")
-    return cold.hot_row.shape[0]
 
 
 def _check_pools(fmt: PageFormat, D: int, k_pool, v_pool, k_scale, v_scale) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from ..kv_formats import PageFormat, page_format, slot_scale_strides
 from . import library_cache
-from .arguments import ColdTier, check_call, check_mask_and_sinks, check_pools, marked, mask_strides
+from .arguments import ColdTier, check_call, check_cold_rows, check_mask_and_sinks, check_pools, marked, mask_strides
 
 __all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
@@ -119,12 +119,14 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
     """(a `_PagedArgs` holding the pool fields of these checked pools, the number of page ids). Pools change only
     when they are reallocated, so both are kept on ``k_pool`` for the next call with the same tensors, format and
     head dim (and k_pool's pointer, shape and strides and v_pool's shape unchanged; the query's device is checked per
-    call, the pools' CPU here); a two-tier layer's pools are checked on every call."""
+    call, the pools' CPU here); a two-tier layer's cold tier likewise (`_cold_stamp`: its `ColdTier` is made anew
+    per call), but for its row maps' values, checked on every call (`check_cold_rows`)."""
     D = query.shape[3]
-    stamp = (kv_format, D, k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape)
+    stamp = (kv_format, D, k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, _cold_stamp(cold))
     kept = getattr(k_pool, _POOL_ARGS, None)
-    if (cold is None and kept is not None and kept[0] == stamp and kept[1] is v_pool and kept[2] is k_scale
-            and kept[3] is v_scale):
+    if kept is not None and kept[0] == stamp and kept[1] is v_pool and kept[2] is k_scale and kept[3] is v_scale:
+        if cold is not None:
+            check_cold_rows(cold, k_pool.shape[0])
         return kept[4], kept[5]
     fmt = page_format(kv_format)
     num_ids = check_pools(fmt, query, k_pool, v_pool, k_scale, v_scale, cold)
@@ -141,9 +143,17 @@ def _pool_args(query, k_pool, v_pool, k_scale, v_scale, kv_format: str, cold: Co
         raise ValueError("k_pool/v_pool need a unit stride on the head dimension")
     args = _PagedArgs(D=D, k_group=D, v_group=D)  # float pools: one group a row (set_pools sets a format's)
     _set_pools(args, fmt, k_pool, v_pool, k_scale, v_scale)
-    if cold is None:
-        setattr(k_pool, _POOL_ARGS, (stamp, v_pool, k_scale, v_scale, args, num_ids))
+    setattr(k_pool, _POOL_ARGS, (stamp, v_pool, k_scale, v_scale, args, num_ids))
     return args, num_ids
+
+
+def _cold_stamp(cold: ColdTier | None) -> tuple | None:
+    """What `check_pools` read of a cold tier but its row maps' values: its format and each tensor's pointer, shape,
+    strides, dtype and device (None without one)."""
+    if cold is None:
+        return None
+    tensors = (cold.k_pool, cold.v_pool, cold.k_scale, cold.v_scale, cold.hot_row, cold.cold_row)
+    return cold.format, *((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 _INDEX_ARGS = "_hf_paged_cpu_index_args"  # attribute of a marked page table: the index fields of its calls
