@@ -413,6 +413,15 @@ static inline __attribute__((always_inline)) void prefetch_slot(const PagedArgs 
     if (fmt >= FMT_I8) __builtin_prefetch((value ? a->v_scale : a->k_scale) + scale_off);
 }
 
+/* The prefetches made while the scores of the chunk ``ch``'s slot c are taken: its V rows when some row attends it
+ * (add_values reads them head by head after the chunk's scores), and the K rows of slot c of the ``next`` chunk
+ * (never more slots than ``ch``): spread over the scores' work, not in a burst that stalls it. */
+static inline __attribute__((always_inline)) void prefetch_rows(const PagedArgs *a, const Chunk *ch, const Chunk *next,
+                                                                int64_t c, int used, int fmt) {
+    if (used) prefetch_slot(a, 1, ch->v_off[c], ch->vs_off[c], fmt);
+    if (c < next->C) prefetch_slot(a, 0, next->k_off[c], next->ks_off[c], fmt);
+}
+
 /* Lane sums of x[0..15], in order: a transpose-and-add tree (in-lane shuffles first, then 128-bit
  * blocks), 45 vector operations for 16 dot products instead of a horizontal sum each. */
 static inline __attribute__((always_inline)) v16 sum_lanes16(const v16 x[16]) {
@@ -566,7 +575,7 @@ static inline __attribute__((always_inline)) void slot_dots(const PagedArgs *a, 
  * time; each (row, slot) dot product leaves a 16-lane partial in `partial` [R][16 slots][16 lanes], and one
  * lane-sum tree per row turns 16 partials into 16 scores. */
 static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs *a, const Chunk *ch,
-                                                                  const uint8_t *slot_used,
+                                                                  const Chunk *next, const uint8_t *slot_used,
                                                                   const uint8_t *allowed, const float *q,
                                                                   const ChunkScales *cs, float *score, int fmt,
                                                                   v16 *partial, float *page_q, float *page_base,
@@ -578,12 +587,12 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
         if (page_keys) /* [R][16]: q . low of each row and slot's page, added to the lane sums */
             memset(slot_base, 0, sizeof(float) * R * 16);
         for (int64_t j = 0; j < 16; j++) {
-            if (j >= n || !slot_used[c0 + j]) { /* never read: may be garbage */
+            const int used = j < n && slot_used[c0 + j];
+            prefetch_rows(a, ch, next, c0 + j, used, fmt);
+            if (!used) { /* never read: may be garbage */
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
                 continue;
             }
-            /* add_values reads V head by head: fetch the slot's whole V row in order now */
-            prefetch_slot(a, 1, ch->v_off[c0 + j], ch->vs_off[c0 + j], fmt);
             if (page_keys && ch->ks_off[c0 + j] != *page_at) /* a new page: its queries */
                 page_query(a, ch->ks_off[c0 + j], q, page_q, page_base, page_at);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
@@ -607,16 +616,16 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
 
 /* Scores of a chunk, any head dim: one dot product (and horizontal sum) per row and slot. */
 static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *a, const Chunk *ch,
-                                                                const uint8_t *slot_used,
+                                                                const Chunk *next, const uint8_t *slot_used,
                                                                 const uint8_t *allowed, const float *q,
                                                                 float *score, int fmt, float *slot) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, C = ch->C;
     for (int64_t c = 0; c < C; c++) {
+        prefetch_rows(a, ch, next, c, slot_used[c], fmt);
         if (!slot_used[c]) { /* never read: may be garbage */
             for (int64_t r = 0; r < a->Q * Hq; r++) score[r * CHUNK + c] = MASKED;
             continue;
         }
-        prefetch_slot(a, 1, ch->v_off[c], ch->vs_off[c], fmt);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
             const float *kr = load_key_row(a, slot_row(a, ch, c, kvh, 0), fmt, slot);
             for (int64_t i = 0; i < a->Q * G; i++) {
@@ -718,7 +727,7 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
     uint8_t *allowed = w->allowed;
     int64_t page_at = -1;
     uint8_t slot_used[CHUNK];
-    /* the chunk being read, and the next one, whose K rows are fetched meanwhile (pages may lie anywhere) */
+    /* the chunk being read, and the next one, whose K rows its scores fetch meanwhile (pages may lie anywhere) */
     Chunk chunks[2];
     int64_t n = n_begin, s0 = 0; /* the slot after the next chunk: slot s0 of entry n */
     next_chunk(a, rows, b, &n, &s0, n_end, &chunks[0]);
@@ -726,8 +735,6 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         const Chunk *ch = &chunks[cur];
         Chunk *next = &chunks[cur ^ 1];
         next_chunk(a, rows, b, &n, &s0, n_end, next);
-        for (int64_t c = 0; c < next->C; c++)
-            prefetch_slot(a, 0, next->k_off[c], next->ks_off[c], fmt);
         const int64_t C = ch->C;
         int any = 0;
         memset(slot_used, 0, CHUNK);
@@ -743,10 +750,10 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         if (!any) continue;
         if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &w->cs);
         if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel, or groups of 16 */
-            chunk_scores16(a, ch, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_q,
+            chunk_scores16(a, ch, next, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_q,
                            w->page_base, w->slot_base, &page_at);
         else
-            chunk_scores(a, ch, slot_used, allowed, q, score, fmt, w->slot);
+            chunk_scores(a, ch, next, slot_used, allowed, q, score, fmt, w->slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
         for (int64_t r = 0; r < R; r++) {
             float *sr = score + r * CHUNK;
