@@ -306,17 +306,18 @@ static inline __attribute__((always_inline)) void merge_parity(v16 *lo, v16 *hi)
     *lo = l, *hi = h;
 }
 
-/* acc[r] += p[r][c] * V[c] for the chunk's slots: for each KV head, blocks of 4 rows x NB * 16 lanes of
- * acc stay in registers while the slots stream by (each V row is read from memory once, then from L1).
+/* acc[r] += p[r][c] * V[c] for the chunk's slots: for each KV head, blocks of NR rows (4, or the 3 left over: GQA
+ * groups of 3 or 7 need no padding row) x NB * 16 lanes of acc stay in registers while the slots stream by (each V
+ * row is read from memory once, then from L1).
  * Quantized rows (one group a row): pw = p * scale multiplies the codes, and sum(pw * zero) is taken off. int4 rows
  * are added 32 lanes at a time in `nibbles32`'s order: acc is split by parity for the chunk, merged back after. */
-#define ADD_VALUES_BLOCK(NB)                                                                              \
-    for (; d0 + 16 * (NB) <= D; d0 += 16 * (NB)) {                                                       \
-        const int split = fmt == FMT_I4 && (NB) % 2 == 0;                                                \
-        v16 t[4][NB];                                                                                     \
-        for (int j = 0; j < 4; j++)                                                                       \
+#define ADD_VALUES_BLOCK(NR, NB)                                                                          \
+    for (; d0 + 16 * (NB) <= D; d0 += 16 * (NB)) {                                                        \
+        const int split = fmt == FMT_I4 && (NB) % 2 == 0;                                                 \
+        v16 t[NR][NB];                                                                                    \
+        for (int j = 0; j < (NR); j++)                                                                    \
             for (int k = 0; k < (NB); k++) memcpy(&t[j][k], ar[j] + d0 + 16 * k, sizeof(v16));            \
-        for (int j = 0; j < 4 && split; j++)                                                              \
+        for (int j = 0; j < (NR) && split; j++)                                                           \
             for (int k = 0; k < (NB); k += 2) split_parity(&t[j][k], &t[j][k + 1]);                       \
         for (int64_t c = 0; c < C; c++) {                                                                 \
             if (!slot_used[c]) continue;                                                                  \
@@ -327,17 +328,17 @@ static inline __attribute__((always_inline)) void merge_parity(v16 *lo, v16 *hi)
                     nibbles32((const uint8_t *)a->v + at.row + (d0 + 16 * k) / 2, &v[k], &v[k + 1]);      \
                 else                                                                                      \
                     v[k] = fmt >= FMT_I8 ? codes16(a, 1, at, d0 + 16 * k, fmt) : load16(a, 1, at, d0 + 16 * k, fmt); \
-            for (int j = 0; j < 4; j++) {                                                                 \
+            for (int j = 0; j < (NR); j++) {                                                              \
                 const float p = pw[j][c];                                                                 \
                 for (int k = 0; k < (NB); k++) t[j][k] += p * v[k];                                       \
             }                                                                                             \
         }                                                                                                 \
         if (fmt == FMT_I4)                                                                                \
-            for (int j = 0; j < 4; j++)                                                                   \
+            for (int j = 0; j < (NR); j++)                                                                \
                 for (int k = 0; k < (NB); k++) t[j][k] -= zero_sum[j];                                    \
-        for (int j = 0; j < 4 && split; j++)                                                              \
+        for (int j = 0; j < (NR) && split; j++)                                                           \
             for (int k = 0; k < (NB); k += 2) merge_parity(&t[j][k], &t[j][k + 1]);                       \
-        for (int j = 0; j < 4; j++)                                                                       \
+        for (int j = 0; j < (NR); j++)                                                                    \
             for (int k = 0; k < (NB); k++) memcpy(ar[j] + d0 + 16 * k, &t[j][k], sizeof(v16));            \
     }
 
@@ -374,9 +375,12 @@ static inline __attribute__((always_inline)) void add_values(const PagedArgs *a,
                     pw[j] = weight[j];
                 }
             int64_t d0 = 0;
-            if (vector) {
-                ADD_VALUES_BLOCK(4)
-                ADD_VALUES_BLOCK(1)
+            if (vector && rows - i0 == 3) {
+                ADD_VALUES_BLOCK(3, 4)
+                ADD_VALUES_BLOCK(3, 1)
+            } else if (vector) {
+                ADD_VALUES_BLOCK(4, 4)
+                ADD_VALUES_BLOCK(4, 1)
             }
             for (int64_t c = 0; c < C; c++) /* head dims that are not a multiple of 16, smaller groups */
                 if (slot_used[c])
@@ -407,6 +411,15 @@ static inline __attribute__((always_inline)) void prefetch_slot(const PagedArgs 
     for (int64_t h = 0; h < a->Hkv; h++)
         for (int64_t byte = 0; byte < width * elem; byte += 64) __builtin_prefetch(row + h * head_stride + byte);
     if (fmt >= FMT_I8) __builtin_prefetch((value ? a->v_scale : a->k_scale) + scale_off);
+}
+
+/* The prefetches made while the scores of the chunk ``ch``'s slot c are taken: its V rows when some row attends it
+ * (add_values reads them head by head after the chunk's scores), and the K rows of slot c of the ``next`` chunk
+ * (never more slots than ``ch``): spread over the scores' work, not in a burst that stalls it. */
+static inline __attribute__((always_inline)) void prefetch_rows(const PagedArgs *a, const Chunk *ch, const Chunk *next,
+                                                                int64_t c, int used, int fmt) {
+    if (used) prefetch_slot(a, 1, ch->v_off[c], ch->vs_off[c], fmt);
+    if (c < next->C) prefetch_slot(a, 0, next->k_off[c], next->ks_off[c], fmt);
 }
 
 /* Lane sums of x[0..15], in order: a transpose-and-add tree (in-lane shuffles first, then 128-bit
@@ -498,22 +511,17 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
     *page_at = off;
 }
 
-/* partial[r * 16] = page_q[r] . codes (lanes to sum) and base[r * 16] = page_base[r] for the rows of KV head kvh
- * against its int4 key row ``at`` of `page_query`'s page (blocks = D / 16), the codes in page_q's order; two sums,
- * to halve the chain of dependent additions. */
-static inline __attribute__((always_inline)) void page_key_dots(const PagedArgs *a, Row at, int64_t kvh,
-                                                                 int64_t blocks, const float *page_q,
-                                                                 const float *page_base, v16 *partial, float *base) {
+/* partial[r * 16] = q[r] . key (lanes to sum; int8: times ``after``, the row's scale) for the query rows r of KV head
+ * kvh, ``key`` a row of `blocks` 16-lane blocks (D = 16 * blocks) held in registers while the group's rows pass;
+ * two sums, to halve the chain of dependent additions. */
+static inline __attribute__((always_inline)) void group_dots(const PagedArgs *a, const v16 *key, int64_t kvh,
+                                                              int64_t blocks, const float *q, float after, int fmt,
+                                                              v16 *partial) {
     const int64_t G = a->Hq / a->Hkv;
-    v16 key[blocks];
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) nibbles32((const uint8_t *)a->k + at.row + 8 * b, &key[b], &key[b + 1]);
-    if (b < blocks) key[b] = codes16(a, 0, at, 16 * b, FMT_I4);
-    for (int64_t qi = 0; qi < a->Q; qi++)
-        for (int64_t r = qi * a->Hq + kvh * G; r < qi * a->Hq + (kvh + 1) * G; r++) {
-            const float *qr = page_q + r * a->D;
+    for (int64_t r0 = kvh * G; r0 < a->Q * a->Hq; r0 += a->Hq) /* (query, head) rows of the group: no division */
+        for (int64_t r = r0; r < r0 + G; r++) {
+            const float *qr = q + r * 16 * blocks;
             v16 x = {0}, y = {0}, q0, q1;
-            base[r * 16] = page_base[r];
             int64_t b = 0;
             for (; b + 2 <= blocks; b += 2) {
                 memcpy(&q0, qr + 16 * b, sizeof q0);
@@ -525,64 +533,73 @@ static inline __attribute__((always_inline)) void page_key_dots(const PagedArgs 
                 memcpy(&q0, qr + 16 * b, sizeof q0);
                 x += q0 * key[b];
             }
-            partial[r * 16] = x + y;
+            partial[r * 16] = fmt == FMT_I8 ? (x + y) * after : x + y;
         }
+}
+
+/* The dot products (`group_dots`) of chunk slot c's key row of KV head kvh, read once into `blocks` 16-lane blocks
+ * (a constant where D is 64): float rows as fp32, int8 as bare codes, int4 per token dequantized, int4 per page as
+ * codes in page_q's order against `page_query`'s rows (slot_base[r * 16] = page_base[r]). */
+static inline __attribute__((always_inline)) void slot_dots(const PagedArgs *a, const Chunk *ch, int64_t c,
+                                                             int64_t kvh, int64_t blocks, const ChunkScales *cs,
+                                                             const float *q, const float *page_q,
+                                                             const float *page_base, v16 *partial, float *slot_base,
+                                                             int fmt) {
+    const Row at = slot_row(a, ch, c, kvh, 0);
+    v16 key[blocks];
+    float after = 1.0f;
+    if (fmt == FMT_I4 && a->k_page_params) {
+        int64_t b = 0;
+        for (; b + 2 <= blocks; b += 2) nibbles32((const uint8_t *)a->k + at.row + 8 * b, &key[b], &key[b + 1]);
+        if (b < blocks) key[b] = codes16(a, 0, at, 16 * b, FMT_I4);
+        const int64_t G = a->Hq / a->Hkv;
+        for (int64_t r0 = kvh * G; r0 < a->Q * a->Hq; r0 += a->Hq)
+            for (int64_t r = r0; r < r0 + G; r++) slot_base[r * 16] = page_base[r];
+        group_dots(a, key, kvh, blocks, page_q, after, fmt, partial);
+        return;
+    }
+    if (fmt == FMT_I4) { /* per token: a group of 16 is a block of 16 lanes */
+        const int64_t at_scale = (c * a->Hkv + kvh) * cs->k_groups;
+        for (int64_t b = 0; b < blocks; b++)
+            key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b]) * cs->k_scale[at_scale + b];
+    } else if (fmt == FMT_I8) { /* one group a row: its scale multiplies the dot products instead */
+        after = cs->k_scale[c * a->Hkv + kvh];
+        for (int64_t b = 0; b < blocks; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
+    } else {
+        for (int64_t b = 0; b < blocks; b++) key[b] = load16(a, 0, at, 16 * b, fmt);
+    }
+    group_dots(a, key, kvh, blocks, q, after, fmt, partial);
 }
 
 /* Scores of a chunk, head dims a multiple of 16: slots in order (each K row, all heads, read once), 16 at a
  * time; each (row, slot) dot product leaves a 16-lane partial in `partial` [R][16 slots][16 lanes], and one
  * lane-sum tree per row turns 16 partials into 16 scores. */
 static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs *a, const Chunk *ch,
-                                                                  const uint8_t *slot_used,
+                                                                  const Chunk *next, const uint8_t *slot_used,
                                                                   const uint8_t *allowed, const float *q,
                                                                   const ChunkScales *cs, float *score, int fmt,
                                                                   v16 *partial, float *page_q, float *page_base,
                                                                   float *slot_base, int64_t *page_at) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, R = a->Q * Hq, C = ch->C;
+    const int64_t D = a->D, R = a->Q * a->Hq, C = ch->C;
     const int page_keys = fmt == FMT_I4 && a->k_page_params;
-    v16 key[D / 16]; /* a quantized key row, converted once for the heads of its group */
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
         if (page_keys) /* [R][16]: q . low of each row and slot's page, added to the lane sums */
             memset(slot_base, 0, sizeof(float) * R * 16);
         for (int64_t j = 0; j < 16; j++) {
-            if (j >= n || !slot_used[c0 + j]) { /* never read: may be garbage */
+            const int used = j < n && slot_used[c0 + j];
+            prefetch_rows(a, ch, next, c0 + j, used, fmt);
+            if (!used) { /* never read: may be garbage */
                 for (int64_t r = 0; r < R; r++) partial[r * 16 + j] = (v16){0};
                 continue;
             }
-            /* add_values reads V head by head: fetch the slot's whole V row in order now */
-            prefetch_slot(a, 1, ch->v_off[c0 + j], ch->vs_off[c0 + j], fmt);
             if (page_keys && ch->ks_off[c0 + j] != *page_at) /* a new page: its queries */
                 page_query(a, ch->ks_off[c0 + j], q, page_q, page_base, page_at);
-            for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-                const Row at = slot_row(a, ch, c0 + j, kvh, 0);
-                float after = 1.0f; /* int8: the row's one scale multiplies the dot products instead */
-                if (fmt == FMT_I4 && !a->k_page_params) { /* per token: a group of 16 is a block of 16 lanes */
-                    const int64_t at_scale = ((c0 + j) * a->Hkv + kvh) * cs->k_groups;
-                    for (int64_t b = 0; b < D / 16; b++)
-                        key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b])
-                                 * cs->k_scale[at_scale + b];
-                } else if (fmt == FMT_I4) { /* page keys: head dims of 64 unrolled */
-                    if (D == 64)
-                        page_key_dots(a, at, kvh, 4, page_q, page_base, partial + j, slot_base + j);
-                    else
-                        page_key_dots(a, at, kvh, D / 16, page_q, page_base, partial + j, slot_base + j);
-                    continue;
-                } else if (fmt == FMT_I8) {
-                    after = cs->k_scale[(c0 + j) * a->Hkv + kvh];
-                    for (int64_t b = 0; b < D / 16; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
-                }
-                for (int64_t r0 = kvh * G; r0 < R; r0 += Hq) /* (query, head) rows of the group: no division */
-                    for (int64_t r = r0; r < r0 + G; r++) {
-                        v16 x = {0};
-                        for (int64_t d = 0; d < D; d += 16) {
-                            v16 qd;
-                            memcpy(&qd, q + r * D + d, sizeof qd);
-                            x += qd * (fmt >= FMT_I8 ? key[d / 16] : load16(a, 0, at, d, fmt));
-                        }
-                        partial[r * 16 + j] = fmt >= FMT_I8 ? x * after : x;
-                    }
-            }
+            for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
+                if (D == 64)
+                    slot_dots(a, ch, c0 + j, kvh, 4, cs, q, page_q, page_base, partial + j, slot_base + j, fmt);
+                else
+                    slot_dots(a, ch, c0 + j, kvh, D / 16, cs, q, page_q, page_base, partial + j, slot_base + j, fmt);
         }
         for (int64_t r = 0; r < R; r++) {
             v16 dots = sum_lanes16(partial + r * 16), base;
@@ -599,16 +616,16 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
 
 /* Scores of a chunk, any head dim: one dot product (and horizontal sum) per row and slot. */
 static inline __attribute__((always_inline)) void chunk_scores(const PagedArgs *a, const Chunk *ch,
-                                                                const uint8_t *slot_used,
+                                                                const Chunk *next, const uint8_t *slot_used,
                                                                 const uint8_t *allowed, const float *q,
                                                                 float *score, int fmt, float *slot) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, C = ch->C;
     for (int64_t c = 0; c < C; c++) {
+        prefetch_rows(a, ch, next, c, slot_used[c], fmt);
         if (!slot_used[c]) { /* never read: may be garbage */
             for (int64_t r = 0; r < a->Q * Hq; r++) score[r * CHUNK + c] = MASKED;
             continue;
         }
-        prefetch_slot(a, 1, ch->v_off[c], ch->vs_off[c], fmt);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
             const float *kr = load_key_row(a, slot_row(a, ch, c, kvh, 0), fmt, slot);
             for (int64_t i = 0; i < a->Q * G; i++) {
@@ -710,7 +727,7 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
     uint8_t *allowed = w->allowed;
     int64_t page_at = -1;
     uint8_t slot_used[CHUNK];
-    /* the chunk being read, and the next one, whose K rows are fetched meanwhile (pages may lie anywhere) */
+    /* the chunk being read, and the next one, whose K rows its scores fetch meanwhile (pages may lie anywhere) */
     Chunk chunks[2];
     int64_t n = n_begin, s0 = 0; /* the slot after the next chunk: slot s0 of entry n */
     next_chunk(a, rows, b, &n, &s0, n_end, &chunks[0]);
@@ -718,8 +735,6 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         const Chunk *ch = &chunks[cur];
         Chunk *next = &chunks[cur ^ 1];
         next_chunk(a, rows, b, &n, &s0, n_end, next);
-        for (int64_t c = 0; c < next->C; c++)
-            prefetch_slot(a, 0, next->k_off[c], next->ks_off[c], fmt);
         const int64_t C = ch->C;
         int any = 0;
         memset(slot_used, 0, CHUNK);
@@ -735,10 +750,10 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
         if (!any) continue;
         if (fmt >= FMT_I8) chunk_scales(a, ch, slot_used, &w->cs);
         if (D % 16 == 0) /* int8 keys: one group a row; int4 keys: a step per channel, or groups of 16 */
-            chunk_scores16(a, ch, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_q,
+            chunk_scores16(a, ch, next, slot_used, allowed, q, &w->cs, score, fmt, (v16 *)w->partial16, w->page_q,
                            w->page_base, w->slot_base, &page_at);
         else
-            chunk_scores(a, ch, slot_used, allowed, q, score, fmt, w->slot);
+            chunk_scores(a, ch, next, slot_used, allowed, q, score, fmt, w->slot);
         /* online softmax: one rescale per row and chunk; score becomes the probability weight */
         for (int64_t r = 0; r < R; r++) {
             float *sr = score + r * CHUNK;
