@@ -19,7 +19,7 @@ from .attention import CompiledRead, PagedKV, read_window, warn_gathered_pages
 from .backends import check_backend, layer_backend
 from .block_manager import MAX_PAGE_SIZE
 from .compiled import CompiledSteps
-from .demotion import check_cold_format, tier_stats
+from .demotion import check_cold_format
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .layer_groups import LayerGroup, LayerGroups
@@ -512,6 +512,6 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Page and memory accounting, summed over layer groups (``tokens_held``: the most of one group);
-        ``kv_bytes`` counts used + cached pages of every layer (cold pages at theirs; `demotion.tier_stats`)."""
+        ``kv_bytes`` counts used + cached pages of every layer (cold pages at theirs; `LayerGroups.stats`)."""
         self.commit()
-        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats(), **tier_stats(self.groups))
+        return dict(page_size=self.page_size, **self.groups.stats(), **self.store_stats())

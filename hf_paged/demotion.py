@@ -188,8 +188,9 @@ class ColdPages:
 
 
 def tier_stats(groups) -> dict:
-    """``pages_cold`` (held cold now) and ``demotions`` (so far) summed over a cache's groups; {} without tiers."""
-    tiers = [g.manager.cold for g in groups.values() if g.manager.cold is not None]
+    """``pages_cold`` (held cold now) and ``demotions`` (so far) summed over a cache's groups (any with a block
+    ``manager``); {} without tiers."""
+    tiers = [g.manager.cold for g in groups if g.manager.cold is not None]
     return dict(pages_cold=sum(len(t.ids) for t in tiers), demotions=sum(t.demotions for t in tiers)) if tiers else {}
 
 

@@ -20,7 +20,7 @@ import weakref
 
 from .attention import PagedView
 from .block_manager import BlockManager
-from .demotion import make_manager
+from .demotion import make_manager, tier_stats
 from .errors import CacheUsageError
 from .eviction import EvictionPolicy, GroupEviction, plan_stacked, record_together
 from .page_store import PageStore
@@ -433,7 +433,7 @@ class LayerGroups(dict):
     def stats(self) -> dict:
         """Page accounting summed over the groups, and the K/V bytes of their layers' used + cached pages
         (``kv_bytes``) and pools (``pool_bytes``); ``tokens_held``: the most tokens one group holds (what
-        max_pages bounds)."""
+        max_pages bounds); with a cold format, ``pages_cold`` and ``demotions`` (`demotion.tier_stats`)."""
         out = dict(pages_total=0, pages_used=0, pages_free=0, pages_cached=0, tokens_stored=0, kv_bytes=0,
                    pool_bytes=0, evictions=0, prefix_hits=0)
         for group in self.values():
@@ -449,7 +449,7 @@ class LayerGroups(dict):
         for index in {id(g.prefix): g.prefix for g in self.values()}.values():  # listeners' counters (a prefix store)
             for key, value in index.stats().items():
                 out[key] = out.get(key, 0) + value
-        return out
+        return {**out, **tier_stats(self.values())}
 
     def tokens_held(self) -> int:
         """The most tokens one group holds, counted as they are (an open step's included: nothing commits)."""

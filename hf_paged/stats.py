@@ -31,7 +31,7 @@ def ragged_cache_stats(cache) -> dict:
     for group in cache.groups:
         for key, value in group.prefix.stats().items():
             out[key] = out.get(key, 0) + value
-    return {**out, **tier_stats(dict(enumerate(cache.groups)))}
+    return {**out, **tier_stats(cache.groups)}
 
 
 @dataclass
