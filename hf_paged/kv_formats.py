@@ -2,10 +2,10 @@
 
 A format is a pair of codecs (keys, values). Most codecs work per token: a token's vector of one KV head is
 encoded on its own, when it is written, with its scales beside it in the same slot, so a write never changes
-another token's bytes and a NaN or inf in one token cannot reach another token's scales. int4's keys are
-encoded per channel within a page (`PageChannelCodec`, KIVI's keys): a page's codes depend on all its tokens,
-so the page being filled keeps a float copy of its keys (its residual) and is encoded again from it at every
-write, a last time when it fills (`QuantizedPages`).
+another token's bytes and a NaN or inf in one token cannot reach another token's scales. int4's (and int2's)
+keys are encoded per channel within a page (`PageChannelCodec`, KIVI's keys): a page's codes depend on all its
+tokens, so the page being filled keeps a float copy of its keys (its residual) and is encoded again from it at
+every write, a last time when it fills (`QuantizedPages`).
 
 * ``"float"``: the model's dtype, unchanged (`hf_paged.page_store.FloatPages`).
 * ``"int8"``: symmetric, one float16 scale per token and KV head: ``x = scale * code``, codes in [-127, 127].
@@ -13,6 +13,8 @@ write, a last time when it fills (`QuantizedPages`).
   minimum, a float8 e4m3 step), codes in [0, 15]. Values: per token, one asymmetric group a head with a
   float16 scale and an int8 zero point, ``x = scale * (code - zero)``, stored rotated by a fixed orthogonal
   block-Hadamard matrix (`rotation`; a kernel rotates its output back: R is its own inverse).
+* ``"int2"``: int4's scheme at 2 bits (codes in [0, 3], four a byte; the same float16 / float8 parameters and
+  zero points), lossy as 2 bits are: cold pages under a budget are what it is for (``cold_format="int2"``).
 * ``"fp8_e4m3"`` (CUDA, the Triton kernel): float8 e4m3 scaled into its range per token and KV head.
 
 Why these: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded text, paired 95% bootstrap
@@ -35,7 +37,8 @@ Layout of a quantized layer's tensors (``P`` pages of ``S`` slots, ``H`` KV head
 
 * codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4 (byte ``j < D / 2``
   holds element ``2j`` in its low and ``2j + 1`` in its high nibble; values: ``W = D / 2 + 1``, byte ``D / 2``
-  the int8 zero point; keys: ``W = D / 2``);
+  the int8 zero point; keys: ``W = D / 2``) and int2 (byte ``j < D / 4`` holds element ``4j + i`` in its bits
+  ``2i, 2i + 1``; ``W = D / 4 + 1`` and ``D / 4``);
 * scales ``[P, S, H, 1]`` float16 (one group a token and head); int4 keys: a page's parameters ``[P, H, D + D / 2]``
   float16, the D minima, then the D float8 steps' bytes two to a float16 slot.
 """
@@ -218,8 +221,8 @@ class PageChannelCodec:
 
     def encode_pages(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``x [U, S, H, D]`` of U pages, ``valid [U, S]`` the slots holding tokens -> (codes uint8
-        ``[U, S, H, D * bits / 8]``, parameters float16 ``[U, H, D + D / 2]``); every page's slot 0 must be valid (a page
-        holds its first tokens), slots not valid get codes of no meaning."""
+        ``[U, S, H, D * bits / 8]``, parameters float16 ``[U, H, D + D / 2]``); every page's slot 0 must be valid (a
+        page holds its first tokens), slots not valid get codes of no meaning."""
         x = torch.where(valid[:, :, None, None], x, x[:, :1])  # slot 0 holds a token: no other range
         if bool(torch.isfinite(x).all()):
             low, high = x.amin(1), x.amax(1)
@@ -478,8 +481,8 @@ class QuantizedPages:
         return buffer
 
     def _values_in_c(self, slots: torch.Tensor, values: torch.Tensor) -> bool:
-        """Values of `Int4Codec(None)` (4 or 2 bits) encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the CPU, after
-        the rotation in torch, as `quantize` does; -> False when it does not serve (nothing written)."""
+        """Values of `Int4Codec(None)` (4 or 2 bits) encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the
+        CPU, after the rotation in torch, as `quantize` does; -> False when it does not serve (nothing written)."""
         codec = self.format.value
         if not (self.device.type == "cpu" and codec in (Int4Codec(None), Int4Codec(None, bits=2))
                 and cpu_page_codecs.available()):

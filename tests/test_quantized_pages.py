@@ -395,8 +395,8 @@ def test_bad_formats_are_refused_naming_the_argument_and_the_alternatives(make):
     with pytest.raises(CacheUsageError, match=r"kv_format='int4' packs 2 values a byte and needs a head_dim divisible"):
         make(config, "int4")
     config.head_dim = 18
-    with pytest.raises(CacheUsageError, match=r"kv_format='int2' packs 4 .* head_dim divisible by 4, the model's is 18; "
-                                              r"choose one of 'float', 'int8', 'int4'$"):
+    with pytest.raises(CacheUsageError, match=r"kv_format='int2' packs 4 .* head_dim divisible by 4, the model's is "
+                                              r"18; choose one of 'float', 'int8', 'int4'$"):
         make(config, "int2")
 
 

@@ -38,7 +38,7 @@ from .run_info import load_average, versions
 from .text import load_token_ids
 
 PARTS = ("perplexity", "speed", "cache", "agreement", "decode", "mixed")
-CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
+CACHE_FORMATS = ("float", "int8", "int4", "int2")  # the formats the CPU reads, through the real caches
 COLD = "int4 cold pages (sinks, newest page float)"  # PagedCache(cold_format="int4"): pages demoted as they fill
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4", "float32+int4")  # the last: two tiers, 7 of 8 pages cold
 COLD_SHARE = 8  # "float32+int4": every page but each 8th is cold (a cache at a quarter of the context's bytes)
