@@ -11,7 +11,8 @@ Under a budget, a bounded cache re-quantizes its coldest pages before it evicts 
 ``PagedCache(max_pages=M, cold_format="int4")`` holds, per layer group, at most the bytes of ``M`` float pages.
 A page is written in the model's dtype (hot). When a step needs pages that the bytes cannot hold, the group
 *demotes* its full pages with the lowest usage (the eviction policy's own ranking: its score, last use or age) to
-``cold_format``, where a page costs a fraction of its float bytes (int4: 0.154x of a float32 page, int8: 0.258x),
+``cold_format``, where a page costs a fraction of its float bytes (int4: 0.154x of a float32 page, int8: 0.258x,
+int2: 0.092x in pages of one token),
 and only when no hot page is left to demote does the policy evict, from what is then all cold. So the same bytes
 hold about 6.5x (int4) or 3.9x (int8) the tokens before anything is dropped.
 
@@ -37,7 +38,8 @@ any bounded cache). Demotion, like eviction, is final: a rolled-back step keeps 
 Cold pages are only ever written whole, when demoted: int4 in pages of 16 tokens or more is the "int4" page format
 (keys per channel within the page, KIVI's; values one rotated group a token and head), in smaller pages (a page of
 one token works) keys per token in rotated groups of 16 (`kv_formats.KEY_GROUP`), at the same bytes in pages of 16;
-int8 symmetric per token and head (`cold_page_format`).
+int2 likewise, four codes a byte (the "int2" page format; per token in groups of 16 in smaller pages); int8
+symmetric per token and head (`cold_page_format`).
 """
 
 from __future__ import annotations
@@ -54,17 +56,20 @@ from .kv_formats import KEY_GROUP, Int4Codec, PageFormat, QuantizedPages, check_
 from .model_config import head_dim
 from .page_store import FloatPages
 
-COLD_FORMATS = ("int4", "int8")
+COLD_FORMATS = ("int4", "int2", "int8")
 
 
 def cold_page_format(cold_format: str, page_size: int) -> PageFormat:
-    """The page format of ``cold_format`` (`COLD_FORMATS`) in pages of ``page_size``: int4 keys per channel within
-    a page (the "int4" page format, KIVI's keys) in pages of `KEY_GROUP` tokens or more, where its per-page
-    parameters cost no more than per-token groups of `KEY_GROUP`; per token in rotated groups of `KEY_GROUP` in
-    smaller pages. int8: per token and head."""
-    if cold_format == "int4" and page_size < KEY_GROUP:
-        return PageFormat("int4", Int4Codec(KEY_GROUP), Int4Codec(None), ("cpu", "cuda"), even_dims=True)
-    return page_format(cold_format)
+    """The page format of ``cold_format`` (`COLD_FORMATS`) in pages of ``page_size``: int4 (int2) keys per channel
+    within a page (the "int4" ("int2") page format, KIVI's keys) in pages of `KEY_GROUP` tokens or more, where its
+    per-page parameters cost no more than per-token groups of `KEY_GROUP`; per token in rotated groups of
+    `KEY_GROUP` of the same bits in smaller pages. int8: per token and head."""
+    fmt = page_format(cold_format)
+    if getattr(fmt.key, "per_page", False) and page_size < KEY_GROUP:
+        bits = fmt.key.bits
+        return PageFormat(cold_format, Int4Codec(KEY_GROUP, bits=bits), Int4Codec(None, bits=bits), fmt.devices,
+                          packing=fmt.packing)
+    return fmt
 
 
 def check_cold_format(cold_format, kv_format: str, config=None, prefix_store=None) -> None:
@@ -81,7 +86,7 @@ def check_cold_format(cold_format, kv_format: str, config=None, prefix_store=Non
     if prefix_store is not None:
         raise CacheUsageError("cold_format and prefix_store cannot be combined: a prefix store keeps pages of one "
                               "format. Use one or the other.")
-    check_kv_format(cold_format, head_dim=None if config is None else head_dim(config))
+    check_kv_format(cold_format, head_dim=None if config is None else head_dim(config), argument="cold_format")
 
 
 class ColdPages:
@@ -96,7 +101,7 @@ class ColdPages:
 
     def make_layer(self, layer_idx: int, page_size: int, heads: int, head_dim: int, value_dim: int,
                    dtype: torch.dtype, device) -> "MixedPages":
-        check_kv_format(self.cold_format, device, head_dim, value_dim)
+        check_kv_format(self.cold_format, device, head_dim, value_dim, argument="cold_format")
         pages = MixedPages(self, page_size, heads, head_dim, value_dim, dtype, device)
         self.layers[layer_idx] = pages
         return pages

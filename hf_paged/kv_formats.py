@@ -2,10 +2,10 @@
 
 A format is a pair of codecs (keys, values). Most codecs work per token: a token's vector of one KV head is
 encoded on its own, when it is written, with its scales beside it in the same slot, so a write never changes
-another token's bytes and a NaN or inf in one token cannot reach another token's scales. int4's keys are
-encoded per channel within a page (`PageChannelCodec`, KIVI's keys): a page's codes depend on all its tokens,
-so the page being filled keeps a float copy of its keys (its residual) and is encoded again from it at every
-write, a last time when it fills (`QuantizedPages`).
+another token's bytes and a NaN or inf in one token cannot reach another token's scales. int4's (and int2's)
+keys are encoded per channel within a page (`PageChannelCodec`, KIVI's keys): a page's codes depend on all its
+tokens, so the page being filled keeps a float copy of its keys (its residual) and is encoded again from it at
+every write, a last time when it fills (`QuantizedPages`).
 
 * ``"float"``: the model's dtype, unchanged (`hf_paged.page_store.FloatPages`).
 * ``"int8"``: symmetric, one float16 scale per token and KV head: ``x = scale * code``, codes in [-127, 127].
@@ -13,6 +13,8 @@ write, a last time when it fills (`QuantizedPages`).
   minimum, a float8 e4m3 step), codes in [0, 15]. Values: per token, one asymmetric group a head with a
   float16 scale and an int8 zero point, ``x = scale * (code - zero)``, stored rotated by a fixed orthogonal
   block-Hadamard matrix (`rotation`; a kernel rotates its output back: R is its own inverse).
+* ``"int2"``: int4's scheme at 2 bits (codes in [0, 3], four a byte; the same float16 / float8 parameters and
+  zero points), lossy as 2 bits are: cold pages under a budget are what it is for (``cold_format="int2"``).
 * ``"fp8_e4m3"`` (CUDA, the Triton kernel): float8 e4m3 scaled into its range per token and KV head.
 
 Why these: ``scripts/quantized.py`` measures perplexity (2048 tokens of the embedded text, paired 95% bootstrap
@@ -35,7 +37,8 @@ Layout of a quantized layer's tensors (``P`` pages of ``S`` slots, ``H`` KV head
 
 * codes ``[P, S, H, W]``: int8 (``W = D``), float8_e4m3fn (``W = D``) or uint8 for int4 (byte ``j < D / 2``
   holds element ``2j`` in its low and ``2j + 1`` in its high nibble; values: ``W = D / 2 + 1``, byte ``D / 2``
-  the int8 zero point; keys: ``W = D / 2``);
+  the int8 zero point; keys: ``W = D / 2``) and int2 (byte ``j < D / 4`` holds element ``4j + i`` in its bits
+  ``2i, 2i + 1``; ``W = D / 4 + 1`` and ``D / 4``);
 * scales ``[P, S, H, 1]`` float16 (one group a token and head); int4 keys: a page's parameters ``[P, H, D + D / 2]``
   float16, the D minima, then the D float8 steps' bytes two to a float16 slot.
 """
@@ -99,6 +102,23 @@ def _scale(value: torch.Tensor, groups: torch.Tensor, finite: bool) -> torch.Ten
     return value.to(torch.float16)
 
 
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., D]`` of ``bits`` bits (4 or 2) packed ``8 / bits`` a byte, ``[..., D * bits / 8]``: byte j
+    holds element ``j * 8 / bits + i`` in its bits ``[i * bits, (i + 1) * bits)`` (low bits first)."""
+    per = 8 // bits
+    grouped = codes.unflatten(-1, (-1, per))
+    packed = grouped[..., 0]
+    for i in range(1, per):
+        packed = packed | (grouped[..., i] << (bits * i))
+    return packed
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes `_pack` packed into ``packed [..., W]``, as float32 ``[..., W * 8 / bits]``."""
+    mask = (1 << bits) - 1
+    return torch.stack([(packed >> (bits * i)) & mask for i in range(8 // bits)], -1).flatten(-2).float()
+
+
 @dataclass(frozen=True)
 class SymmetricCodec:
     """``x = scale * code`` per token and head, codes of ``dtype`` up to ``limit`` in magnitude (int8, fp8)."""
@@ -132,11 +152,13 @@ class SymmetricCodec:
 
 @dataclass(frozen=True)
 class Int4Codec:
-    """Two codes a byte, ``x = scale * (code - zero)`` per group of ``group`` elements (None: the whole
-    head), an int8 zero point per group stored after the codes (module docstring)."""
+    """``bits``-bit codes (4: two a byte; 2: four a byte, `_pack`), ``x = scale * (code - zero)`` per group of
+    ``group`` elements (None: the whole head), an int8 zero point per group stored after the codes (module
+    docstring)."""
 
     group: int | None
     rotated: bool = True
+    bits: int = 4
     dtype = torch.uint8
 
     def group_size(self, dim: int) -> int:
@@ -146,37 +168,36 @@ class Int4Codec:
         return dim // self.group_size(dim)
 
     def width(self, dim: int) -> int:
-        return dim // 2 + self.groups(dim)
+        return dim * self.bits // 8 + self.groups(dim)
 
     def encode(self, x: torch.Tensor, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``[..., D]`` (D even) -> (uint8 ``[..., D / 2 + G]``, float16 scales ``[..., G]``); ``finite`` as
-        for `SymmetricCodec.encode`."""
-        dim = x.shape[-1]
+        """float32 ``[..., D]`` (D a multiple of 8 / bits) -> (uint8 ``[..., D * bits / 8 + G]``, float16 scales
+        ``[..., G]``); ``finite`` as for `SymmetricCodec.encode`."""
+        dim, top = x.shape[-1], (1 << self.bits) - 1
         groups = x.unflatten(-1, (self.groups(dim), self.group_size(dim)))
         low, high = _finite_range(groups, "amin", finite), _finite_range(groups, "amax", finite)
         # wide enough for the range, and for the zero point -low / scale to fit an int8 (|zero| <= 120)
-        scale = _scale(torch.maximum((high - low) / 15, low.abs() / 120), groups, finite)
+        scale = _scale(torch.maximum((high - low) / top, low.abs() / 120), groups, finite)
         s = (scale.float() if finite else scale.float().nan_to_num(0.0))[..., None]
         zero = torch.where(s > 0, -low[..., None] / s, 0.0).round().clamp(-128, 127)
         scaled = torch.where(s > 0, groups / s, 0.0)
-        codes = (scaled if finite else scaled.nan_to_num(0.0)).add(zero).round().clamp(0, 15).to(torch.uint8)
-        codes = codes.flatten(-2)
-        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        codes = (scaled if finite else scaled.nan_to_num(0.0)).add(zero).round().clamp(0, top).to(torch.uint8)
+        packed = _pack(codes.flatten(-2), self.bits)
         return torch.cat([packed, zero[..., 0].to(torch.int8).view(torch.uint8)], -1), scale
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
-        half = dim // 2
-        nibbles = torch.stack([codes[..., :half] & 15, codes[..., :half] >> 4], -1).flatten(-2).float()
-        zero = codes[..., half:].view(torch.int8).float()
-        values = (nibbles.unflatten(-1, (zero.shape[-1], -1)) - zero[..., None]) * scale.float()[..., None]
+        packed = dim * self.bits // 8
+        zero = codes[..., packed:].view(torch.int8).float()
+        values = _unpack(codes[..., :packed], self.bits)
+        values = (values.unflatten(-1, (zero.shape[-1], -1)) - zero[..., None]) * scale.float()[..., None]
         return values.flatten(-2)
 
 
 @dataclass(frozen=True)
 class PageChannelCodec:
-    """KIVI's keys: 4-bit codes per channel within a page, ``x = low + step * code`` (codes in [0, 15]) with a
-    float16 ``low`` and a float8_e4m3fn ``step`` per page, KV head and channel (the step rounded up, so a
-    channel's range always fits). Two codes a byte as `Int4Codec` packs them; a page's parameters
+    """KIVI's keys: ``bits``-bit codes per channel within a page, ``x = low + step * code`` (codes in [0, 15], or
+    [0, 3] for 2 bits) with a float16 ``low`` and a float8_e4m3fn ``step`` per page, KV head and channel (the step
+    rounded up, so a channel's range always fits). Packed as `Int4Codec` packs them (`_pack`); a page's parameters
     ``[H, D + D / 2]`` float16: the D minima, then the D steps' bytes two to a float16 slot.
 
     Encoded over a whole page (`encode_pages`), never a token alone: a page's codes depend on every token it
@@ -184,12 +205,13 @@ class PageChannelCodec:
     as its bottom), so they never reach the other tokens' codes; a channel with nothing finite reads 0.
     """
 
+    bits: int = 4
     rotated = False
     dtype = torch.uint8
     per_page = True
 
     def width(self, dim: int) -> int:
-        return dim // 2
+        return dim * self.bits // 8
 
     def group_size(self, dim: int) -> int:
         return 1  # a step and a minimum per channel
@@ -199,8 +221,8 @@ class PageChannelCodec:
 
     def encode_pages(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``x [U, S, H, D]`` of U pages, ``valid [U, S]`` the slots holding tokens -> (codes uint8
-        ``[U, S, H, D / 2]``, parameters float16 ``[U, H, D + D / 2]``); every page's slot 0 must be valid (a page
-        holds its first tokens), slots not valid get codes of no meaning."""
+        ``[U, S, H, D * bits / 8]``, parameters float16 ``[U, H, D + D / 2]``); every page's slot 0 must be valid (a
+        page holds its first tokens), slots not valid get codes of no meaning."""
         x = torch.where(valid[:, :, None, None], x, x[:, :1])  # slot 0 holds a token: no other range
         if bool(torch.isfinite(x).all()):
             low, high = x.amin(1), x.amax(1)
@@ -211,22 +233,21 @@ class PageChannelCodec:
             empty = ~keep.any(1)
             low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
         low16 = low.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
-        need = ((high - low16.float()) / 15).clamp(0.0, _FP8_MAX)
+        top = (1 << self.bits) - 1
+        need = ((high - low16.float()) / top).clamp(0.0, _FP8_MAX)
         bits = need.to(torch.float8_e4m3fn).view(torch.uint8)  # round to nearest, then up where that is short
         bits = torch.where((bits.view(torch.float8_e4m3fn).float() < need) & (bits < _FP8_MAX_BITS), bits + 1, bits)
         step = bits.view(torch.float8_e4m3fn).float()
         scaled = torch.where(step[:, None] > 0, (x - low16.float()[:, None]) / step[:, None], 0.0)
-        codes = scaled.nan_to_num(0.0, 15.0, 0.0).round().clamp(0, 15).to(torch.uint8)
-        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        return packed, torch.cat([low16, bits.contiguous().view(torch.float16)], -1)
+        codes = scaled.nan_to_num(0.0, float(top), 0.0).round().clamp(0, top).to(torch.uint8)
+        return _pack(codes, self.bits), torch.cat([low16, bits.contiguous().view(torch.float16)], -1)
 
     def decode_pages(self, codes: torch.Tensor, params: torch.Tensor, dim: int) -> torch.Tensor:
-        """float32 ``[..., S, H, dim]`` of pages' codes ``[..., S, H, dim / 2]`` and parameters
+        """float32 ``[..., S, H, dim]`` of pages' codes ``[..., S, H, dim * bits / 8]`` and parameters
         ``[..., H, 3 dim / 2]``."""
         low = params[..., :dim].float()
         step = params[..., dim:].contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float()
-        nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
-        return nibbles * step.unsqueeze(-3) + low.unsqueeze(-3)
+        return _unpack(codes, self.bits) * step.unsqueeze(-3) + low.unsqueeze(-3)
 
 
 @dataclass(frozen=True)
@@ -237,7 +258,7 @@ class PageFormat:
     key: SymmetricCodec | Int4Codec | PageChannelCodec | None
     value: SymmetricCodec | Int4Codec | None
     devices: tuple[str, ...] | None  # None: any
-    even_dims: bool = False  # two values a byte: head dims must be even
+    packing: int = 1  # values a byte: head dims must be multiples of it
 
     @property
     def quantized(self) -> bool:
@@ -247,7 +268,8 @@ class PageFormat:
 _FORMATS = {
     "float": PageFormat("float", None, None, None),
     "int8": PageFormat("int8", SymmetricCodec(torch.int8, 127.0), SymmetricCodec(torch.int8, 127.0), ("cpu", "cuda")),
-    "int4": PageFormat("int4", PageChannelCodec(), Int4Codec(None), ("cpu", "cuda"), even_dims=True),
+    "int4": PageFormat("int4", PageChannelCodec(), Int4Codec(None), ("cpu", "cuda"), packing=2),
+    "int2": PageFormat("int2", PageChannelCodec(bits=2), Int4Codec(None, bits=2), ("cpu", "cuda"), packing=4),
     "fp8_e4m3": PageFormat("fp8_e4m3", SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX),
                            SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX), ("cuda",)),
 }
@@ -267,19 +289,22 @@ def page_format(kv_format: str) -> PageFormat:
 
 
 def check_kv_format(kv_format: str, device: torch.device | str | None = None, head_dim: int | None = None,
-                    value_dim: int | None = None) -> None:
+                    value_dim: int | None = None, argument: str = "kv_format") -> None:
     """Raise `CacheUsageError` (naming the argument and the alternatives) unless pages of ``kv_format`` can be
     stored for these head dims and read on ``device``: an unknown format, fp8 off CUDA (the CPU kernel reads
-    float, int8 and int4; Triton reads fp8 from compute capability 8.9), an odd head dim for int4. What is not
-    known yet (None) is not checked."""
+    float, int8, int4 and int2; Triton reads fp8 from compute capability 8.9), a head dim that int4 (odd) or int2
+    (not a multiple of 4) cannot pack. What is not known yet (None) is not checked; ``argument``: the name the
+    error gives the format (``cold_format`` for a cold tier's)."""
     fmt = page_format(kv_format)
     if device is not None:
         _check_device(kv_format, torch.device(device))
     dims = {"head_dim": head_dim, "value_dim": head_dim if value_dim is None else value_dim}
     for name, dim in dims.items():
-        if dim is not None and fmt.even_dims and dim % 2:
-            raise CacheUsageError(f"kv_format={kv_format!r} packs two values a byte and needs an even {name}, the "
-                                  f"model's is {dim}; choose 'int8' or 'float'")
+        if dim is not None and dim % fmt.packing:
+            fits = [n for n, f in _FORMATS.items() if dim % f.packing == 0 and n != "fp8_e4m3"]
+            raise CacheUsageError(f"{argument}={kv_format!r} packs {fmt.packing} values a byte and needs a {name} "
+                                  f"divisible by {fmt.packing}, the model's is {dim}; choose one of "
+                                  f"{', '.join(map(repr, fits))}")
 
 
 def _check_device(kv_format: str, device: torch.device) -> None:
@@ -456,10 +481,11 @@ class QuantizedPages:
         return buffer
 
     def _values_in_c(self, slots: torch.Tensor, values: torch.Tensor) -> bool:
-        """Values of `Int4Codec(None)` encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the CPU, after
-        the rotation in torch, as `quantize` does; -> False when it does not serve (nothing written)."""
+        """Values of `Int4Codec(None)` (4 or 2 bits) encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the
+        CPU, after the rotation in torch, as `quantize` does; -> False when it does not serve (nothing written)."""
         codec = self.format.value
-        if not (self.device.type == "cpu" and codec == Int4Codec(None) and cpu_page_codecs.available()):
+        if not (self.device.type == "cpu" and codec in (Int4Codec(None), Int4Codec(None, bits=2))
+                and cpu_page_codecs.available()):
             return False
         return cpu_page_codecs.encode_int4_values(encoding_basis(codec, values).contiguous(), slots, self.v_codes,
                                                   self.v_scale)

@@ -76,8 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated page formats of the hf_paged caches, of {', '.join(CPU_FORMATS)}: each "
                    "quantized one adds an unbounded row and its own bounded rows (PagedCache(kv_format=...))")
     p.add_argument("--cold-format", type=value_list(str), default=[],
-                   help="comma-separated cold formats (int4, int8): each adds bounded rows of float pages that hold B "
-                   "float tokens' bytes per layer, the coldest pages re-quantized to it before any eviction "
+                   help="comma-separated cold formats (int4, int2, int8): each adds bounded rows of float pages that "
+                   "hold B float tokens' bytes per layer, the coldest pages re-quantized to it before any eviction "
                    "(PagedCache(max_pages=B, cold_format=...))")
     p.add_argument("--page-size", type=int, default=1, help="PagedCache page size (1 keeps best when bounded)")
     p.add_argument("--score-decay", type=float, default=None,

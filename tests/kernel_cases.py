@@ -11,7 +11,7 @@ from hf_paged.kernels.reference import paged_attention_reference
 from hf_paged.kv_formats import QuantizedPages, page_format
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-QUANTIZED_FORMATS = ("int8", "int4", "fp8_e4m3")
+QUANTIZED_FORMATS = ("int8", "int4", "int2", "fp8_e4m3")
 
 
 def make_case(

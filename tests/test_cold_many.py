@@ -58,7 +58,8 @@ def check_tiers(cache):
 
 @pytest.mark.parametrize("name,cold_format,page_size,max_batch_tokens", [
     ("llama", "int4", 4, 256), ("llama", "int4", 16, 256), ("llama", "int8", 1, 256), ("gemma3", "int8", 4, 256),
-    ("llama", "int4", 4, 7), ("llama", "int4", 16, 10), ("gemma3", "int4", 4, 1)])
+    ("llama", "int4", 4, 7), ("llama", "int4", 16, 10), ("gemma3", "int4", 4, 1), ("llama", "int2", 4, 256),
+    ("llama", "int2", 16, 10)])
 def test_greedy_equals_generate_per_prompt_on_a_cold_paged_cache(name, cold_format, page_size, max_batch_tokens):
     """Same demotion schedule, same tokens, prompts read in one chunk or many (small ``max_batch_tokens``); the float
     pages' tokens differ (so the comparison can fail)."""
@@ -149,7 +150,7 @@ def test_bad_arguments_are_refused_as_paged_cache_refuses_them(llama, kwargs, ma
         hf_paged.generate_many(model, [[5, 6, 7]], max_new_tokens=2, progress=False, **kwargs)
     config = copy.deepcopy(model.config)
     config.head_dim = 15
-    with pytest.raises(hf_paged.CacheUsageError, match="packs two values a byte"):
+    with pytest.raises(hf_paged.CacheUsageError, match="packs 2 values a byte"):
         RaggedCache(config, cold_format="int4")
     assert counter.tokens == 0
 

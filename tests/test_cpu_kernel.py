@@ -41,17 +41,17 @@ def test_matches_reference(name, splits):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int2"])
 def test_quantized_pages_match_reference(kv_format, name, splits):
     """The shared cases (page sizes 1, 3, 4 and 16, partial pages, holes, an evicted page, GQA/MQA, masks, a
-    window, softcaps, sinks, page mass) with pools in int8 / int4, passed as the pages' ``kernel_operands()``:
+    window, softcaps, sinks, page mass) with pools in int8 / int4 / int2, passed as the pages' ``kernel_operands()``:
     the kernel dequantizes (and un-rotates int4) as the reference does; float16 cases run in float32."""
     shape = dict(KERNEL_CASES[name])
     shape["dtype"] = torch.float32 if shape.get("dtype") == torch.float16 else shape.get("dtype", torch.float32)
     check(quantize_case(make_case(seed=4, **shape), kv_format), num_splits=splits)
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("D", [8, 24, 48, 80])
 def test_quantized_head_dims(kv_format, D):
     """Head dims a multiple of 16 read 16 lanes at a time, others element by element."""
@@ -122,7 +122,7 @@ def test_output_signal_matches_reference(shape, splits, threads, monkeypatch):
                                        return_page_mass=True, page_mass_signal="output")
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int2"])
 def test_output_signal_of_quantized_pages(kv_format):
     """The output signal reads each token's dequantized value (int4: in the rotated basis, where distances are
     the same)."""
@@ -144,7 +144,7 @@ def test_head_dims(D, Hq, Hkv, Q):
     check(make_case(B=2, Hq=Hq, Hkv=Hkv, D=D, S=20, Q=Q, lengths=[75, 41], pad=[3, 0], seed=D), num_splits=2)
 
 
-@pytest.mark.parametrize("kv_format", ["float", "int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["float", "int8", "int4", "int2"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_row_automatic_splits(threads, kv_format):
     """Several chunks per page (page size 80 > the kernel's chunk), automatic splits on 2 threads."""
@@ -237,7 +237,7 @@ def test_bad_quantized_input_is_refused_with_a_reason():
     pools, an unknown format: each refused, naming what was wrong."""
     case = make_case(B=1, Hq=4, Hkv=2, D=32, S=4, Q=1, lengths=[5], seed=8)
     int4, int8 = quantize_case(case, "int4"), quantize_case(case, "int8")
-    with pytest.raises(ValueError, match="CPU kernel reads kv_format 'float', 'int8', 'int4', not 'fp8_e4m3'"):
+    with pytest.raises(ValueError, match="CPU kernel reads kv_format 'float', 'int8', 'int4', 'int2', not 'fp8_e4m3'"):
         cpu_kernel.paged_attention_cpu(**quantize_case(case, "fp8_e4m3"))
     with pytest.raises(ValueError, match=r"k_scale of kv_format='int4' must be torch.float16 \[.*\], got none"):
         cpu_kernel.paged_attention_cpu(**dict(int4, k_scale=None))

@@ -81,7 +81,7 @@ def test_cold_pages_are_demoted_before_any_eviction(page_size):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(page_size=st.integers(1, 3), extra=st.integers(0, 8), cold=st.sampled_from(["int4", "int8"]),
+@given(page_size=st.integers(1, 3), extra=st.integers(0, 8), cold=st.sampled_from(["int4", "int2", "int8"]),
        eviction=st.sampled_from(["score", "lru", "fifo"]), batch=st.integers(1, 2),
        chunks=st.lists(st.integers(1, 3), min_size=4, max_size=14), per_layer=st.booleans())
 def test_the_byte_budget_is_never_exceeded(page_size, extra, cold, eviction, batch, chunks, per_layer):
@@ -102,7 +102,7 @@ def test_the_byte_budget_is_never_exceeded(page_size, extra, cold, eviction, bat
 
 
 # ----------------------------------------------------------------------------------------- pages
-@pytest.mark.parametrize("cold", ["int4", "int8"])
+@pytest.mark.parametrize("cold", ["int4", "int2", "int8"])
 def test_demoted_pages_read_back_within_the_format_tolerance(cold):
     S, H, D, pages_n = 2, 2, 16, 6
     tiers = ColdPages(cold, S)
@@ -127,8 +127,8 @@ def test_demoted_pages_read_back_within_the_format_tolerance(cold):
         # within half a quantization step of every group (in the codec's rotated basis), against float64
         rotated = x64[cold_slots] @ hf_paged.kv_formats.rotation(D).double() if codec.rotated else x64[cold_slots]
         groups = rotated.unflatten(-1, (codec.groups(D), -1))
-        levels = 15 if cold == "int4" else 254
-        spread = (groups.amax(-1) - groups.amin(-1)) if cold == "int4" else 2 * groups.abs().amax(-1)
+        levels = {"int4": 15, "int2": 3, "int8": 254}[cold]
+        spread = (groups.amax(-1) - groups.amin(-1)) if cold != "int8" else 2 * groups.abs().amax(-1)
         half_step = (spread / levels / 2 * 1.01 + 1e-3)[..., None].expand_as(groups).flatten(-2)
         error = read[cold_slots].double() - x64[cold_slots]
         error = error @ hf_paged.kv_formats.rotation(D).double() if codec.rotated else error
@@ -193,7 +193,7 @@ def _kernel_reads_cold_pages(monkeypatch) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("cold", ["int4", "int8"])
+@pytest.mark.parametrize("cold", ["int4", "int2", "int8"])
 def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
     """Decoding a batch past many demotions (and evictions) with ``cold_format``: the C kernel reading both tiers in
     place gives the logits of the torch path (gathers) within 2e-5 and the same greedy tokens; the kernel runs on
@@ -205,8 +205,8 @@ def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
     for backend in ("cpu", "torch"):
         cache = hf_paged.PagedCache(page_size=1, max_pages=40, config=model.config, cold_format=cold, backend=backend,
                                     eviction="fifo")  # (demoted and evicted by age: the same pages in both runs)
-        out = model.generate(**batch, max_new_tokens=60, do_sample=False, cache=cache, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(**batch, max_new_tokens=100 if cold == "int2" else 60,  # (int2 holds more: evicts later)
+                             do_sample=False, cache=cache, output_logits=True, return_dict_in_generate=True)
         runs[backend] = out, cache.stats()
     (kernel, stats), (torch_path, _) = runs["cpu"], runs["torch"]
     assert stats["demotions"] > 20 and stats["evictions"] > 0 and any(seen)
@@ -278,8 +278,13 @@ def test_bad_arguments_are_refused_before_any_work():
         hf_paged.PagedCache(cold_format="int4", kv_format="int4")
     config = make_config("llama")
     config.head_dim = 15
-    with pytest.raises(hf_paged.CacheUsageError, match="cold_format|kv_format='int4' packs two values a byte"):
+    with pytest.raises(hf_paged.CacheUsageError, match="cold_format='int4' packs 2 values a byte"):
         hf_paged.PagedCache(cold_format="int4", config=config)
+    config.head_dim = 18
+    with pytest.raises(hf_paged.CacheUsageError, match="cold_format='int2' packs 4 values a byte and needs a head_dim "
+                                                       "divisible by 4, the model's is 18; choose one of 'float', "
+                                                       "'int8', 'int4'$"):
+        hf_paged.PagedCache(cold_format="int2", config=config)
 
 
 def test_the_evaluation_script_adds_cold_format_rows_at_the_same_budgets():

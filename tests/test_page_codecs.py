@@ -1,4 +1,4 @@
-"""The C encoders of int4 pages (`hf_paged.kernels.cpu_page_codecs`) against the torch encoders of
+"""The C encoders of int4 and int2 pages (`hf_paged.kernels.cpu_page_codecs`) against the torch encoders of
 `hf_paged.kv_formats`: bit-identical codes and parameters on awkward input (rounding ties, constant channels,
 float8 steps below its smallest normal, float16's clamp), nothing written for non-finite input, and a
 `QuantizedPages` fed step by step through them equal to one fed through torch."""
@@ -32,9 +32,10 @@ def awkward(shape, seed: int) -> torch.Tensor:
     return torch.where(pick == 0, halves, torch.where(pick == 1, x.round(), x))
 
 
+@pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("S,H,D", [(16, 3, 64), (5, 2, 8), (1, 1, 2)])
-def test_page_keys_match_the_torch_encoder(seed, S, H, D):
+@pytest.mark.parametrize("S,H,D", [(16, 3, 64), (5, 2, 8), (1, 1, 4)])
+def test_page_keys_match_the_torch_encoder(seed, S, H, D, bits):
     pages_held = 7
     residual = awkward((pages_held, S, H, D), seed)
     residual[0, :, 0, :3] = 0.25  # a constant channel: step 0
@@ -42,31 +43,32 @@ def test_page_keys_match_the_torch_encoder(seed, S, H, D):
     rows = torch.randperm(pages_held, generator=g)[:4].tolist()
     filled = torch.randint(1, S + 1, (4,), generator=g).tolist()
     pages = [9, 2, 5, 0]
-    codes = torch.zeros(10, S, H, D // 2, dtype=torch.uint8)
+    codes = torch.zeros(10, S, H, D * bits // 8, dtype=torch.uint8)
     params = torch.zeros(10, H, D + D // 2, dtype=torch.float16)
     new = awkward((2, H, D), 50 + seed)  # written into the residual first: row rows[0], slot filled[0] - 1
     assert cpu_page_codecs.encode_page_keys(new[:1], [rows[0] * S + filled[0] - 1], residual, rows, filled, pages,
                                             codes, params)
     assert torch.equal(residual[rows[0], filled[0] - 1], new[0])
     valid = torch.arange(S) < torch.tensor(filled)[:, None]
-    want_codes, want_params = PageChannelCodec().encode_pages(residual[rows], valid)
+    want_codes, want_params = PageChannelCodec(bits).encode_pages(residual[rows], valid)
     assert torch.equal(codes[pages], want_codes)
     assert same_key_params(params[pages], want_params, D)
     untouched = [p for p in range(10) if p not in pages]
     assert not codes[untouched].any() and not params[untouched].view(torch.int16).any()
 
 
+@pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("H,D", [(3, 64), (2, 6), (1, 2)])
-def test_int4_values_match_the_torch_encoder(seed, H, D):
+@pytest.mark.parametrize("H,D", [(3, 64), (2, 12), (1, 4)])
+def test_values_match_the_torch_encoder(seed, H, D, bits):
     rotated = awkward((9, H, D), seed)
     rotated[0, 0] = 0.0  # all zero: scale 0
     rotated[1, 0] = 3.0  # one value: the zero point's bound decides the scale
     slots = torch.tensor([17, 3, 0, 40, 8, 9, 22, 31, 1])
-    codes = torch.zeros(8, 6, H, D // 2 + 1, dtype=torch.uint8)
+    codes = torch.zeros(8, 6, H, D * bits // 8 + 1, dtype=torch.uint8)
     scales = torch.zeros(8, 6, H, 1, dtype=torch.float16)
     assert cpu_page_codecs.encode_int4_values(rotated, slots, codes, scales)
-    want_codes, want_scales = Int4Codec(None).encode(rotated, finite=True)
+    want_codes, want_scales = Int4Codec(None, bits=bits).encode(rotated, finite=True)
     assert torch.equal(codes.flatten(0, 1)[slots], want_codes)
     assert torch.equal(scales.flatten(0, 1)[slots].view(torch.int16), want_scales.view(torch.int16))
 
@@ -102,16 +104,17 @@ def _decode_writes(pages: QuantizedPages, steps: int, rows: int, seed: int) -> N
         pages.write(slots, torch.randn(rows, 2, 8, generator=g), torch.randn(rows, 2, 8, generator=g))
 
 
-def test_quantized_pages_written_step_by_step_equal_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("kv_format", ["int4", "int2"])
+def test_quantized_pages_written_step_by_step_equal_the_torch_path(monkeypatch, kv_format):
     calls = []
     for name in cpu_page_codecs.SYMBOLS:
         encoder = getattr(cpu_page_codecs, name)
         monkeypatch.setattr(cpu_page_codecs, name, lambda *a, _f=encoder, _n=name: calls.append(_n) or _f(*a))
-    fast = QuantizedPages(page_format("int4"), 8, 2, 8, 8, torch.float32, "cpu")
+    fast = QuantizedPages(page_format(kv_format), 8, 2, 8, 8, torch.float32, "cpu")
     _decode_writes(fast, steps=9, rows=3, seed=0)
     assert set(calls) == set(cpu_page_codecs.SYMBOLS)  # every write went through the C encoders
     monkeypatch.setattr(cpu_page_codecs, "available", lambda: False)
-    slow = QuantizedPages(page_format("int4"), 8, 2, 8, 8, torch.float32, "cpu")
+    slow = QuantizedPages(page_format(kv_format), 8, 2, 8, 8, torch.float32, "cpu")
     _decode_writes(slow, steps=9, rows=3, seed=0)
     for name in ("k_codes", "v_codes", "v_scale"):
         assert torch.equal(getattr(fast, name).view(torch.uint8), getattr(slow, name).view(torch.uint8)), name

@@ -28,11 +28,11 @@ from tiny_models import left_padded_batch, make_config, make_pair, shared_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FORMATS = ("int8", "int4")
+FORMATS = ("int8", "int4", "int2")
 GEN = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False, output_logits=True,
            return_dict_in_generate=True)
 SAME = 2e-4  # logits of the paged cache and the reference holding the same dequantized keys and values
-AGAINST_FLOAT = {"int8": 0.02, "int4": 0.3}  # largest logit change from float pages on these tiny models
+AGAINST_FLOAT = {"int8": 0.02, "int4": 0.3, "int2": 0.6}  # largest logit change from float pages on these tiny models
 CROP_INTO_FULL_PAGE = 1e-3  # int4 logits after a crop into a full page against exact keys: 5e-5 (zeros for the
 # tokens it held, instead of what it hands back: 0.006)
 
@@ -40,7 +40,7 @@ CROP_INTO_FULL_PAGE = 1e-3  # int4 logits after a crop into a full page against 
 def reference(model, kv_format: str, page_size: int = 4) -> SimulatedPages:
     """A DynamicCache holding what pages of ``kv_format`` hand back."""
     fmt = page_format(kv_format)
-    if kv_format == "int4":  # keys per channel within pages of the cache's size
+    if getattr(fmt.key, "per_page", False):  # int4, int2: keys per channel within pages of the cache's size
         keys, page = page_keys_roundtrip(fmt.key, page_size), page_size
     else:
         keys, page = codec_roundtrip(fmt.key), 0
@@ -264,8 +264,8 @@ def test_int4_residuals_are_held_for_live_pages_only():
 def test_prefix_pages_are_reused_within_a_format_and_never_across_formats():
     _, paged = make_pair("llama")  # binding installs a forward hook: a model of its own
     batch = left_padded_batch((13, 13))
-    caches = {f: hf_paged.PagedCache(page_size=4, model=paged, kv_format=f) for f in ("float", "int8", "int4")}
-    assert len({cache.fingerprint(paged) for cache in caches.values()}) == 3
+    caches = {f: hf_paged.PagedCache(page_size=4, model=paged, kv_format=f) for f in ("float", *FORMATS)}
+    assert len({cache.fingerprint(paged) for cache in caches.values()}) == 1 + len(FORMATS)
     for kv_format in FORMATS:
         cache = caches[kv_format]
         first = paged.generate(**batch, **GEN, cache=cache)
@@ -392,8 +392,12 @@ def test_bad_formats_are_refused_naming_the_argument_and_the_alternatives(make):
     with pytest.raises(CacheUsageError, match=r"kv_format='int3' is not a page format; choose one of 'float', "):
         make(config, "int3")
     config.head_dim = 15
-    with pytest.raises(CacheUsageError, match=r"kv_format='int4' packs two values a byte and needs an even head_dim"):
+    with pytest.raises(CacheUsageError, match=r"kv_format='int4' packs 2 values a byte and needs a head_dim divisible"):
         make(config, "int4")
+    config.head_dim = 18
+    with pytest.raises(CacheUsageError, match=r"kv_format='int2' packs 4 .* head_dim divisible by 4, the model's is "
+                                              r"18; choose one of 'float', 'int8', 'int4'$"):
+        make(config, "int2")
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)

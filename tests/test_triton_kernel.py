@@ -156,12 +156,12 @@ def test_kernel_matches_reference(name):
 @pytest.mark.parametrize("kv_format", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("name", ["gqa-page3-chunk-leftpad-fp32", "mqa-page16-decode-bf16-window-softcap-sink"])
 def test_quantized_pages_match_reference(kv_format, name):
-    """Pools in int8 / int4 / fp8_e4m3 (page sizes 3 and 16, partial pages, holes, an evicted page, GQA/MQA, a
+    """Pools in int8 / int4 / int2 / fp8_e4m3 (page sizes 3 and 16, partial pages, holes, an evicted page, GQA/MQA, a
     mask, a window, a softcap, sinks, page mass): tiles dequantized in the kernel as the reference does."""
     check_against_reference(quantize_case(make_case(seed=4, **KERNEL_CASES[name]), kv_format))
 
 
-@pytest.mark.parametrize("kv_format", ["int4", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_format", ["int4", "int2", "fp8_e4m3"])
 def test_quantized_split_k_and_head_dim_24(kv_format):
     """Split partials of quantized pools (int4: the output rotated back after the splits are merged); head dim
     24 (int4 keys: a step per channel; a tile wider than the head)."""
@@ -170,7 +170,7 @@ def test_quantized_split_k_and_head_dim_24(kv_format):
         check_against_reference(case, num_splits=splits)
 
 
-@pytest.mark.parametrize("cold", ["int8", "int4"])
+@pytest.mark.parametrize("cold", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("name", ["mha-page1-decode-fp32", "gqa-page3-chunk-leftpad-fp32",
                                   "mqa-page16-decode-bf16-window-softcap-sink"])
 def test_two_tier_pages_match_reference(cold, name):
@@ -181,7 +181,7 @@ def test_two_tier_pages_match_reference(cold, name):
     check_against_reference(two_tier_case(make_case(seed=4, **KERNEL_CASES[name]), cold, seed=2)[0])
 
 
-@pytest.mark.parametrize("cold", ["int8", "int4"])
+@pytest.mark.parametrize("cold", ["int8", "int4", "int2"])
 def test_two_tier_split_k_and_head_dim_24(cold):
     """Split partials of two tiers (each split ends in the cold basis); head dim 24 (int4 keys in groups of 8, a
     rotation of blocks of 8 padded into the tile)."""

@@ -1,5 +1,5 @@
-"""The C kernel reads a two-tier layer (`hf_paged.demotion.MixedPages`: hot float pages and cold int8 / int4 pages,
-a `ColdTier` with the row maps) in place, as the float64 reference defines it; the reference's two-tier read is
+"""The C kernel reads a two-tier layer (`hf_paged.demotion.MixedPages`: hot float pages and cold int8 / int4 / int2
+pages, a `ColdTier` with the row maps) in place, as the float64 reference defines it; the reference's two-tier read is
 the layer's own gather. (Triton: tests/test_triton_kernel.py; generate: tests/test_demotion.py.)"""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hf_paged.kv_formats import page_format
 pytestmark = [pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
                                  reason=f"CPU kernel unavailable: {cpu_kernel.unavailable_reason()}"),
               pytest.mark.usefixtures("one_thread")]
-COLD_FORMATS = ("int8", "int4")
+COLD_FORMATS = ("int8", "int4", "int2")
 
 
 def _shape(name: str) -> dict:

@@ -38,7 +38,7 @@ from .run_info import load_average, versions
 from .text import load_token_ids
 
 PARTS = ("perplexity", "speed", "cache", "agreement", "decode", "mixed")
-CACHE_FORMATS = ("float", "int8", "int4")  # the formats the CPU reads, through the real caches
+CACHE_FORMATS = ("float", "int8", "int4", "int2")  # the formats the CPU reads, through the real caches
 COLD = "int4 cold pages (sinks, newest page float)"  # PagedCache(cold_format="int4"): pages demoted as they fill
 SPEED_FORMATS = ("float32", "bfloat16", "int8", "int4", "float32+int4")  # the last: two tiers, 7 of 8 pages cold
 COLD_SHARE = 8  # "float32+int4": every page but each 8th is cold (a cache at a quarter of the context's bytes)
@@ -385,7 +385,7 @@ def cache_part(args, progress) -> dict:
     sdpa, bits, peer_skipped = _peer_models(args)
     ids, info = load_token_ids(tokenizer, max(args.cache_tokens))
     bar = progress(total=2 + len(args.cache_tokens) * (2 + len(CACHE_FORMATS) + len(bits)), desc="real caches")
-    # KV bytes per token: float pages of a float32 and a bfloat16 model, int8 and int4 pages (scales included), and
+    # KV bytes per token: float pages of a float32 and a bfloat16 model, int8, int4, int2 pages (scales included), and
     # QuantizedCache after a prefill (everything quantized) and with its float residual full
     tokens = ids[: args.page_size * max(1, min(args.cache_tokens) // (2 * args.page_size))]  # whole pages
     bf16, _ = assets.load_model_and_tokenizer(args.model, dtype=torch.bfloat16, attn_implementation="hf_paged")
@@ -401,7 +401,7 @@ def cache_part(args, progress) -> dict:
         peer_sizes[name] = peer.bytes_per_token(sdpa, tokens, nbits, args.peer_residual)
         sizes[name] = peer_sizes[name]["prefilled"]
     bar.update(1)
-    # perplexity at each length: float pages (the reference), bfloat16 keys and values (simulated), int8 and int4
+    # perplexity at each length: float pages (the reference), bfloat16 keys and values (simulated), int8, int4, int2
     # pages in one forward, QuantizedCache in chunks of its residual and `COLD` in chunks of a page (each token's
     # decoding view), `COLD` also paired with QuantizedCache int4
     bf16_scheme = next(s for s in schemes(64, args.page_size) if s.name == "bfloat16")

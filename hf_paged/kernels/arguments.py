@@ -142,8 +142,9 @@ def _check_pools(fmt: PageFormat, D: int, k_pool, v_pool, k_scale, v_scale) -> N
             raise TypeError(f"kv_format='float' reads float16/bfloat16/float32 pools, got {k_pool.dtype}: pass the "
                             "kv_format (and k_scale/v_scale) of quantized pools")
         return
-    if fmt.even_dims and D % 2:
-        raise ValueError(f"kv_format={fmt.name!r} packs two values a byte: the head dim must be even, got {D}")
+    if D % fmt.packing:
+        raise ValueError(f"kv_format={fmt.name!r} packs {fmt.packing} values a byte: the head dim must be a multiple "
+                         f"of {fmt.packing}, got {D}")
     for name, codec, pool, scale in (("k", fmt.key, k_pool, k_scale), ("v", fmt.value, v_pool, v_scale)):
         want = (*pages, codec.width(D))
         if tuple(pool.shape) != want or pool.dtype != codec.dtype:

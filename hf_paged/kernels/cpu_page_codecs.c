@@ -1,9 +1,9 @@
-/* The int4 page format's encoders (hf_paged/kv_formats.py) for a step's writes on the CPU.
+/* The int4 and int2 page formats' encoders (hf_paged/kv_formats.py) for a step's writes on the CPU.
  *
  * encode_page_keys: KIVI keys, `PageChannelCodec.encode_pages`: per page, KV head and channel a float16 minimum
- *   and a float8 e4m3 step (rounded up so the range fits), 4-bit codes two to a byte.
- * encode_int4_values: values, `Int4Codec(None).encode` of already rotated rows: per token and KV head one group,
- *   a float16 scale and an int8 zero point after the codes.
+ *   and a float8 e4m3 step (rounded up so the range fits), `bits`-bit codes (4 or 2) 8 / bits to a byte.
+ * encode_int4_values: values, `Int4Codec(None, bits=bits).encode` of already rotated rows: per token and KV head
+ *   one group, a float16 scale and an int8 zero point after the codes.
  *
  * Bit-exact with the torch encoders for finite input: the same float32 operations in the same order, rounding
  * half to even (nearbyintf), float16 and float8 e4m3 conversions rounding to nearest even; built without
@@ -66,20 +66,29 @@ static int all_finite(const float *x, int64_t n) {
     return 1;
 }
 
-static uint8_t code4(float v) { /* round half to even, clamped to [0, 15] */
+static uint8_t code_of(float v, float top) { /* round half to even, clamped to [0, top] */
     v = nearbyintf(v);
-    return (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
+    return (uint8_t)(v < 0.0f ? 0.0f : v > top ? top : v);
+}
+
+/* Code c of element d into a row of packed codes: element d at bits (d % per) * bits of byte d / per, per = 8 / bits
+ * (a byte's first element, written first, clears it). */
+static void put_code(uint8_t *row, int64_t d, uint8_t c, int bits) {
+    const int64_t per = 8 / bits, at = d % per;
+    row[d / per] = at ? (uint8_t)(row[d / per] | (c << (bits * at))) : c;
 }
 
 /* Keys keys [T, H, D] (float32) into the flat slots targets[t] of the residual [R * S, H, D], then pages
  * pages[u] (u < U) of a pool of S-slot pages encoded from their residual rows residual[rows[u]] ([S, H, D] each),
  * of which the first filled[u] slots hold tokens (a slot after them reads as slot 0, so it widens no range):
- * codes [P, S, H, D / 2] and parameters [P, H, D + D / 2] (float16: D minima, then the D steps' bytes).
+ * codes [P, S, H, D * bits / 8] and parameters [P, H, D + D / 2] (float16: D minima, then the D steps' bytes).
  * index holds rows[U], filled[U], pages[U], targets[T]. Returns 1 when a key is not finite: the residual then
  * holds the new keys, nothing else is written. */
 int encode_page_keys(const float *keys, float *residual, const int64_t *index, int64_t T, int64_t U, int64_t S,
-                     int64_t H, int64_t D, uint8_t *codes, uint16_t *params) {
+                     int64_t H, int64_t D, int64_t bits, uint8_t *codes, uint16_t *params) {
     const int64_t page_len = S * H * D, *rows = index, *filled = index + U, *pages = index + 2 * U;
+    const int64_t width = D * bits / 8;
+    const float top = (float)((1 << bits) - 1);
     for (int64_t t = 0; t < T; t++)
         memcpy(residual + index[3 * U + t] * H * D, keys + t * H * D, sizeof(float) * H * D);
     for (int64_t u = 0; u < U; u++)
@@ -98,18 +107,17 @@ int encode_page_keys(const float *keys, float *residual, const int64_t *index, i
                 }
                 const uint16_t low16 = float_to_half(low < -FP16_MAX ? -FP16_MAX : low > FP16_MAX ? FP16_MAX : low);
                 const float lowf = half_to_float(low16);
-                float need = (high - lowf) / 15.0f;
+                float need = (high - lowf) / top;
                 need = need < 0.0f ? 0.0f : need > FP8_MAX ? FP8_MAX : need;
-                uint8_t bits = float_to_e4m3(need);
-                if (e4m3_to_float(bits) < need && bits < FP8_MAX_BITS) bits++;
-                const float step = e4m3_to_float(bits);
+                uint8_t step8 = float_to_e4m3(need);
+                if (e4m3_to_float(step8) < need && step8 < FP8_MAX_BITS) step8++;
+                const float step = e4m3_to_float(step8);
                 low_out[d] = low16;
-                step_out[d] = bits;
+                step_out[d] = step8;
                 for (int64_t s = 0; s < S; s++) {
                     const float v = x[((s < filled[u] ? s : 0) * H + h) * D + d];
-                    const uint8_t c = step > 0.0f ? code4((v - lowf) / step) : 0;
-                    uint8_t *byte = codes + ((pages[u] * S + s) * H + h) * (D / 2) + d / 2;
-                    *byte = d % 2 ? (uint8_t)((*byte & 15u) | (c << 4)) : c;
+                    const uint8_t c = step > 0.0f ? code_of((v - lowf) / step, top) : 0;
+                    put_code(codes + ((pages[u] * S + s) * H + h) * width, d, c, (int)bits);
                 }
             }
         }
@@ -118,12 +126,13 @@ int encode_page_keys(const float *keys, float *residual, const int64_t *index, i
 }
 
 /* Rows x [T, H, D] (float32, rotated) into the flat slots slots[t] of a pool with H heads: codes [P * S, H,
- * D / 2 + 1] (two codes a byte, then the int8 zero point) and float16 scales [P * S, H, 1]. Returns 1, writing
- * nothing, when x holds a non-finite value. */
-int encode_int4_values(const float *x, const int64_t *slots, int64_t T, int64_t H, int64_t D, uint8_t *codes,
-                       uint16_t *scales) {
+ * D * bits / 8 + 1] (`bits`-bit codes 8 / bits a byte, then the int8 zero point) and float16 scales [P * S, H, 1].
+ * Returns 1, writing nothing, when x holds a non-finite value. */
+int encode_int4_values(const float *x, const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t bits,
+                       uint8_t *codes, uint16_t *scales) {
     if (!all_finite(x, T * H * D)) return 1;
-    const int64_t width = D / 2 + 1;
+    const int64_t width = D * bits / 8 + 1;
+    const float top = (float)((1 << bits) - 1);
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < H; h++) {
             const float *row = x + (t * H + h) * D;
@@ -132,7 +141,7 @@ int encode_int4_values(const float *x, const int64_t *slots, int64_t T, int64_t 
                 low = row[d] < low ? row[d] : low;
                 high = row[d] > high ? row[d] : high;
             }
-            const float wide = (high - low) / 15.0f, room = fabsf(low) / 120.0f;
+            const float wide = (high - low) / top, room = fabsf(low) / 120.0f;
             float value = wide > room ? wide : room;
             value = value > FP16_MAX ? FP16_MAX : value;
             const uint16_t scale16 = float_to_half(value);
@@ -140,12 +149,9 @@ int encode_int4_values(const float *x, const int64_t *slots, int64_t T, int64_t 
             float zero = s > 0.0f ? nearbyintf(-low / s) : 0.0f;
             zero = zero < -128.0f ? -128.0f : zero > 127.0f ? 127.0f : zero;
             uint8_t *out = codes + (slots[t] * H + h) * width;
-            for (int64_t d = 0; d < D; d += 2) {
-                const uint8_t lo = code4((s > 0.0f ? row[d] / s : 0.0f) + zero);
-                const uint8_t hi = code4((s > 0.0f ? row[d + 1] / s : 0.0f) + zero);
-                out[d / 2] = (uint8_t)(lo | (hi << 4));
-            }
-            out[D / 2] = (uint8_t)(int8_t)zero;
+            for (int64_t d = 0; d < D; d++)
+                put_code(out, d, code_of((s > 0.0f ? row[d] / s : 0.0f) + zero, top), (int)bits);
+            out[width - 1] = (uint8_t)(int8_t)zero;
             scales[slots[t] * H + h] = scale16;
         }
     }

@@ -25,7 +25,8 @@
  * (q . x = q . low + (q * step) . code, `page_query`), so a slot costs dot products with its bare codes; int4 codes
  * are read 32 at a time split by parity (`nibbles32`), the operands in the same order. int4 keys per token (the cold
  * pages of a two-tier layer in pages under 16 tokens): like int4 values, in groups of gcd(D, 16), stored rotated
- * (k_page_params = 0).
+ * (k_page_params = 0). int2 (FMT_I2): int4's layouts with four 2-bit codes a byte (element d at bits 2 (d % 4) of
+ * byte d / 4, `code_at`), read 16 at a time in order (`codes16`: one 32-bit word shifted per lane).
  *
  * Two tiers (hf_paged/demotion.py, `ColdTier`): the pools are a layer's hot float pages, `cold` points at a copy of
  * the arguments whose pool fields hold its cold int8 / int4 pages, and table ids are page ids that hot_row /
@@ -47,7 +48,8 @@
 #define MASKED (-1e30f) /* score of a slot a row may not attend: exp() of it minus any max is 0 */
 #define LEAVE_OUT_FLOOR 1e-6f /* 1 - p below this (a token holding all the attention) counts as this */
 
-enum { FMT_F32, FMT_BF16, FMT_I8, FMT_I4 }; /* pool formats, one compiled entry point each */
+enum { FMT_F32, FMT_BF16, FMT_I8, FMT_I4, FMT_I2 }; /* pool formats, one compiled entry point each; from FMT_I4 on:
+                                                       * packed codes with int8 zero points (per token) */
 
 typedef struct PagedArgs {
     const float *q;        /* [B, Hq, Q, D] fp32, strides q_stride */
@@ -137,12 +139,21 @@ typedef struct {
     int64_t row, scales;
 } Row;
 
-/* The scale and the zero point (int4; 0 otherwise) of the group holding element d of a quantized row. */
+/* Bytes of the packed codes of a row of D elements (int4: two a byte, int2: four), before its zero points. */
+static inline int64_t code_bytes(int64_t D, int fmt) { return fmt == FMT_I2 ? D / 4 : D / 2; }
+
+/* The code of element d of a packed (int4 / int2) row whose bytes start at ``row``. */
+static inline __attribute__((always_inline)) float code_at(const uint8_t *row, int64_t d, int fmt) {
+    return (float)(fmt == FMT_I2 ? (row[d / 4] >> (2 * (d % 4))) & 3 : d % 2 ? row[d / 2] >> 4 : row[d / 2] & 15);
+}
+
+/* The scale and the zero point (int4 / int2; 0 otherwise) of the group holding element d of a quantized row. */
 static inline __attribute__((always_inline)) void group_of(const PagedArgs *a, int value, Row at, int64_t d,
                                                            int fmt, float *scale, float *zero) {
     const int64_t g = d / (value ? a->v_group : a->k_group);
     *scale = half_to_float((value ? a->v_scale : a->k_scale)[at.scales + g]);
-    *zero = fmt == FMT_I4 ? (float)((const int8_t *)(value ? a->v : a->k))[at.row + a->D / 2 + g] : 0.0f;
+    *zero = fmt >= FMT_I4 ? (float)((const int8_t *)(value ? a->v : a->k))[at.row + code_bytes(a->D, fmt) + g]
+                          : 0.0f;
 }
 
 /* Element d of a row as fp32. */
@@ -151,15 +162,13 @@ static inline __attribute__((always_inline)) float load1(const PagedArgs *a, int
     if (fmt == FMT_F32) return ((const float *)pool)[at.row + d];
     if (fmt == FMT_BF16) return load_bf16((const uint16_t *)pool, at.row + d);
     float scale, zero;
-    if (fmt == FMT_I4 && !value && a->k_page_params) { /* x = low + step * code, the page's parameters of channel d */
-        const uint8_t byte = ((const uint8_t *)pool)[at.row + d / 2];
+    if (fmt >= FMT_I4 && !value && a->k_page_params) { /* x = low + step * code, the page's parameters of channel d */
         const float step = fp8_to_float(((const uint8_t *)(a->k_scale + at.scales + a->D))[d]);
-        return (float)(d % 2 ? byte >> 4 : byte & 15) * step + half_to_float(a->k_scale[at.scales + d]);
+        return code_at((const uint8_t *)pool + at.row, d, fmt) * step + half_to_float(a->k_scale[at.scales + d]);
     }
     group_of(a, value, at, d, fmt, &scale, &zero);
     if (fmt == FMT_I8) return (float)((const int8_t *)pool)[at.row + d] * scale;
-    const uint8_t byte = ((const uint8_t *)pool)[at.row + d / 2];
-    return ((float)(d % 2 ? byte >> 4 : byte & 15) - zero) * scale;
+    return (code_at((const uint8_t *)pool + at.row, d, fmt) - zero) * scale;
 }
 
 /* x <- x R for the rotation of rotated formats (hf_paged/kv_formats.py `rotation`): blocks of the largest power of
@@ -241,9 +250,10 @@ static inline __attribute__((always_inline)) v16 load16(const PagedArgs *a, int 
     return x;
 }
 
-/* The codes of elements d..d+15 of a quantized row as fp32 lanes (int8: -127..127; int4: 0..15), before their
- * group's zero point and scale. With AVX-512 one widening and one conversion each (gcc lowers the portable
- * vector conversions lane by lane). */
+/* The codes of elements d..d+15 of a quantized row as fp32 lanes (int8: -127..127; int4: 0..15; int2: 0..3), before
+ * their group's zero point and scale. With AVX-512 one widening and one conversion each (gcc lowers the portable
+ * vector conversions lane by lane); int2: the row's 32-bit word of the 16 codes in every lane, shifted by 2 i in
+ * lane i. */
 static inline __attribute__((always_inline)) v16 codes16(const PagedArgs *a, int value, Row at, int64_t d, int fmt) {
     const void *pool = value ? a->v : a->k;
     v16 x;
@@ -258,6 +268,13 @@ static inline __attribute__((always_inline)) v16 codes16(const PagedArgs *a, int
         x = __builtin_convertvector(__builtin_convertvector(codes, i32x16), v16);
 #endif
         return x;
+    }
+    if (fmt == FMT_I2) {
+        const i32x16 shifts = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+        uint32_t word;
+        memcpy(&word, (const uint8_t *)pool + at.row + d / 4, sizeof word);
+        const u32x16 codes = ((u32x16){0} + word) >> (u32x16)shifts & 3;
+        return __builtin_convertvector((i32x16)codes, v16);
     }
 #if defined(__AVX512F__)
     const __m128i bytes = _mm_loadl_epi64((const void *)((const uint8_t *)pool + at.row + d / 2));
@@ -333,7 +350,7 @@ static inline __attribute__((always_inline)) void merge_parity(v16 *lo, v16 *hi)
                 for (int k = 0; k < (NB); k++) t[j][k] += p * v[k];                                       \
             }                                                                                             \
         }                                                                                                 \
-        if (fmt == FMT_I4)                                                                                \
+        if (fmt >= FMT_I4)                                                                                \
             for (int j = 0; j < (NR); j++)                                                                \
                 for (int k = 0; k < (NB); k++) t[j][k] -= zero_sum[j];                                    \
         for (int j = 0; j < (NR) && split; j++)                                                           \
@@ -454,12 +471,12 @@ static inline __attribute__((always_inline)) void store_scores(const PagedArgs *
     }
 }
 
-/* The queries against int4 keys' page whose parameters start at element offset ``off`` of k_scale: with
- * x = low + step * code per channel, q . x = q . low + (q * step) . code, so row r's page_q[r] = q[r] * step, its
- * full blocks of 32 channels split by parity (`nibbles32`'s order; a last block of 16 in order), and
- * page_base[r] = q[r] . low; *page_at = off. */
+/* The queries against int4 (int2) keys' page whose parameters start at element offset ``off`` of k_scale: with
+ * x = low + step * code per channel, q . x = q . low + (q * step) . code, so row r's page_q[r] = q[r] * step (int4:
+ * its full blocks of 32 channels split by parity, `nibbles32`'s order, a last block of 16 in order; int2: in order),
+ * and page_base[r] = q[r] . low; *page_at = off. */
 static inline void page_query(const PagedArgs *a, int64_t off, const float *q, float *page_q, float *page_base,
-                              int64_t *page_at) {
+                              int64_t *page_at, int fmt) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D; /* a multiple of 16 */
     float step[D], low[D];
     for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
@@ -491,7 +508,7 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
         for (; d < D; d++) low[d] = half_to_float(row[d]);
         v16 x[D / 16], y[D / 16]; /* steps, then queries, in page_q's order */
         memcpy(x, step, sizeof x);
-        for (d = 0; d + 32 <= D; d += 32) split_parity(&x[d / 16], &x[d / 16 + 1]);
+        for (d = 0; d + 32 <= D && fmt == FMT_I4; d += 32) split_parity(&x[d / 16], &x[d / 16 + 1]);
         for (int64_t qi = 0; qi < a->Q; qi++)
             for (int64_t r = qi * Hq + kvh * G; r < qi * Hq + (kvh + 1) * G; r++) {
                 v16 base = {0}, l;
@@ -503,7 +520,7 @@ static inline void page_query(const PagedArgs *a, int64_t off, const float *q, f
                 float sum = 0.0f;
                 for (int e = 0; e < 16; e++) sum += base[e];
                 page_base[r] = sum;
-                for (d = 0; d + 32 <= D; d += 32) split_parity(&y[d / 16], &y[d / 16 + 1]);
+                for (d = 0; d + 32 <= D && fmt == FMT_I4; d += 32) split_parity(&y[d / 16], &y[d / 16 + 1]);
                 for (int64_t b = 0; b < D / 16; b++) y[b] *= x[b];
                 memcpy(page_q + r * D, y, sizeof y);
             }
@@ -538,7 +555,7 @@ static inline __attribute__((always_inline)) void group_dots(const PagedArgs *a,
 }
 
 /* The dot products (`group_dots`) of chunk slot c's key row of KV head kvh, read once into `blocks` 16-lane blocks
- * (a constant where D is 64): float rows as fp32, int8 as bare codes, int4 per token dequantized, int4 per page as
+ * (a constant where D is 64): float rows as fp32, int8 as bare codes, int4 / int2 per token dequantized, per page as
  * codes in page_q's order against `page_query`'s rows (slot_base[r * 16] = page_base[r]). */
 static inline __attribute__((always_inline)) void slot_dots(const PagedArgs *a, const Chunk *ch, int64_t c,
                                                              int64_t kvh, int64_t blocks, const ChunkScales *cs,
@@ -548,17 +565,18 @@ static inline __attribute__((always_inline)) void slot_dots(const PagedArgs *a, 
     const Row at = slot_row(a, ch, c, kvh, 0);
     v16 key[blocks];
     float after = 1.0f;
-    if (fmt == FMT_I4 && a->k_page_params) {
+    if (fmt >= FMT_I4 && a->k_page_params) {
         int64_t b = 0;
-        for (; b + 2 <= blocks; b += 2) nibbles32((const uint8_t *)a->k + at.row + 8 * b, &key[b], &key[b + 1]);
-        if (b < blocks) key[b] = codes16(a, 0, at, 16 * b, FMT_I4);
+        for (; b + 2 <= blocks && fmt == FMT_I4; b += 2)
+            nibbles32((const uint8_t *)a->k + at.row + 8 * b, &key[b], &key[b + 1]);
+        for (; b < blocks; b++) key[b] = codes16(a, 0, at, 16 * b, fmt);
         const int64_t G = a->Hq / a->Hkv;
         for (int64_t r0 = kvh * G; r0 < a->Q * a->Hq; r0 += a->Hq)
             for (int64_t r = r0; r < r0 + G; r++) slot_base[r * 16] = page_base[r];
         group_dots(a, key, kvh, blocks, page_q, after, fmt, partial);
         return;
     }
-    if (fmt == FMT_I4) { /* per token: a group of 16 is a block of 16 lanes */
+    if (fmt >= FMT_I4) { /* per token: a group of 16 is a block of 16 lanes */
         const int64_t at_scale = (c * a->Hkv + kvh) * cs->k_groups;
         for (int64_t b = 0; b < blocks; b++)
             key[b] = (codes16(a, 0, at, 16 * b, fmt) - cs->k_zero[at_scale + b]) * cs->k_scale[at_scale + b];
@@ -581,7 +599,7 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                                                                   v16 *partial, float *page_q, float *page_base,
                                                                   float *slot_base, int64_t *page_at) {
     const int64_t D = a->D, R = a->Q * a->Hq, C = ch->C;
-    const int page_keys = fmt == FMT_I4 && a->k_page_params;
+    const int page_keys = fmt >= FMT_I4 && a->k_page_params;
     for (int64_t c0 = 0; c0 < C; c0 += 16) {
         const int64_t n = C - c0 < 16 ? C - c0 : 16;
         if (page_keys) /* [R][16]: q . low of each row and slot's page, added to the lane sums */
@@ -594,7 +612,7 @@ static inline __attribute__((always_inline)) void chunk_scores16(const PagedArgs
                 continue;
             }
             if (page_keys && ch->ks_off[c0 + j] != *page_at) /* a new page: its queries */
-                page_query(a, ch->ks_off[c0 + j], q, page_q, page_base, page_at);
+                page_query(a, ch->ks_off[c0 + j], q, page_q, page_base, page_at, fmt);
             for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
                 if (D == 64)
                     slot_dots(a, ch, c0 + j, kvh, 4, cs, q, page_q, page_base, partial + j, slot_base + j, fmt);
@@ -798,7 +816,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     w.slot = w.run_sum + R;                               /* Hkv * D */
     w.score = w.slot + a->Hkv * D;                        /* [R][CHUNK] */
     w.allowed = (uint8_t *)(w.score + R * CHUNK);         /* [R][CHUNK] */
-    w.cs = (ChunkScales){.k_groups = scaled == FMT_I4 && c->k_page_params ? 0 : D / c->k_group};
+    w.cs = (ChunkScales){.k_groups = scaled >= FMT_I4 && c->k_page_params ? 0 : D / c->k_group};
     w.cs.k_scale = (float *)(w.allowed + R * CHUNK);      /* [CHUNK][Hkv][groups] each */
     w.cs.k_zero = w.cs.k_scale + CHUNK * a->Hkv * w.cs.k_groups;
     w.page_q = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups; /* int4 keys: [R][D], of one page */
@@ -844,7 +862,9 @@ static const float *value_row(const PagedArgs *t, Row at, int fmt, float *buf) {
         group_of(t, 1, at, g0, fmt, &scale, &zero);
         if (t->v_group % 16 == 0) { /* 16 lanes at a time */
             for (int64_t d = g0; d < g0 + t->v_group; d += 16) {
-                const v16 x = fmt == FMT_I8 ? codes16(t, 1, at, d, FMT_I8) : codes16(t, 1, at, d, FMT_I4);
+                const v16 x = fmt == FMT_I8   ? codes16(t, 1, at, d, FMT_I8)
+                              : fmt == FMT_I4 ? codes16(t, 1, at, d, FMT_I4)
+                                              : codes16(t, 1, at, d, FMT_I2);
                 const v16 y = (x - zero) * scale;
                 memcpy(buf + d, &y, sizeof y);
             }
@@ -852,9 +872,8 @@ static const float *value_row(const PagedArgs *t, Row at, int fmt, float *buf) {
             const int8_t *codes = (const int8_t *)t->v + at.row;
             for (int64_t d = g0; d < g0 + t->v_group; d++) buf[d] = (float)codes[d] * scale;
         } else {
-            const uint8_t *codes = (const uint8_t *)t->v + at.row;
             for (int64_t d = g0; d < g0 + t->v_group; d++)
-                buf[d] = ((float)(d % 2 ? codes[d / 2] >> 4 : codes[d / 2] & 15) - zero) * scale;
+                buf[d] = (code_at((const uint8_t *)t->v + at.row, d, fmt) - zero) * scale;
         }
     }
     return buf;
@@ -953,7 +972,7 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
     const int64_t R = a->Q * a->Hq, items = a->B * a->splits;
     const PagedArgs *c = cold_fmt < 0 ? a : a->cold; /* the pools whose scales a chunk converts */
     const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
-    const int64_t groups = scaled == FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group; /* of keys */
+    const int64_t groups = scaled >= FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group; /* of keys */
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
                                                + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
@@ -1001,8 +1020,11 @@ int paged_attention_f32(PagedArgs *a) { return run(a, FMT_F32, -1); }
 int paged_attention_bf16(PagedArgs *a) { return run(a, FMT_BF16, -1); }
 int paged_attention_int8(PagedArgs *a) { return run(a, FMT_I8, -1); }
 int paged_attention_int4(PagedArgs *a) { return run(a, FMT_I4, -1); }
-/* Two tiers: hot pages in float32 / bfloat16 (a's pools), cold pages in int8 / int4 (a->cold's). */
+int paged_attention_int2(PagedArgs *a) { return run(a, FMT_I2, -1); }
+/* Two tiers: hot pages in float32 / bfloat16 (a's pools), cold pages in int8 / int4 / int2 (a->cold's). */
 int paged_attention_f32_int8(PagedArgs *a) { return run(a, FMT_F32, FMT_I8); }
 int paged_attention_f32_int4(PagedArgs *a) { return run(a, FMT_F32, FMT_I4); }
 int paged_attention_bf16_int8(PagedArgs *a) { return run(a, FMT_BF16, FMT_I8); }
 int paged_attention_bf16_int4(PagedArgs *a) { return run(a, FMT_BF16, FMT_I4); }
+int paged_attention_f32_int2(PagedArgs *a) { return run(a, FMT_F32, FMT_I2); }
+int paged_attention_bf16_int2(PagedArgs *a) { return run(a, FMT_BF16, FMT_I2); }

@@ -33,10 +33,11 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)  # of float pools
-KV_FORMATS = ("float", "int8", "int4")  # the page formats it reads (hf_paged.kv_formats)
+KV_FORMATS = ("float", "int8", "int4", "int2")  # the page formats it reads (hf_paged.kv_formats)
 SYMBOLS = ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8", "paged_attention_int4",
-           "paged_attention_f32_int8", "paged_attention_f32_int4", "paged_attention_bf16_int8",
-           "paged_attention_bf16_int4")  # the last four: hot float pages and cold pages (`ColdTier`)
+           "paged_attention_int2", "paged_attention_f32_int8", "paged_attention_f32_int4", "paged_attention_f32_int2",
+           "paged_attention_bf16_int8", "paged_attention_bf16_int4", "paged_attention_bf16_int2")
+# (the first five by the C kernel's format number; then hot float pages and cold pages, `ColdTier`)
 MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
 PAGE_MASS_SIGNALS = ("attention", "output")  # what the page mass measures (`page_mass_signal`, reference.py)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
@@ -214,9 +215,9 @@ def paged_attention_cpu(
 
     Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; float pools must
     be float32 or bfloat16 with a unit last stride; ``kv_format`` may be any of `KV_FORMATS` (``"int8"`` and
-    ``"int4"`` pools are dequantized as they are read, their ``k_scale``/``v_scale`` beside them). With ``cold``
-    (a `ColdTier` of int8 or int4 pages) the pools are a two-tier layer's hot float pages: a row's hot entries are
-    read first, then its cold ones, dequantized as they are read (never copied at full precision). Returns
+    ``"int4"``/``"int2"`` pools are dequantized as they are read, their ``k_scale``/``v_scale`` beside them). With
+    ``cold`` (a `ColdTier` of int8, int4 or int2 pages) the pools are a two-tier layer's hot float pages: a row's hot
+    entries are read first, then its cold ones, dequantized as they are read (never copied at full precision). Returns
     ``out [B, Q, Hq, D]`` in ``query.dtype``, and float32 ``page_mass [B, Hq, N]`` (averaged over the queries)
     with ``return_page_mass``, or its heads' ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``;
     ``page_mass_signal="output"`` (pages of one token): instead of each token's probability, how far it moves

@@ -9,11 +9,11 @@ Layout
 ------
 * ``query``      ``[B, Hq, Q, D]``: any strides (a transposed ``[B, Q, Hq, D]`` view is fine).
 * ``k_pool``/``v_pool`` ``[P, S, Hkv, D]``: any strides, e.g. halves of a ``[P, 2, S, Hkv, D]`` pool; or the
-  codes of a quantized page format (``kv_format`` "int8", "int4", "fp8_e4m3" of :mod:`hf_paged.kv_formats`,
+  codes of a quantized page format (``kv_format`` "int8", "int4", "int2", "fp8_e4m3" of :mod:`hf_paged.kv_formats`,
   unit last stride) with their float16 ``k_scale``/``v_scale``: each tile is loaded, dequantized in fp32
-  (scale, and zero point for int4 values; a page's minimum and step per channel for int4 keys) and cast to
+  (scale, and zero point for int4 / int2 values; a page's minimum and step per channel for their keys) and cast to
   the query's dtype before its dot, as vLLM's ``triton_unified_attention`` does with fp8 caches. Rotated
-  formats (int4 values) get the output rotated back after the kernel (and a rotated key format the query
+  formats (int4 / int2 values) get the output rotated back after the kernel (and a rotated key format the query
   rotated before it).
 * ``page_table`` ``[B, N]`` int32/int64: physical page id of the row's n-th kept page, ``-1`` = none.
 * ``page_pos``   ``[B, N]`` int32/int64: position of slot 0 of that page (slot ``s`` is at ``page_pos + s``).
@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_formats import KV_FORMATS, rotation, slot_scale_strides
+from ..kv_formats import PageFormat, rotation, slot_scale_strides
 from .arguments import ColdTier, check_paged_args, mask_strides
 
 __all__ = ["paged_attention_triton"]
@@ -87,17 +87,28 @@ def _tanh(x):
 
 
 @triton.jit
+def _packed_code(Pool, base, d, ok, TWO_BITS: tl.constexpr):
+    """int32 codes of elements ``d`` of packed rows starting at ``base``: two 4-bit codes a byte (element d in the
+    low nibble when even), or four 2-bit codes (element d at bits 2 (d % 4)); 0 where not ``ok``."""
+    if TWO_BITS:
+        byte = tl.load(Pool + base + d // 4, mask=ok, other=0).to(tl.int32)
+        return (byte >> ((d % 4) * 2)) & 3
+    byte = tl.load(Pool + base + d // 2, mask=ok, other=0).to(tl.int32)
+    return (byte >> ((d % 2) * 4)) & 15
+
+
+@triton.jit
 def _load_rows(Pool, Scale, base, scale_base, d, ok, stride_d,
                FORMAT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Elements ``d`` of the K or V rows starting at element offsets ``base`` (their scales at ``scale_base``),
     all broadcast together; 0 where not ``ok``. FORMAT: 0 float (the pool's dtype, strides ``stride_d``), else
-    fp32 dequantized: 1 int8 ``scale * code``, 2 int4 ``scale * (code - zero)``, 3 fp8 ``scale * code``, 4 int4
-    keys ``low + step * code`` (``Scale`` holds the page's D float16 minima, then its D float8 steps as bytes)."""
+    fp32 dequantized (`_format_code`): 1 int8 ``scale * code``, 2 int4 ``scale * (code - zero)``, 3 fp8
+    ``scale * code``, 4 int4 keys ``low + step * code`` (``Scale`` holds the page's D float16 minima, then its D
+    float8 steps as bytes); 5 and 6: int2's, as 2 and 4 (`_packed_code`)."""
     if FORMAT == 0:
         return tl.load(Pool + base + d * stride_d, mask=ok, other=0.0)
-    if FORMAT == 4:
-        byte = tl.load(Pool + base + d // 2, mask=ok, other=0).to(tl.int32)
-        code = (byte >> ((d % 2) * 4)) & 15
+    if FORMAT == 4 or FORMAT == 6:
+        code = _packed_code(Pool, base, d, ok, FORMAT == 6)
         low = tl.load(Scale + scale_base + d, mask=ok, other=0.0).to(tl.float32)
         pair = tl.load(Scale + scale_base + HEAD_DIM + d // 2, mask=ok, other=0.0)
         bits = (pair.to(tl.int16, bitcast=True).to(tl.int32) >> ((d % 2) * 8)) & 255  # float8 e4m3, never negative
@@ -107,10 +118,9 @@ def _load_rows(Pool, Scale, base, scale_base, d, ok, stride_d,
         return code.to(tl.float32) * step + low
     group = d // GROUP
     scale = tl.load(Scale + scale_base + group, mask=ok, other=0.0).to(tl.float32)
-    if FORMAT == 2:
-        byte = tl.load(Pool + base + d // 2, mask=ok, other=0).to(tl.int32)
-        code = (byte >> ((d % 2) * 4)) & 15
-        zero = tl.load(Pool + base + HEAD_DIM // 2 + group, mask=ok, other=0).to(tl.int32)
+    if FORMAT == 2 or FORMAT == 5:
+        code = _packed_code(Pool, base, d, ok, FORMAT == 5)
+        zero = tl.load(Pool + base + HEAD_DIM // (4 if FORMAT == 5 else 2) + group, mask=ok, other=0).to(tl.int32)
         zero = tl.where(zero >= 128, zero - 256, zero)  # the int8 stored in a uint8 pool
         return (code - zero).to(tl.float32) * scale
     if FORMAT == 3:
@@ -291,8 +301,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    FORMAT: tl.constexpr,  # 0 float, 1 int8, 2 int4, 3 fp8 (`_load_rows`)
-    KEY_FORMAT: tl.constexpr,  # FORMAT, or 4: int4 keys per channel within a page
+    FORMAT: tl.constexpr,  # 0 float, 1 int8, 2 int4, 3 fp8, 5 int2 (`_load_rows`, `_format_code`)
+    KEY_FORMAT: tl.constexpr,  # FORMAT, or 4 (6): int4 (int2) keys per channel within a page
     K_GROUP: tl.constexpr,  # elements per scale group of quantized keys / values
     V_GROUP: tl.constexpr,
     TWO_TIERS: tl.constexpr,  # K/V are the hot pools, CK/CV the cold ones; table ids map through HotRow/ColdRow
@@ -567,6 +577,17 @@ def _tile_sizes(num_q: int, group: int, head_dim: int) -> tuple[int, int, int, i
     return block_q, block_m, block_n, block_d
 
 
+_FORMAT_CODES = {"float": 0, "int8": 1, "int4": 2, "fp8_e4m3": 3, "int2": 5}  # per token (`_load_rows`)
+
+
+def _format_code(fmt: PageFormat, codec) -> int:
+    """`_load_rows`'s FORMAT of the keys' or values' ``codec`` of ``fmt``: per channel within a page (4 int4, 6
+    int2), else the format's per-token code."""
+    if getattr(codec, "per_page", False):
+        return 4 if codec.bits == 4 else 6
+    return _FORMAT_CODES[fmt.name]
+
+
 def _tier_arguments(cold: ColdTier | None, D: int, page_table, k_pool, k_scale_arg, q_pos) -> tuple:
     """The attention kernel's two-tier arguments: (HotRow, ColdRow, CK, CV, CKScale, CVScale, Rot), the cold pools'
     strides (CK, CV, CKScale, CVScale; three each) and the COLD_* flags; dummies without ``cold``."""
@@ -581,8 +602,8 @@ def _tier_arguments(cold: ColdTier | None, D: int, page_table, k_pool, k_scale_a
                 rotation(D, device).contiguous() if rotated else q_pos)
     strides = (*cold.k_pool.stride()[:3], *cold.v_pool.stride()[:3], *slot_scale_strides(fmt.key, cold.k_scale),
                *slot_scale_strides(fmt.value, cold.v_scale))
-    index = KV_FORMATS.index(fmt.name)
-    flags = dict(TWO_TIERS=True, COLD_FORMAT=index, COLD_KEY_FORMAT=4 if getattr(fmt.key, "per_page", False) else index,
+    flags = dict(TWO_TIERS=True, COLD_FORMAT=_format_code(fmt, fmt.value),
+                 COLD_KEY_FORMAT=_format_code(fmt, fmt.key),
                  COLD_K_GROUP=fmt.key.group_size(D), COLD_V_GROUP=fmt.value.group_size(D),
                  COLD_K_ROTATED=fmt.key.rotated, COLD_V_ROTATED=fmt.value.rotated)
     return pointers, strides, flags
@@ -632,8 +653,8 @@ def paged_attention_triton(
         num_splits: force the number of split-K parts per row (default: chosen
             from the context length and the GPU size).
         k_scale, v_scale, kv_format: the scales and the page format of quantized pools
-            (:mod:`hf_paged.kv_formats`: "int8", "int4", "fp8_e4m3"); none for "float".
-        cold: a two-tier layer's cold pages (`ColdTier`, int8 / int4): the pools are its hot float pages, the
+            (:mod:`hf_paged.kv_formats`: "int8", "int4", "int2", "fp8_e4m3"); none for "float".
+        cold: a two-tier layer's cold pages (`ColdTier`, int8 / int4 / int2): the pools are its hot float pages, the
             table's ids page ids. Each program reads its slots' hot pages, then (the query and its running sum
             rotated into the cold basis in the kernel, for rotated cold formats) its cold pages.
 
@@ -701,8 +722,8 @@ def paged_attention_triton(
     ls = lse.stride() if store_lse else (0, 0, 0)
 
     flags = dict(
-        FORMAT=KV_FORMATS.index(kv_format),
-        KEY_FORMAT=4 if getattr(fmt.key, "per_page", False) else KV_FORMATS.index(kv_format),
+        FORMAT=_format_code(fmt, fmt.value),
+        KEY_FORMAT=_format_code(fmt, fmt.key),
         INTERPRET=interpret,
         HAS_MASK=mask is not None,
         HAS_SLIDING=sliding_window is not None,
