@@ -52,7 +52,7 @@ import torch
 from .block_manager import EVICTED, BlockManager
 from .errors import CacheUsageError
 from .kernels.arguments import ColdTier
-from .kv_formats import KEY_GROUP, Int4Codec, PageFormat, QuantizedPages, check_kv_format, page_format
+from .kv_formats import KEY_GROUP, PackedCodec, PageFormat, QuantizedPages, check_kv_format, page_format
 from .model_config import head_dim
 from .page_store import FloatPages
 
@@ -67,7 +67,7 @@ def cold_page_format(cold_format: str, page_size: int) -> PageFormat:
     fmt = page_format(cold_format)
     if getattr(fmt.key, "per_page", False) and page_size < KEY_GROUP:
         bits = fmt.key.bits
-        return PageFormat(cold_format, Int4Codec(KEY_GROUP, bits=bits), Int4Codec(None, bits=bits), fmt.devices,
+        return PageFormat(cold_format, PackedCodec(KEY_GROUP, bits=bits), PackedCodec(None, bits=bits), fmt.devices,
                           packing=fmt.packing)
     return fmt
 

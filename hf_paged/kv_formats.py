@@ -59,7 +59,7 @@ __all__ = ["KV_FORMATS", "KEY_GROUP", "PageChannelCodec", "PageFormat", "Quantiz
            "page_format", "rotation",
            "quantize", "dequantize"]
 
-KEY_GROUP = 16  # elements of a key group of per-token int4 keys (`Int4Codec`: what the study compares int4 with)
+KEY_GROUP = 16  # elements of a key group of per-token int4 keys (`PackedCodec`: what the study compares int4 with)
 _FP16_MAX = 65504.0
 _FP8_MAX = 448.0  # largest float8_e4m3fn
 _FP8_MAX_BITS = 0x7E  # its bits (0x7F is NaN)
@@ -151,7 +151,7 @@ class SymmetricCodec:
 
 
 @dataclass(frozen=True)
-class Int4Codec:
+class PackedCodec:
     """``bits``-bit codes (4: two a byte; 2: four a byte, `_pack`), ``x = scale * (code - zero)`` per group of
     ``group`` elements (None: the whole head), an int8 zero point per group stored after the codes (module
     docstring)."""
@@ -197,7 +197,7 @@ class Int4Codec:
 class PageChannelCodec:
     """KIVI's keys: ``bits``-bit codes per channel within a page, ``x = low + step * code`` (codes in [0, 15], or
     [0, 3] for 2 bits) with a float16 ``low`` and a float8_e4m3fn ``step`` per page, KV head and channel (the step
-    rounded up, so a channel's range always fits). Packed as `Int4Codec` packs them (`_pack`); a page's parameters
+    rounded up, so a channel's range always fits). Packed as `PackedCodec` packs them (`_pack`); a page's parameters
     ``[H, D + D / 2]`` float16: the D minima, then the D steps' bytes two to a float16 slot.
 
     Encoded over a whole page (`encode_pages`), never a token alone: a page's codes depend on every token it
@@ -255,8 +255,8 @@ class PageFormat:
     """A page format: the codecs of keys and values (None: float), and the device types it can be read on."""
 
     name: str
-    key: SymmetricCodec | Int4Codec | PageChannelCodec | None
-    value: SymmetricCodec | Int4Codec | None
+    key: SymmetricCodec | PackedCodec | PageChannelCodec | None
+    value: SymmetricCodec | PackedCodec | None
     devices: tuple[str, ...] | None  # None: any
     packing: int = 1  # values a byte: head dims must be multiples of it
 
@@ -268,8 +268,8 @@ class PageFormat:
 _FORMATS = {
     "float": PageFormat("float", None, None, None),
     "int8": PageFormat("int8", SymmetricCodec(torch.int8, 127.0), SymmetricCodec(torch.int8, 127.0), ("cpu", "cuda")),
-    "int4": PageFormat("int4", PageChannelCodec(), Int4Codec(None), ("cpu", "cuda"), packing=2),
-    "int2": PageFormat("int2", PageChannelCodec(bits=2), Int4Codec(None, bits=2), ("cpu", "cuda"), packing=4),
+    "int4": PageFormat("int4", PageChannelCodec(), PackedCodec(None), ("cpu", "cuda"), packing=2),
+    "int2": PageFormat("int2", PageChannelCodec(bits=2), PackedCodec(None, bits=2), ("cpu", "cuda"), packing=4),
     "fp8_e4m3": PageFormat("fp8_e4m3", SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX),
                            SymmetricCodec(torch.float8_e4m3fn, _FP8_MAX), ("cuda",)),
 }
@@ -317,7 +317,7 @@ def _check_device(kv_format: str, device: torch.device) -> None:
                               f"{torch.cuda.get_device_capability(device)}; choose 'int8' or 'int4'")
 
 
-def dequantize(codec: SymmetricCodec | Int4Codec | PageChannelCodec, codes: torch.Tensor, scale: torch.Tensor,
+def dequantize(codec: SymmetricCodec | PackedCodec | PageChannelCodec, codes: torch.Tensor, scale: torch.Tensor,
                dim: int) -> torch.Tensor:
     """float32 ``[..., dim]`` values of ``codes``/``scale`` in the model's basis (a rotated codec's rotation
     undone; a per-page codec's ``codes [..., S, H, W]`` with their pages' parameters ``scale [..., H, W']``)."""
@@ -327,7 +327,7 @@ def dequantize(codec: SymmetricCodec | Int4Codec | PageChannelCodec, codes: torc
     return values @ rotation(dim, values.device) if codec.rotated else values
 
 
-def slot_scale_strides(codec: SymmetricCodec | Int4Codec | PageChannelCodec, scale: torch.Tensor) -> tuple[int, ...]:
+def slot_scale_strides(codec: SymmetricCodec | PackedCodec | PageChannelCodec, scale: torch.Tensor) -> tuple[int, ...]:
     """Element strides (page, slot, head) by which a kernel finds a slot's scales in ``scale``: a per-page codec's
     parameters ``[P, H, W']`` are every slot's of their page (slot stride 0)."""
     if getattr(codec, "per_page", False):
@@ -335,14 +335,14 @@ def slot_scale_strides(codec: SymmetricCodec | Int4Codec | PageChannelCodec, sca
     return tuple(scale.stride()[:3])
 
 
-def quantize(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(codec: SymmetricCodec | PackedCodec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, float16 scales) of ``x [..., dim]`` (any float dtype), rotated first by a rotated codec: what a
     page stores; `dequantize` reads it back."""
     x = encoding_basis(codec, x)
     return codec.encode(x, finite=bool(torch.isfinite(x).all()))
 
 
-def encoding_basis(codec: SymmetricCodec | Int4Codec, x: torch.Tensor) -> torch.Tensor:
+def encoding_basis(codec: SymmetricCodec | PackedCodec, x: torch.Tensor) -> torch.Tensor:
     """``x`` as float32 in the basis ``codec`` encodes: rotated by a rotated codec (`rotation`)."""
     x = x.float()
     return x @ rotation(x.shape[-1], x.device) if codec.rotated else x
@@ -481,10 +481,10 @@ class QuantizedPages:
         return buffer
 
     def _values_in_c(self, slots: torch.Tensor, values: torch.Tensor) -> bool:
-        """Values of `Int4Codec(None)` (4 or 2 bits) encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the
+        """Values of `PackedCodec(None)` (4 or 2 bits) encoded by the C encoder (`cpu_page_codecs`, bit-exact) on the
         CPU, after the rotation in torch, as `quantize` does; -> False when it does not serve (nothing written)."""
         codec = self.format.value
-        if not (self.device.type == "cpu" and codec in (Int4Codec(None), Int4Codec(None, bits=2))
+        if not (self.device.type == "cpu" and codec in (PackedCodec(None), PackedCodec(None, bits=2))
                 and cpu_page_codecs.available()):
             return False
         return cpu_page_codecs.encode_int4_values(encoding_basis(codec, values).contiguous(), slots, self.v_codes,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_paged.kernels import cpu_page_codecs
-from hf_paged.kv_formats import Int4Codec, PageChannelCodec, QuantizedPages, page_format
+from hf_paged.kv_formats import PackedCodec, PageChannelCodec, QuantizedPages, page_format
 from subprocess_checks import needs_cc
 
 pytestmark = [needs_cc, pytest.mark.skipif(not cpu_page_codecs.available(), reason="the C encoders did not build")]
@@ -68,7 +68,7 @@ def test_values_match_the_torch_encoder(seed, H, D, bits):
     codes = torch.zeros(8, 6, H, D * bits // 8 + 1, dtype=torch.uint8)
     scales = torch.zeros(8, 6, H, 1, dtype=torch.float16)
     assert cpu_page_codecs.encode_int4_values(rotated, slots, codes, scales)
-    want_codes, want_scales = Int4Codec(None, bits=bits).encode(rotated, finite=True)
+    want_codes, want_scales = PackedCodec(None, bits=bits).encode(rotated, finite=True)
     assert torch.equal(codes.flatten(0, 1)[slots], want_codes)
     assert torch.equal(scales.flatten(0, 1)[slots].view(torch.int16), want_scales.view(torch.int16))
 

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import assets
-from ..kv_formats import KEY_GROUP, Int4Codec, QuantizedPages, dequantize, page_format, quantize
+from ..kv_formats import KEY_GROUP, PackedCodec, QuantizedPages, dequantize, page_format, quantize
 from ..model_config import CACHE_KWARG
 from ..page_store import FloatPages
 from ..stats import GenerationStats
@@ -122,7 +122,7 @@ def schemes(head_dim: int, page_size: int, tokens: int = 2048) -> list[Scheme]:
 
     value_bytes = codec_bytes(int4.value, head_dim)
     int4_bytes = head_dim / 2 + 2 * int4.key.params_width(head_dim) / page_size + value_bytes
-    token_keys = Int4Codec(KEY_GROUP)  # int4's keys before they went per channel within a page
+    token_keys = PackedCodec(KEY_GROUP)  # int4's keys before they went per channel within a page
     int8_first = codec_bytes(int8.key, head_dim) + codec_bytes(int8.value, head_dim)
 
     def first_page(name, first_read, first_bytes):  # int4 with the first page (attention sinks) stored otherwise
@@ -140,13 +140,13 @@ def schemes(head_dim: int, page_size: int, tokens: int = 2048) -> list[Scheme]:
         first_page("int4, first page bfloat16", bf16, 2 * 2 * head_dim),
         first_page("int4, first page int8", codec_roundtrip(int8.key), int8_first),
         Scheme("int4, values per token in groups of 32", page_keys_roundtrip(int4.key, page_size),
-               codec_roundtrip(Int4Codec(32)), int4_bytes - value_bytes + codec_bytes(Int4Codec(32), head_dim), "",
+               codec_roundtrip(PackedCodec(32)), int4_bytes - value_bytes + codec_bytes(PackedCodec(32), head_dim), "",
                page_size),
         of("int4, keys per token in groups of 16", token_keys, int4.value),
-        of("int4, keys per token, not rotated", Int4Codec(KEY_GROUP, rotated=False), int4.value),
-        of("int4, keys per token in groups of 32", Int4Codec(32), int4.value),
-        of("int4, keys per token, one group a head", Int4Codec(None), int4.value),
-        of("int4, keys per token, values not rotated", token_keys, Int4Codec(None, rotated=False)),
+        of("int4, keys per token, not rotated", PackedCodec(KEY_GROUP, rotated=False), int4.value),
+        of("int4, keys per token in groups of 32", PackedCodec(32), int4.value),
+        of("int4, keys per token, one group a head", PackedCodec(None), int4.value),
+        of("int4, keys per token, values not rotated", token_keys, PackedCodec(None, rotated=False)),
         Scheme(f"int4, KIVI keys (per channel, pages of {page_size})", kivi_keys(page_size),
                codec_roundtrip(int4.value), head_dim / 2 + 2 * 2 * head_dim / page_size + value_bytes,
                "needs a page-fill event and a float residual page"),

@@ -1,7 +1,7 @@
 """The int4 and int2 page formats' encoders in C, for a step's writes on the CPU (``cpu_page_codecs.c``).
 
 A decode step writes one token per row into each layer's pages; in torch, encoding int4 keys (KIVI: a page
-encoded over all its tokens, `hf_paged.kv_formats.PageChannelCodec`) and values (`Int4Codec`) takes dozens of
+encoded over all its tokens, `hf_paged.kv_formats.PageChannelCodec`) and values (`PackedCodec`) takes dozens of
 small tensor operations per layer, more than the attention itself. These functions do the same arithmetic in
 one pass, bit-exact with the torch encoders (tests/test_page_codecs.py), writing straight into the pools. They
 serve finite float32 input only: each returns False, having written nothing, when a value is not finite (the
@@ -67,7 +67,7 @@ def encode_int4_values(rotated: torch.Tensor, slots: torch.Tensor, codes: torch.
                        scales: torch.Tensor) -> bool:
     """Encode float32 ``rotated [T, H, D]`` (values in the rotated basis) into the flat slots ``slots [T]`` of
     ``codes [P, S, H, D * bits / 8 + 1]`` (the codes' width says the bits: 4 or 2) and ``scales [P, S, H, 1]``
-    (float16), as `Int4Codec(None, bits=bits).encode` does. -> False, nothing written, when a value is not finite."""
+    (float16), as `PackedCodec(None, bits=bits).encode` does. -> False, nothing written, when a value is not finite."""
     T, H, D = rotated.shape
     bits = (codes.shape[3] - 1) * 8 // D
     slots = slots.to(torch.int64).contiguous()
