@@ -82,8 +82,11 @@ class PageHistory:
     ``last_used[p]``: ``2 * step`` when written, ``2 * step + 1`` when used (so use outranks a write);
     ``ema[p]`` / ``observed[p]``: moving average of the relative share and how many steps fed it.
     Host numpy arrays, grown with the largest page id seen: every layer of a decode step folds and
-    ranks hundreds of pages, which numpy does in about a microsecond a call.
+    ranks hundreds of pages, which numpy does in about a microsecond a call. ``replaced`` (one count for every
+    history): how often some history's arrays were replaced (grown, or stacked), counted after each replacement.
     """
+
+    replaced = 0
 
     def __init__(self):
         self.last_used = np.zeros(0, dtype=np.int64)
@@ -98,6 +101,7 @@ class PageHistory:
             self.last_used = np.concatenate([self.last_used, np.zeros(grow, dtype=np.int64)])
             self.ema = np.concatenate([self.ema, np.zeros(grow, dtype=np.float64)])
             self.observed = np.concatenate([self.observed, np.zeros(grow, dtype=np.int64)])
+            PageHistory.replaced += 1
 
     def allocated(self, pages, step: int) -> None:
         """Fresh pages (their first token written at ``step``) start with no history."""
@@ -691,6 +695,7 @@ class StackedHistories:
                 rows[l, :len(old)] = old
                 setattr(history, name, rows[l])
             self.flat[name] = rows.reshape(-1)
+        PageHistory.replaced += 1
         self._views = [h.ema for h in histories]
         self.offsets = np.arange(len(histories))[:, None] * self.width
         self.live = self._index(live)
@@ -730,8 +735,11 @@ class PlanStack:
     last; a step whose groups' plans are others is planned by a new stack, or group by group. The live tables have
     no holes (a recycled page keeps its column)."""
 
-    def __init__(self, plans: list):
+    def __init__(self, plans: list, groups: list):
         (L, (B, n)), live = (len(plans), plans[0].table.shape), plans[0].read_table.shape[1]
+        policy = groups[0].policy
+        self.policy = policy if policy.name == "score" and all(  # the groups' one "score" policy that `record` records
+            g.eviction.tracks_usage and (g.policy is policy or g.policy == policy) for g in groups) else None
         self.width = n
         self.table = np.empty((L, B, max(2 * n, 64)), dtype=np.int64)
         for l, plan in enumerate(plans):
@@ -742,6 +750,7 @@ class PlanStack:
         self.plans = list(plans)
         self.highest = int(self.read_table.max()) if self.read_table.size else -1  # (the live ids stay while stacked)
         self.histories: StackedHistories | None = None  # the groups' histories, stacked by `stacked_histories`
+        self.checked = -1  # `PageHistory.replaced` when they were last found valid
         self.rows: list = []  # each group's rows (its list) as the stack's last step planned them
         self.q_pos: torch.Tensor | None = None  # the step's query positions [B, Q], edited in place (`queries`)
         self.memos: list[tuple | None] = [None] * L  # group l's kernel index on the host, its tensors (`_memo`)
@@ -781,14 +790,19 @@ class PlanStack:
 
     def stacked_histories(self, groups: list) -> StackedHistories | None:
         """The groups' histories stacked (`StackedHistories`), with a column for every live page of the stack; None
-        when they cannot be."""
-        histories = [group.eviction.history for group in groups]
-        if self.histories is not None and self.histories.valid(histories, self.highest):
+        when they cannot be. (``groups``: the stack's, whose histories stay theirs: stacked histories found valid stay
+        so while no history's arrays are replaced, `PageHistory.replaced`.)"""
+        if self.histories is not None and self.checked == PageHistory.replaced:
             return self.histories
-        if len(set(map(id, histories))) < len(histories):
-            return None  # (two groups share a history: their pages' rows would collide)
-        self.histories = StackedHistories(histories, self.read_table)
-        return self.histories if self.histories.valid(histories, self.highest) else None
+        histories = [group.eviction.history for group in groups]
+        if self.histories is None or not self.histories.valid(histories, self.highest):
+            if len(set(map(id, histories))) < len(histories):
+                return None  # (two groups share a history: their pages' rows would collide)
+            self.histories = StackedHistories(histories, self.read_table)
+            if not self.histories.valid(histories, self.highest):
+                return None
+        self.checked = PageHistory.replaced
+        return self.histories
 
     def steady(self, groups: list, batch_size: int, q_len: int) -> bool:
         """The next step of ``groups`` is one that `recycle` plans: their plans are the ones this stack made last, so
@@ -814,6 +828,27 @@ class PlanStack:
     def holds(self, plans: list) -> bool:
         """``plans`` are the plans this stack made last, in its order."""
         return len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
+
+    def record(self, groups: list) -> bool:
+        """`record_together` for the step this stack planned: ``groups``' steps are its plans, each with its usage
+        (summed over the group's layers: the group's step is open), of the groups' one "score" policy; the shares of
+        the stacked live tables in one pass, folded into the stacked histories when there is no decay. False,
+        changing nothing, when the steps are not so."""
+        plans, policy = [group.step for group in groups], self.policy
+        if policy is None or not self.holds(plans) or any(plan.usage is None for plan in plans):
+            return False
+        written = all(map(operator.is_, map(operator.attrgetter("usage"), plans), self.usage_rows))
+        device = plans[0].usage.device
+        if not written and any(plan.usage.device != device for plan in plans):
+            return False  # (each group records its own step when it commits)
+        tables = self.read_table.reshape(-1, self.read_table.shape[2])
+        usage = self.usage.view(tables.shape) if written else torch.cat([plan.usage for plan in plans])
+        shares = policy.whole_shares(tables, usage, whole=True)  # (a stack has no holes)
+        if shares is None:
+            return False
+        histories = self.stacked_histories(groups) if not policy.decay else None
+        fold_and_pick(policy, groups, plans, tables, shares, histories, lambda: self.read_pos.reshape(tables.shape))
+        return True
 
     def _victims(self, groups: list) -> np.ndarray | None:
         """``[L, B]``: the live column each row of each group gives up (`recycle`'s choice); None when a row of some
@@ -922,47 +957,52 @@ def plan_stacked(groups: list, stack: PlanStack | None, q_len: int, continuing: 
     if stack is None or not stack.holds(plans):
         if not PlanStack.fits(plans):
             return None
-        stack = PlanStack(plans)
+        stack = PlanStack(plans, groups)
     return stack if step(stack, groups, q_len) else None
 
 
-def record_together(groups, stack: PlanStack | None = None) -> None:
+def record_together(groups, stack: PlanStack | None = None) -> bool:
     """Record the step of every group of a "score" policy in one pass over all their live tables (a row's shares
     depend on its row only; each group folds them into its own history, `EvictionPolicy.fold_whole`), and, when the
     policy ranks pages by their last share (no decay, `EvictionPolicy.ranks_by_last_share`), pick their next victims:
     the live columns `GroupEviction.recycle` evicts if the next step recycles. (``groups``: the page groups of one
-    cache; ``stack``: the `PlanStack` that planned the step, whose tables are the plans' own, stacked.)"""
+    cache; ``stack``: the `PlanStack` that planned the step, `PlanStack.record`.) -> True when ``stack`` planned and
+    this recorded the step of every group: each group's open step then only ends (it appended the pages it recycled:
+    nothing to release, and no group is overdrawn)."""
+    if stack is not None and stack.record(groups):
+        return all(plan.usage is None for plan in stack.plans)  # (a decayed average may leave a group its own)
     picking = [g for g in groups if g.eviction is not None and g.eviction.tracks_usage and g.policy.name == "score"
                and g.step is not None and g.step.usage is not None]
     plans = [g.step for g in picking]
     if len(plans) < 2:
-        return
+        return False
     policy, first = picking[0].policy, plans[0]
-    together = stack is not None and stack.holds(plans)  # (then the plans have one shape and step: `PlanStack.fits`)
-    written = together and all(map(operator.is_, map(operator.attrgetter("usage"), plans), stack.usage_rows))
-    key = (lambda p: p.usage.device) if together else (  # noqa: E731
-        lambda p: (p.usage.device, p.read_table.shape, p.num_tokens, p.page_size))
-    if not all(g.policy is policy or g.policy == policy for g in picking) or not written and not all(
-            key(p) == key(first) for p in plans):  # (the stack's usage rows are one tensor: one device)
-        return  # (each group records its own step when it commits)
-    tables = stack.read_table.reshape(-1, plans[0].read_table.shape[1]) if together else np.concatenate(
-        [p.read_table.numpy() for p in plans])
-    usage = stack.usage.view(tables.shape) if written else torch.cat([p.usage for p in plans])  # (kernels wrote it)
-    shares = policy.whole_shares(tables, usage, whole=together)  # (a stack has no holes)
-    if shares is None:
-        return
+    key = lambda p: (p.usage.device, p.read_table.shape, p.num_tokens, p.page_size)  # noqa: E731
+    if not all(g.policy is policy or g.policy == policy for g in picking) or not all(key(p) == key(first)
+                                                                                       for p in plans):
+        return False  # (each group records its own step when it commits)
+    tables = np.concatenate([p.read_table.numpy() for p in plans])
+    shares = policy.whole_shares(tables, torch.cat([p.usage for p in plans]))
+    if shares is not None:
+        fold_and_pick(policy, picking, plans, tables, shares, None, lambda: np.concatenate(
+            [p.read_pos.numpy() for p in plans]))
+    return False
+
+
+def fold_and_pick(policy: EvictionPolicy, groups: list, plans: list, tables: np.ndarray, shares: np.ndarray,
+                  histories: StackedHistories | None, positions) -> None:
+    """`record_together`'s end: group l's rows of ``shares`` (of its live pages, rows of ``tables``) fold into its
+    history (or every group's at once into ``histories``, their scores when there is no decay), its plan keeps them
+    (`EvictionPolicy.ranks_by_last_share`) and its next victims, picked in one pass over ``positions()``."""
     rows = len(tables) // len(plans)  # (each plan's rows, as views: np.split costs more)
-    histories = stack.stacked_histories(picking) if together and not policy.decay else None
     if histories is not None:  # (no decay: the shares become the scores, every group's in one pass)
         histories.fold_last_shares(shares)
-    for l, (group, plan) in enumerate(zip(picking, plans)):
+    for l, (group, plan) in enumerate(zip(groups, plans)):
         part = shares[l * rows:(l + 1) * rows]
         if histories is not None or policy.fold_whole(group.eviction.history, tables[l * rows:(l + 1) * rows], part):
             plan.usage, plan.shares = None, part if policy.ranks_by_last_share else None
     if not policy.ranks_by_last_share:
         return
-    positions = stack.read_pos.reshape(tables.shape) if together else np.concatenate(
-        [p.read_pos.numpy() for p in plans])
-    columns = policy.victim_columns(None, positions, None, plans[0].page_size, plans[0].num_tokens, shares)
+    columns = policy.victim_columns(None, positions(), None, plans[0].page_size, plans[0].num_tokens, shares)
     for l, plan in enumerate(plans if columns is not None else ()):
         plan.victims = columns[l * rows:(l + 1) * rows]

@@ -31,7 +31,8 @@ from .step_plan import StepPlan, build_plan, continue_plan, continues, place_row
 class Members:
     """The layers of a group (held weakly: a dropped cache frees its pages) and the tokens each has written, kept on
     the layer as ``tokens_written`` (a layer is a member of one group, its own). ``_level``: a count that every member
-    wrote, or None when unknown (a member dropped leaves it true)."""
+    wrote, or None when unknown (a member dropped leaves it true; a group of one layer, per-layer eviction's, knows
+    it)."""
 
     def __init__(self):
         self._layers = weakref.WeakSet()
@@ -49,7 +50,7 @@ class Members:
         """``layer``, a member, has written ``tokens`` tokens."""
         layer.tokens_written = tokens
         if tokens != self._level:
-            self._level = None  # (unknown: `all_at` counts again)
+            self._level = tokens if len(self._layers) == 1 else None  # (unknown: `all_at` counts again)
 
     def set_all(self, tokens: int) -> None:
         for layer in list(self._layers):
@@ -377,10 +378,13 @@ class LayerGroups(dict):
         """Make every group's step final, then give full pages their content hashes (``row_hashes``, per row),
         but not pages computed after an eviction in any group: every layer's later K/V differ from a full
         forward's; then demote the pages filled (`demote_filled`)."""
-        if any(group.eviction is not None for group in self.values()):
-            record_together(self.values(), self.stack)
-        for group in self.values():
-            group.commit()
+        groups = list(self.values())
+        if any(group.eviction is not None for group in groups) and record_together(groups, self.stack):
+            for group in groups:  # (the stack's step, recorded: it released nothing, no group is overdrawn)
+                group._undo = None
+        else:
+            for group in groups:
+                group.commit()
         if row_hashes is not None:
             exact = min((g.eviction.exact_tokens for g in self.values() if g.eviction is not None), default=math.inf)
             for group in self.values():

@@ -682,6 +682,60 @@ def test_a_step_planned_together_that_fails_is_rolled_back_at_the_first_question
     check_pages(cache)
 
 
+@pytest.mark.parametrize("decay", [None, 0.5])
+def test_a_stack_commits_and_rolls_back_every_group_as_each_group_alone(decay, monkeypatch):
+    """The steps a `PlanStack` plans for every layer's group are also committed by it (`PlanStack.record`: the
+    usage the kernels wrote into its buffer, recorded in one pass; each group's step then only ends): rows, tokens,
+    histories, victims and stats equal those of the same steps planned, recorded and committed group by group, at
+    every step. A failed step rolls back in every group, each as it was but for the victims it evicted (which
+    stand, as a recycled step's always did): the pages are free, the tokens and tables' lengths as before."""
+    from hf_paged import layer_groups
+
+    def run(together: bool, fail: int | None = None):
+        if not together:
+            monkeypatch.setattr(layer_groups.LayerGroups, "plan_together", lambda *a: None)
+        ended = []
+        record = layer_groups.record_together
+        monkeypatch.setattr(layer_groups, "record_together", lambda *a: ended.append(record(*a)) or ended[-1])
+        cache = hf_paged.PagedCache(page_size=1, max_pages=64, eviction="score", sink_pages=1, score_decay=decay)
+        seen = []
+        for i in range(40):
+            k = torch.randn(2, 1, 30 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
+            for layer in range(2 if i == fail else 3):  # a failed step: its last layer never writes it
+                view = cache.update(k, k, layer)[0].paged
+                mass = torch.rand(view.plan.read_table.shape, generator=torch.Generator().manual_seed(i * 3 + layer))
+                out = view.probe.into()  # (where a kernel writes the usage it reports)
+                view.probe.report(mass if out is None else out.copy_(mass))
+            cache.get_seq_length()  # (the first question of the next forward: a failed step rolls back)
+            cache.commit()
+            assert not cache.groups.step_open
+            if i == 25:  # a history grows (as a fork's step may grow the histories it shares): stacked anew
+                next(iter(cache.groups.values())).eviction.history.cover(torch.tensor([500]).numpy())
+            groups = cache.groups.values()
+            seen.append((cache.get_seq_length(), cache.stats(), [[list(r) for r in g.rows] for g in groups],
+                         [(g.eviction.history.ema[:64].tolist(), g.eviction.history.observed[:64].tolist(),
+                           g.eviction.history.last_used[:64].tolist(), g.eviction.evictions, g.eviction.clock,
+                           None if g.step is None or g.step.victims is None else g.step.victims.tolist())
+                          for g in groups]))
+        monkeypatch.undo()
+        check_pages(cache)
+        return seen, sum(ended)
+
+    (stacked, ended), (alone, _) = run(True), run(False)
+    assert stacked == alone
+    assert ended >= (30 if decay is None else 0)  # (the stack ended its steps: without decay, every fold is one)
+    failed, _ = run(True, fail=20)
+    assert failed[:20] == stacked[:20]
+    (tokens, stats, rows, _), (before, before_stats, before_rows, _) = failed[20], failed[19]
+    evicted = sum(page == EVICTED and kept != EVICTED for group, kept_group in zip(rows, before_rows)
+                  for row, kept_row in zip(group, kept_group) for page, kept in zip(row, kept_row))
+    assert tokens == before and failed[21][0] == before + 1 and 0 < evicted <= 3 * 2
+    assert [[[k if p == EVICTED else p for p, k in zip(r, kr)] for r, kr in zip(g, kg)]
+            for g, kg in zip(rows, before_rows)] == before_rows  # (each row as before, but its victim)
+    assert stats["evictions"] - before_stats["evictions"] == evicted
+    assert before_stats["pages_used"] - stats["pages_used"] == evicted
+
+
 def test_after_a_failed_step_planned_together_groups_of_several_layers_plan_their_own():
     """Groups of several layers each (a sliding window wider than the text, "fifo": one group per window) plan a step
     together too; after one fails and is rolled back at the next step's first layer, that step is planned group by
