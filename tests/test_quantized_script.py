@@ -110,20 +110,21 @@ def test_perplexity_part_on_the_real_model(tmp_path):
 @pytest.mark.slow
 def test_cache_part_measures_the_real_caches(tmp_path):
     """Through PagedCache/generate_many pages: bytes per token from stats() (int8 about a quarter of float32's),
-    float32 pages as their own reference at each length, bfloat16 and the QuantizedCache rows beside the formats
+    float32 pages as their own reference at each length (int2 the smallest), bfloat16 and the QuantizedCache rows
+    beside the formats
     (or skipped with a reason), int4 cold pages last (paired with QuantizedCache int4 where it ran)."""
     assert quantized.main(["--quick", "--parts", "cache", "--cache-tokens", "64,96", "--out", str(tmp_path),
                            "--no-progress"]) == 0
     cache = json.loads((tmp_path / "quantized.json").read_text())["cache"]
     sizes = cache["bytes_per_token"]
     assert sizes["bfloat16"] == sizes["float32"] / 2 and 0.25 < sizes["int8"] / sizes["float32"] <= 0.27
-    assert sizes["int4"] < sizes["int8"]
+    assert sizes["int2"] < sizes["int4"] < sizes["int8"]
     assert sizes["int4"] < sizes[quantized.COLD] < sizes["int4"] + sizes["float32"] / 2  # (2 pages: the sink float)
     peers = [] if cache["peer_skipped"] else [f"QuantizedCache int{n} (quanto)" for n in (4, 2)]
     assert [block["tokens"] for block in cache["perplexity"]] == [64, 96]
     for block in cache["perplexity"]:
         rows = block["rows"]
-        assert [row["name"] for row in rows] == ["float32", "bfloat16", "int8", "int4", *peers, quantized.COLD]
+        assert [row["name"] for row in rows] == ["float32", "bfloat16", "int8", "int4", "int2", *peers, quantized.COLD]
         assert ("vs_peer" in rows[-1]) == bool(peers) and rows[-1]["kl_mean"] < rows[3]["kl_mean"]
         assert rows[0]["relative"] == rows[0]["kl_mean"] == 0 and rows[0]["tokens"] == block["tokens"]
         assert all(r["low"] <= r["relative"] <= r["high"] and r["bytes_per_token"] > 0 for r in rows)
