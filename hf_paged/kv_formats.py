@@ -487,7 +487,7 @@ class QuantizedPages:
         if not (self.device.type == "cpu" and codec in (PackedCodec(None), PackedCodec(None, bits=2))
                 and cpu_page_codecs.available()):
             return False
-        return cpu_page_codecs.encode_int4_values(encoding_basis(codec, values).contiguous(), slots, self.v_codes,
+        return cpu_page_codecs.encode_packed_values(encoding_basis(codec, values).contiguous(), slots, self.v_codes,
                                                   self.v_scale)
 
     def _residual_row_of(self, page: int) -> int:

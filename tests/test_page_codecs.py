@@ -67,7 +67,7 @@ def test_values_match_the_torch_encoder(seed, H, D, bits):
     slots = torch.tensor([17, 3, 0, 40, 8, 9, 22, 31, 1])
     codes = torch.zeros(8, 6, H, D * bits // 8 + 1, dtype=torch.uint8)
     scales = torch.zeros(8, 6, H, 1, dtype=torch.float16)
-    assert cpu_page_codecs.encode_int4_values(rotated, slots, codes, scales)
+    assert cpu_page_codecs.encode_packed_values(rotated, slots, codes, scales)
     want_codes, want_scales = PackedCodec(None, bits=bits).encode(rotated, finite=True)
     assert torch.equal(codes.flatten(0, 1)[slots], want_codes)
     assert torch.equal(scales.flatten(0, 1)[slots].view(torch.int16), want_scales.view(torch.int16))
@@ -88,7 +88,7 @@ def test_a_non_finite_value_writes_nothing(bad):
     values = torch.randn(3, 1, 8)
     values[2, 0, 0] = bad
     codes, scales = torch.zeros(2, 2, 1, 5, dtype=torch.uint8), torch.zeros(2, 2, 1, 1, dtype=torch.float16)
-    assert not cpu_page_codecs.encode_int4_values(values, torch.tensor([0, 1, 2]), codes, scales)
+    assert not cpu_page_codecs.encode_packed_values(values, torch.tensor([0, 1, 2]), codes, scales)
     assert not codes.any() and not scales.view(torch.int16).any()
 
 

@@ -2,7 +2,7 @@
  *
  * encode_page_keys: KIVI keys, `PageChannelCodec.encode_pages`: per page, KV head and channel a float16 minimum
  *   and a float8 e4m3 step (rounded up so the range fits), `bits`-bit codes (4 or 2) 8 / bits to a byte.
- * encode_int4_values: values, `Int4Codec(None, bits=bits).encode` of already rotated rows: per token and KV head
+ * encode_packed_values: values, `PackedCodec(None, bits=bits).encode` of already rotated rows: per token and KV head
  *   one group, a float16 scale and an int8 zero point after the codes.
  *
  * Bit-exact with the torch encoders for finite input: the same float32 operations in the same order, rounding
@@ -128,7 +128,7 @@ int encode_page_keys(const float *keys, float *residual, const int64_t *index, i
 /* Rows x [T, H, D] (float32, rotated) into the flat slots slots[t] of a pool with H heads: codes [P * S, H,
  * D * bits / 8 + 1] (`bits`-bit codes 8 / bits a byte, then the int8 zero point) and float16 scales [P * S, H, 1].
  * Returns 1, writing nothing, when x holds a non-finite value. */
-int encode_int4_values(const float *x, const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t bits,
+int encode_packed_values(const float *x, const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t bits,
                        uint8_t *codes, uint16_t *scales) {
     if (!all_finite(x, T * H * D)) return 1;
     const int64_t width = D * bits / 8 + 1;

@@ -21,7 +21,7 @@ from . import library_cache
 
 SOURCE = Path(__file__).with_name("cpu_page_codecs.c")
 FLAGS = ["-O2", "-march=native", "-fPIC", "-shared", "-ffp-contract=off"]  # no fast-math: bit-exact with torch
-SYMBOLS = ("encode_page_keys", "encode_int4_values")
+SYMBOLS = ("encode_page_keys", "encode_packed_values")
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -31,7 +31,7 @@ def _library() -> ctypes.CDLL | str:
     library = library_cache.compiled_library(SOURCE, FLAGS, SYMBOLS)
     if not isinstance(library, str):
         library.encode_page_keys.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P]
-        library.encode_int4_values.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P]
+        library.encode_packed_values.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P]
         for name in SYMBOLS:
             getattr(library, name).restype = ctypes.c_int
     return library
@@ -63,7 +63,7 @@ def encode_page_keys(keys: torch.Tensor, targets: list[int], residual: torch.Ten
                                        len(pages), S, H, D, bits, codes.data_ptr(), params.data_ptr()) == 0
 
 
-def encode_int4_values(rotated: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
+def encode_packed_values(rotated: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
                        scales: torch.Tensor) -> bool:
     """Encode float32 ``rotated [T, H, D]`` (values in the rotated basis) into the flat slots ``slots [T]`` of
     ``codes [P, S, H, D * bits / 8 + 1]`` (the codes' width says the bits: 4 or 2) and ``scales [P, S, H, 1]``
@@ -72,5 +72,5 @@ def encode_int4_values(rotated: torch.Tensor, slots: torch.Tensor, codes: torch.
     bits = (codes.shape[3] - 1) * 8 // D
     slots = slots.to(torch.int64).contiguous()
     assert rotated.dtype == torch.float32 and _pool_ready(rotated, codes, scales) and scales.dtype == torch.float16
-    return _library().encode_int4_values(rotated.data_ptr(), slots.data_ptr(), T, H, D, bits, codes.data_ptr(),
+    return _library().encode_packed_values(rotated.data_ptr(), slots.data_ptr(), T, H, D, bits, codes.data_ptr(),
                                          scales.data_ptr()) == 0
