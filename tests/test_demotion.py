@@ -196,8 +196,10 @@ def _kernel_reads_cold_pages(monkeypatch) -> list[bool]:
 @pytest.mark.parametrize("cold", ["int4", "int2", "int8"])
 def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
     """Decoding a batch past many demotions (and evictions) with ``cold_format``: the C kernel reading both tiers in
-    place gives the logits of the torch path (gathers) within 2e-5 and the same greedy tokens; the kernel runs on
-    pages of both tiers."""
+    place gives the logits of the torch path (gathers) within 1e-4 and the same greedy tokens; the kernel runs on
+    pages of both tiers. (Within 1e-7 until a decoded token is demoted: the two paths write keys and values that
+    differ in the last bits, and where one lies on a rounding boundary of its cold code, the codes differ by one step,
+    which moves the logits by about 3e-5 from then on, by how much depending on the CPU's vector width.)"""
     _, model = shared_pair("llama")
     batch = left_padded_batch((9, 5, 13))
     seen = _kernel_reads_cold_pages(monkeypatch)
@@ -211,7 +213,7 @@ def test_the_kernel_reads_both_tiers_as_the_torch_path_does(cold, monkeypatch):
     (kernel, stats), (torch_path, _) = runs["cpu"], runs["torch"]
     assert stats["demotions"] > 20 and stats["evictions"] > 0 and any(seen)
     assert torch.equal(kernel.sequences, torch_path.sequences)
-    torch.testing.assert_close(torch.stack(kernel.logits), torch.stack(torch_path.logits), rtol=0, atol=2e-5)
+    torch.testing.assert_close(torch.stack(kernel.logits), torch.stack(torch_path.logits), rtol=0, atol=1e-4)
 
 
 def test_forks_share_cold_pages_and_copy_on_write():
