@@ -235,7 +235,9 @@ class RaggedLayer(CacheLayerMixin):
         self.group.store.write(self.pages, self.group.manager.num_pages, move(step.slots),
                                key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), move(step.copy_src),
                                move(step.copy_dst))
-        view = PagedView(self.pages, step, self.resolved_backend)
+        exact = self.pages.kv_format == "float" and key_states.dtype == self.pages.dtype  # pages hold them bit for bit
+        view = PagedView(self.pages, step, self.resolved_backend,
+                         step_kv=(key_states, value_states) if exact else None)
         return PagedKV(view, "k", tuple(key_states.shape)), PagedKV(view, "v", tuple(value_states.shape))
 
     def write_and_attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
