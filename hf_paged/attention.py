@@ -354,7 +354,7 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
                      s_aux) -> torch.Tensor:
     """Read the layer's pages in place and attend; the mask is aligned on its last column."""
     if view.plan.packed:
-        return _packed_attention(query, view, scaling, sliding_window, softcap, s_aux)
+        return packed_attention(query, view, scaling, sliding_window, softcap, s_aux)
     kernel = _kernel_for(view, query.shape[2])
     if kernel is not None:
         return _kernel_attention(kernel, query, view, attention_mask, scaling, sliding_window, softcap, s_aux)
@@ -386,7 +386,7 @@ def _segment_attention(query, view: PagedView, segment, scaling, sliding_window,
     return attend(query, keys, values, mask, scaling, is_causal=mask is None, softcap=softcap, s_aux=s_aux)
 
 
-def _packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
     prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
     step = view.plan
