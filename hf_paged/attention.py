@@ -59,13 +59,15 @@ class PagedView:
     ``plan``: the step's plan on the pages' device (page tables, positions, lengths: a `StepPlan` of a batch's
     rows, or a `RaggedStep` of packed sequences); ``backend``: "torch", "triton" or "cpu", resolved once per
     layer; ``probe``: what an eviction policy that tracks usage wants measured (`hf_paged.eviction.UsageProbe`),
-    or None.
+    or None; ``step_kv``: a packed step's own keys and values ``[1, Hkv, T, D]`` when its pages hold them bit for
+    bit (float pages of their dtype), else None (read what the pages hold).
     """
 
     pages: object  # LayerPages
     plan: object  # StepPlan | RaggedStep
     backend: str
     probe: object = None  # UsageProbe | None
+    step_kv: tuple | None = None  # (keys, values) | None
 
     @property
     def past(self) -> int:
@@ -352,7 +354,7 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
                      s_aux) -> torch.Tensor:
     """Read the layer's pages in place and attend; the mask is aligned on its last column."""
     if view.plan.packed:
-        return _packed_attention(query, view, scaling, sliding_window, softcap, s_aux)
+        return packed_attention(query, view, scaling, sliding_window, softcap, s_aux)
     kernel = _kernel_for(view, query.shape[2])
     if kernel is not None:
         return _kernel_attention(kernel, query, view, attention_mask, scaling, sliding_window, softcap, s_aux)
@@ -365,11 +367,15 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
 
 def _segment_attention(query, view: PagedView, segment, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions), from its
-    first page still held (the ones before left the sliding window)."""
+    first page still held (the ones before left the sliding window). A sequence with no past reads its keys and
+    values from the step itself when the view has them (``step_kv``: what its pages hold, bit for bit)."""
     total, first = segment.past + segment.length, segment.first_page * view.plan.page_size
-    keys, values = view.pages.gather(segment.pages[segment.first_page:].to(view.pages.device))
-    keys = keys.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total - first, D]
-    values = values.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)
+    if segment.past == 0 and view.step_kv is not None:
+        keys, values = (t[:, :, segment.start:segment.start + segment.length] for t in view.step_kv)
+    else:
+        keys, values = view.pages.gather(segment.pages[segment.first_page:].to(view.pages.device))
+        keys = keys.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total - first, D]
+        values = values.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)
     mask = None
     if segment.past or sliding_window:
         k_pos = torch.arange(first, total, device=query.device)
@@ -380,7 +386,7 @@ def _segment_attention(query, view: PagedView, segment, scaling, sliding_window,
     return attend(query, keys, values, mask, scaling, is_causal=mask is None, softcap=softcap, s_aux=s_aux)
 
 
-def _packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
+def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
     prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
     step = view.plan

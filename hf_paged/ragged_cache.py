@@ -33,7 +33,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import PagedKV, PagedView, paged_attention_forward
+from .attention import PagedKV, PagedView, packed_attention
 from .backends import check_backend, layer_backend
 from .block_manager import EVICTED, MAX_PAGE_SIZE
 from .compiled_many import RaggedRead
@@ -223,6 +223,19 @@ class RaggedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if torch.compiler.is_compiling():  # (a compiled forward: its attention op writes and reads the step)
             return RaggedRead(self.layer_idx, key_states, value_states), None
+        view = self._write(key_states, value_states)
+        return PagedKV(view, "k", tuple(key_states.shape)), PagedKV(view, "v", tuple(value_states.shape))
+
+    def write_and_attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                         sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+        """The eager step of a compiled forward's attention op (``hf_paged::ragged_attention``): write the step's
+        ``keys``/``values`` into their slots, then attend ``query`` over the pages (no `PagedKV` handles: the op
+        is the only reader); returns ``[1, T, Hq, Dv]``."""
+        return packed_attention(query, self._write(keys, values), scale, sliding_window, softcap, s_aux)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> PagedView:
+        """Write the step's keys and values ``[1, Hkv, T, D]`` into the slots planned for them; the layer's view of
+        the step."""
         step = self.group.step
         if step is None or key_states.shape[0] != 1 or key_states.shape[2] != step.slots.numel():
             raise CacheUsageError(
@@ -235,16 +248,8 @@ class RaggedLayer(CacheLayerMixin):
         self.group.store.write(self.pages, self.group.manager.num_pages, move(step.slots),
                                key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), move(step.copy_src),
                                move(step.copy_dst))
-        view = PagedView(self.pages, step, self.resolved_backend)
-        return PagedKV(view, "k", tuple(key_states.shape)), PagedKV(view, "v", tuple(value_states.shape))
-
-    def write_and_attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                         sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
-        """The eager step of a compiled forward's attention op (``hf_paged::ragged_attention``): write the step's
-        ``keys``/``values`` into their slots, then attend ``query`` over the pages; returns ``[1, T, Hq, Dv]``."""
-        paged_keys, paged_values = self.update(keys, values)
-        return paged_attention_forward(None, query, paged_keys, paged_values, None, scale,
-                                       sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)[0]
+        exact = self.pages.kv_format == "float" and key_states.dtype == self.pages.dtype  # pages hold them bit for bit
+        return PagedView(self.pages, step, self.resolved_backend, step_kv=(key_states, value_states) if exact else None)
 
     def get_seq_length(self) -> int:
         return 0  # a packed step has no common past: positions come with the tokens

@@ -2,11 +2,14 @@
 reference back, a write that fills a shared partial page copies it first, and a plan the cache cannot take is
 refused before anything changes."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
+import torch
 
 import hf_paged
+from hf_paged.attention import PagedKV, paged_attention_forward
 from hf_paged.ragged_cache import RaggedCache
 from tiny_models import make_config
 
@@ -65,3 +68,26 @@ def test_a_plan_the_cache_cannot_take_changes_nothing(plan):
     cache.begin_step([(0, 1), (1, 2)])  # still usable
     cache.finish_step()
     references_match(cache)
+
+
+@pytest.mark.parametrize("kv_format", ["float", "int8"])
+def test_a_fresh_prompt_attends_over_what_its_pages_hold(kv_format):
+    """A segment with no past reads the step's own keys and values only where the pages hold them bit for bit
+    (float pages): the output equals reading the pages back; quantized pages are always read back."""
+    cache = RaggedCache(make_config("llama"), page_size=4, kv_format=kv_format)
+    for seq_id in (0, 1, 2):
+        cache.add_sequence(seq_id)
+    cache.begin_step([(2, 5)])
+    layer = cache.layers[0]
+    layer.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16))
+    cache.begin_step([(2, 1), (0, 6), (1, 9)])  # a decode row, then two fresh prompts
+    torch.manual_seed(0)
+    keys, values, query = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), torch.randn(1, 4, 16, 16)
+    paged_keys, paged_values = layer.update(keys, values)
+    view = paged_keys.paged
+    assert (view.step_kv is not None) == (kv_format == "float")
+    read_back = dataclasses.replace(view, step_kv=None)
+    out = paged_attention_forward(None, query, paged_keys, paged_values, None, 0.25)[0]
+    expected = paged_attention_forward(None, query, PagedKV(read_back, "k", paged_keys.shape),
+                                       PagedKV(read_back, "v", paged_values.shape), None, 0.25)[0]
+    assert torch.equal(out, expected)
