@@ -307,6 +307,11 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             if dropped (these four default by page size: `eviction.usage_signal_defaults`).
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
+        eviction_interval: with ``page_size=1`` and ``per_layer_eviction``, a full cache's decode steps choose their
+            victims every ``eviction_interval`` steps, that many per row at once (each row's lowest-ranked pages),
+            and evict one a step as new tokens need room: the cache still holds its bound, and a policy that ranks
+            by the last share (the page-size-1 default) observes attention only in the step before each choice.
+            Faster, slightly lossier (docs/eviction.md); default 1: every step chooses its own victim.
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
             for a bounded "score" or "lru" cache); False: the layers of a group share one page table.
         model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
@@ -328,12 +333,14 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
                  prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
+                 eviction_interval: int = 1,
                  per_head_eviction: bool = False, head_floor: float | None = None):  # (these two: `CacheVariant`)
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         check_cold_format(cold_format, kv_format, config or getattr(model, "config", None), prefix_store)
         self.backend, self.kv_format, self.cold_format = backend, kv_format, cold_format
         self.policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
-                                        observation_window, score_heads, compress_prompt, score_signal)
+                                        observation_window, score_heads, compress_prompt, score_signal,
+                                        eviction_interval)
         super().__init__(layers=[])
         self.page_size = page_size
         self.max_pages = max_pages

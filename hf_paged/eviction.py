@@ -72,7 +72,7 @@ def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: 
 
 # PagedCache's flat eviction keywords (in `for_pages` order) and their defaults (None: chosen by page size)
 FLAT_DEFAULTS = dict(sink_pages=None, recent_pages=1, lru_threshold=1.0, score_decay=None, observation_window=None,
-                     score_heads=None, compress_prompt=False, score_signal=None)
+                     score_heads=None, compress_prompt=False, score_signal=None, eviction_interval=1)
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (docs/eviction.md)
 
 
@@ -136,16 +136,17 @@ class EvictionPolicy:
     compress_prompt: bool = False
     heads: str = "max"
     signal: str = "attention"
+    interval: int = 1  # victims chosen every ``interval`` evictions of a stacked step, that many per row at once
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise CacheUsageError(f"eviction must be one of {POLICIES}, got {self.name!r}.")
-        for name in ("sink_pages", "recent_pages", "observation_window"):
+        for name in ("sink_pages", "recent_pages", "observation_window", "interval"):
             value = getattr(self, name)
-            least = 1 if name == "observation_window" else 0
+            least = 1 if name in ("observation_window", "interval") else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise CacheUsageError(f"{name} must be a {'positive' if least else 'non-negative'} "
-                                      f"int, got {value!r}.")
+                raise CacheUsageError(f"{'eviction_interval' if name == 'interval' else name} must be a "
+                                      f"{'positive' if least else 'non-negative'} int, got {value!r}.")
         if not self.threshold > 0:
             raise CacheUsageError(f"lru_threshold must be a positive multiple of an even attention share, got "
                                   f"{self.threshold!r}.")
@@ -164,7 +165,7 @@ class EvictionPolicy:
     def for_pages(cls, page_size: int, name: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
                   threshold: float = 1.0, decay: float | None = None, observation_window: int | None = None,
                   heads: str | None = None, compress_prompt: bool = False,
-                  signal: str | None = None) -> "EvictionPolicy":
+                  signal: str | None = None, interval: int = 1) -> "EvictionPolicy":
         """A policy for pages of ``page_size`` tokens; what is None takes its default for that size (the
         default policy, the pages of the first `SINK_TOKENS` tokens as sinks, `usage_signal_defaults`)."""
         name = name or DEFAULT_POLICY
@@ -173,7 +174,8 @@ class EvictionPolicy:
                    recent_pages, threshold, defaults["decay"] if decay is None else decay,
                    defaults["observation_window"] if observation_window is None else observation_window,
                    compress_prompt,
-                   defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal)
+                   defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal,
+                   interval)
 
     @classmethod
     def of(cls, page_size: int, eviction: "str | EvictionPolicy | None", *flat) -> "EvictionPolicy":
@@ -181,12 +183,17 @@ class EvictionPolicy:
         whole is taken as it is (the flat keywords must then keep their defaults); a name (None: the default) is made
         by `for_pages` from them."""
         if not isinstance(eviction, cls):
-            return cls.for_pages(page_size, eviction, *flat)
-        given = [name for (name, default), value in zip(FLAT_DEFAULTS.items(), flat) if value != default]
-        if given:
-            raise CacheUsageError(f"eviction={eviction!r} is a whole policy: set {', '.join(given)} in it, not "
-                                  "beside it.")
-        return eviction
+            policy = cls.for_pages(page_size, eviction, *flat)
+        else:
+            given = [name for (name, default), value in zip(FLAT_DEFAULTS.items(), flat) if value != default]
+            if given:
+                raise CacheUsageError(f"eviction={eviction!r} is a whole policy: set {', '.join(given)} in it, not "
+                                      "beside it.")
+            policy = eviction
+        if policy.interval > 1 and page_size != 1:
+            raise CacheUsageError(f"eviction_interval={policy.interval} queues victims of one-token pages: it needs "
+                                  f"page_size=1, got {page_size}.")
+        return policy
 
     @property
     def lossy(self) -> bool:
@@ -315,12 +322,7 @@ class EvictionPolicy:
         a row has every page protected. ``shares``: the last step's shares of these columns (`record`), the ranks
         when the policy `ranks_by_last_share` (they are overwritten; ``table`` and ``history`` may then be None). The
         recent pages are the rows' last logical pages: never evicted, they are live."""
-        if self.name == "fifo":
-            rank = positions.astype(np.float64)
-        else:  # (holes index some page's usage: they are protected below; the shares are used up)
-            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(history, table)
-        recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
-        rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
+        rank = self._column_ranks(table, positions, history, page_size, num_tokens, shares)
         columns = rank.argmin(axis=1)
         best = rank[np.arange(len(rank)), columns][:, None]  # (the minimum: one pass fewer than min)
         if best.max() == np.inf:
@@ -329,6 +331,30 @@ class EvictionPolicy:
         if np.count_nonzero(ties) > len(rank):  # (rare) the oldest of the pages tied for lowest
             columns = np.where(ties, positions, np.iinfo(np.int64).max).argmin(axis=1)
         return columns
+
+    def _column_ranks(self, table, positions: np.ndarray, history, page_size: int, num_tokens: int,
+                      shares: np.ndarray | None) -> np.ndarray:
+        """`victim_columns`' ranks of the live columns ``[B, Nk]``, inf where a page is protected (or a hole)."""
+        if self.name == "fifo":
+            rank = positions.astype(np.float64)
+        else:  # (holes index some page's usage: they are protected below; the shares are used up)
+            rank = shares if shares is not None and self.ranks_by_last_share else self._rank(history, table)
+        recent_from = ((num_tokens - 1) // page_size + 1 - max(self.recent_pages, 1)) * page_size
+        rank[(positions < self.sink_pages * page_size) | (positions >= recent_from)] = np.inf  # (holes: at num_tokens)
+        return rank
+
+    def victim_queue(self, table, positions: np.ndarray, history, page_size: int, num_tokens: int,
+                     shares: np.ndarray | None = None) -> np.ndarray | None:
+        """`victim_columns`, or with an ``interval`` k > 1 each row's k lowest-ranked unprotected columns ``[B, k]``
+        (ties: the oldest first; the first column is `victim_columns`' pick), which the next k steps that a
+        `PlanStack` recycles evict in turn (fewer columns when some row has fewer unprotected pages; None: none)."""
+        if self.interval == 1:
+            return self.victim_columns(table, positions, history, page_size, num_tokens, shares)
+        rank = self._column_ranks(table, positions, history, page_size, num_tokens, shares)
+        order = np.lexsort((positions, rank))[:, :self.interval]  # (by rank, then by age)
+        picked = np.take_along_axis(rank, order, axis=1)
+        count = int((picked < np.inf).sum(axis=1).min())
+        return order[:, :count] if count else None
 
     def victim(self, row: list[int], first_page: int, history: PageHistory) -> int | None:
         """Index in ``row`` of the page to evict, or None when every live page is protected."""
@@ -418,8 +444,10 @@ class GroupEviction:
         self.history.written(slots // S if S > 1 else slots, self.clock, slots % S == 0 if S > 1 else True)
 
     def probe(self, plan) -> "UsageProbe | None":
-        """What attention measures of a layer in ``plan``'s step for this policy, or None when it tracks no usage."""
-        if not self.tracks_usage:
+        """What attention measures of a layer in ``plan``'s step for this policy, or None when it tracks no usage or
+        needs none: a policy that ranks by the last share whose next victims are known (``plan.victims``, queued by
+        an ``interval``; the shares of the step before the next choice pick them)."""
+        if not self.tracks_usage or (plan.victims is not None and self.policy.ranks_by_last_share):
             return None
         return UsageProbe(plan, self.policy)
 
@@ -482,7 +510,7 @@ class GroupEviction:
             return None
         S = manager.page_size
         table, positions = last.read_table.numpy(), last.read_pos.numpy()
-        columns = last.victims
+        columns = last.victims if last.victims is None or last.victims.ndim == 1 else last.victims[:, 0]
         if columns is None:
             columns = self.policy.victim_columns(table, positions, self.history, S, num_tokens, last.shares)
         if columns is None:
@@ -835,7 +863,11 @@ class PlanStack:
         the stacked live tables in one pass, folded into the stacked histories when there is no decay. False,
         changing nothing, when the steps are not so."""
         plans, policy = [group.step for group in groups], self.policy
-        if policy is None or not self.holds(plans) or any(plan.usage is None for plan in plans):
+        if policy is None or not self.holds(plans):
+            return False
+        if policy.interval > 1 and all(plan.usage is None and plan.victims is not None for plan in plans):
+            return True  # (nothing observed: every group's next victims are queued, `GroupEviction.probe`)
+        if any(plan.usage is None for plan in plans):
             return False
         written = all(map(operator.is_, map(operator.attrgetter("usage"), plans), self.usage_rows))
         device = plans[0].usage.device
@@ -850,26 +882,30 @@ class PlanStack:
         fold_and_pick(policy, groups, plans, tables, shares, histories, lambda: self.read_pos.reshape(tables.shape))
         return True
 
-    def _victims(self, groups: list) -> np.ndarray | None:
-        """``[L, B]``: the live column each row of each group gives up (`recycle`'s choice); None when a row of some
-        group has every page protected."""
-        columns = np.empty(self.read_table.shape[:2], dtype=np.int64)
+    def _victims(self, groups: list) -> tuple[np.ndarray, list] | None:
+        """``[L, B]``: the live column each row of each group gives up (`recycle`'s choice), and each group's queue of
+        the columns its next steps give up (``[B, k]``, or None; `EvictionPolicy.victim_queue`); None when a row of
+        some group has every page protected."""
+        columns, queues = np.empty(self.read_table.shape[:2], dtype=np.int64), [None] * len(groups)
         for l, (group, plan) in enumerate(zip(groups, self.plans)):
             picked = plan.victims
             if picked is None:
-                picked = group.policy.victim_columns(self.read_table[l], self.read_pos[l], group.eviction.history,
-                                                     plan.page_size, plan.num_tokens, plan.shares)
+                picked = group.policy.victim_queue(self.read_table[l], self.read_pos[l], group.eviction.history,
+                                                   plan.page_size, plan.num_tokens, plan.shares)
             if picked is None:
                 return None
+            if picked.ndim == 2:
+                picked, queues[l] = picked[:, 0], picked[:, 1:] if picked.shape[1] > 1 else None
             columns[l] = picked
-        return columns
+        return columns, queues
 
     def recycle(self, groups: list, q_len: int) -> bool:
         """Plan the step of every group (`LayerGroup.begin_planned`): each row's victim page takes its ``q_len`` new
         tokens. False, changing nothing, when some group cannot (a protected row, a shared victim)."""
-        columns = self._victims(groups)
-        if columns is None:
+        picks = self._victims(groups)
+        if picks is None:
             return False
+        columns, queues = picks
         L, B = columns.shape
         at = (np.arange(L)[:, None], np.arange(B), columns)
         pages = self.read_table[at]
@@ -894,7 +930,7 @@ class PlanStack:
         tables, slot_rows = torch.from_numpy(self.table)[:, :, :self.width].unbind(), self._slots(slots)
         for l, (group, entry_row) in enumerate(zip(groups, entries.tolist())):
             self.plans[l] = group.begin_planned(self._recycled, l, group, entry_row, page_rows[l], tables[l],
-                                                slot_rows[l], q_len, stacked=histories is not None)
+                                                slot_rows[l], q_len, queues[l], stacked=histories is not None)
         return True
 
     def advance(self, groups: list, q_len: int) -> bool:
@@ -917,10 +953,10 @@ class PlanStack:
                         _on_device=self._memo(l, group.manager.num_pages, last.read_table, last.read_pos))
 
     def _recycled(self, l: int, group, entries: list[int], pages: list[int], table: torch.Tensor, slots: torch.Tensor,
-                  q_len: int):
+                  q_len: int, queue: np.ndarray | None):
         """Group l's part of `recycle`: its rows' entries ``entries`` (pages ``pages``) are evicted and the pages
         appended to hold the new tokens (as `GroupEviction.recycle`, then `recycle_plan`); -> its plan (logical
-        ``table``, ``slots``), with its kernel index on the host (`_memo`)."""
+        ``table``, ``slots``, the ``queue`` of its next victims), with its kernel index on the host (`_memo`)."""
         eviction, manager, last = group.eviction, group.manager, self.plans[l]
         eviction._evicting(manager.max_pages, last.num_tokens)
         for row, planned, entry, page in zip(group.rows, last.rows, entries, pages):
@@ -932,7 +968,7 @@ class PlanStack:
         read_table, read_pos = self.live[l]
         return last.but(q_len=q_len, past=last.num_tokens, num_tokens=last.num_tokens + q_len, table=table, slots=slots,
                         copy_src=None, copy_dst=None, slab=None, same_as=None, read_table=read_table, read_pos=read_pos,
-                        usage=None, shares=None, victims=None, _columns=None, usage_out=self.usage_rows[l],
+                        usage=None, shares=None, victims=queue, _columns=None, usage_out=self.usage_rows[l],
                         _on_device=self._memo(l, manager.num_pages, read_table, read_pos))
 
 
@@ -1003,6 +1039,6 @@ def fold_and_pick(policy: EvictionPolicy, groups: list, plans: list, tables: np.
             plan.usage, plan.shares = None, part if policy.ranks_by_last_share else None
     if not policy.ranks_by_last_share:
         return
-    columns = policy.victim_columns(None, positions(), None, plans[0].page_size, plans[0].num_tokens, shares)
+    columns = policy.victim_queue(None, positions(), None, plans[0].page_size, plans[0].num_tokens, shares)
     for l, plan in enumerate(plans if columns is not None else ()):
         plan.victims = columns[l * rows:(l + 1) * rows]

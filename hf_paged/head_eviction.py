@@ -49,6 +49,9 @@ def refuse_per_head(page_size: int, policy: EvictionPolicy, formats: tuple[str, 
             f"per_head_eviction needs page_size=1, got {page_size}: a layer's pool [P, S, H, D] is a pool of one-head "
             "pages [P·H, S, 1, D] only when S = 1 (with S > 1 a head's tokens are not contiguous), and a head can "
             "then drop single tokens. Use page_size=1, or per_head_eviction=False.")
+    if policy.interval != 1:
+        raise CacheUsageError(f"per_head_eviction chooses each step's victims: eviction_interval={policy.interval} "
+                              "serves per_head_eviction=False.")
     if policy.name != "score":
         raise CacheUsageError(f"per_head_eviction ranks each head's tokens by their usage: it needs eviction='score', "
                               f"got {policy.name!r}. ('fifo' keeps the same tokens in every head.)")

@@ -43,7 +43,8 @@ class StepPlan:
     read_pos: torch.Tensor | None = None  # long [B, Nk]: logical position of each live page's first token
     usage: torch.Tensor | None = None  # float [B, Nk]: attention mass per live page this step, summed over layers
     shares: np.ndarray | None = None  # float64 [B, Nk]: the live pages' shares of ``usage``, recorded (inf: holes)
-    victims: np.ndarray | None = None  # long [B]: the live columns the next step recycles (`record_together`)
+    victims: np.ndarray | None = None  # long [B]: the live columns the next step recycles (`record_together`); [B, k]:
+    # the next k steps' (`EvictionPolicy.victim_queue`)
     _on_device: dict = field(default_factory=dict)
     rows: list[list[int]] | None = None  # a copy of the rows as planned (`extend_plan`, `continue_plan` compare)
     _columns: object = None  # the `eviction.PlanColumns` `extend_plan` appends to, once it has extended this plan

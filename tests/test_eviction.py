@@ -313,6 +313,32 @@ def test_budget_covering_the_sequence_equals_unbounded(llama, eviction):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_an_eviction_interval_generates_within_the_bound_and_exactly_within_budget(llama):
+    """``eviction_interval=4`` in ``generate`` (pages of one token, a compressed prompt, beams): within its budget the
+    tokens are DynamicCache's; over it the cache holds its bound at every step, as many tokens and evictions as with
+    an interval of 1 (one victim a row a step, only chosen 4 at a time)."""
+    ref, paged = llama
+    batch = left_padded_batch((20, 14))
+    want = ref.generate(**batch, max_new_tokens=8, **GEN, cache=DynamicCache(config=ref.config))
+    roomy = hf_paged.PagedCache(page_size=1, max_pages=80, config=paged.config, eviction_interval=4)
+    assert torch.equal(paged.generate(**batch, max_new_tokens=8, **GEN, cache=roomy), want)
+    stats = []
+    for interval in (1, 4):
+        cache = hf_paged.PagedCache(page_size=1, max_pages=2 * 12, config=paged.config, compress_prompt=True,
+                                    eviction_interval=interval)
+        got = paged.generate(**batch, max_new_tokens=24, **GEN, cache=cache)
+        assert got.shape == (2, 44) and most_pages_held(cache) <= 24
+        stats.append({k: cache.stats()[k] for k in ("evictions", "tokens_held")})
+        check_pages(cache)
+    assert stats[0] == stats[1] and stats[0]["evictions"] > 0
+    beams = hf_paged.PagedCache(page_size=1, max_pages=4 * 8, config=paged.config, compress_prompt=True,
+                                eviction_interval=4)
+    paged.generate(**left_padded_batch((20,)), max_new_tokens=12, num_beams=4, num_return_sequences=1,
+                   pad_token_id=0, eos_token_id=None, do_sample=False, cache=beams)
+    assert beams.stats()["evictions"] > 0 and most_pages_held(beams) <= 4 * 8
+    check_pages(beams)
+
+
 def test_eviction_changes_output_and_logs_once(llama, caplog):
     _, paged = llama
     batch = left_padded_batch((6,))
@@ -777,3 +803,74 @@ def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
     assert torch.equal(*outs) and flat.stats()["evictions"] == whole.stats()["evictions"] > 0
     with pytest.raises(hf_paged.CacheUsageError, match="set recent_pages, score_decay in it"):
         hf_paged.PagedCache(eviction=EvictionPolicy("fifo"), recent_pages=3, score_decay=0.5)
+
+
+def test_a_victim_queue_holds_each_row_s_lowest_ranks_oldest_first():
+    """`EvictionPolicy.victim_queue` with an interval of k: each row's k lowest-ranked unprotected columns, lowest
+    first, ties to the oldest; its first column is `victim_columns`' pick; as many columns as the row with the fewest
+    unprotected pages has; None when some row has none. An interval of 1 is `victim_columns` itself."""
+    import numpy as np
+
+    shares = np.array([[0.5, 0.1, 0.3, 0.1, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1, 0.0, 0.5]])
+    positions = np.array([[0, 5, 2, 1, 4, 6], [0, 1, 2, 3, 4, 6]])  # (position 6 is the newest token: protected)
+    policy = EvictionPolicy.for_pages(1, sink_pages=1, interval=3)
+    queue = policy.victim_queue(None, positions, None, 1, 7, shares.copy())
+    assert queue.tolist() == [[3, 1, 4], [4, 3, 2]]  # (row 0: 0.1 at position 1 before 0.1 at position 5)
+    single = EvictionPolicy.for_pages(1, sink_pages=1)
+    assert single.victim_queue(None, positions, None, 1, 7, shares.copy()).tolist() == queue[:, 0].tolist()
+    narrow = EvictionPolicy.for_pages(1, sink_pages=4, interval=3)  # row 1 keeps only position 4 unprotected
+    assert narrow.victim_queue(None, positions, None, 1, 7, shares.copy()).tolist() == [[1], [4]]
+    assert EvictionPolicy.for_pages(1, sink_pages=6, interval=3).victim_queue(
+        None, positions, None, 1, 7, shares.copy()) is None
+    with pytest.raises(CacheUsageError, match="eviction_interval"):
+        hf_paged.PagedCache(page_size=4, max_pages=8, eviction_interval=2)
+    with pytest.raises(CacheUsageError, match="eviction_interval must be a positive int"):
+        hf_paged.PagedCache(page_size=1, max_pages=8, eviction_interval=0)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_an_eviction_interval_evicts_the_queued_victims_of_one_observed_step(interval):
+    """``eviction_interval=k`` (pages of one token): a full cache's stacked steps observe attention only in the step
+    before a choice, choose each row's k lowest-ranked pages at once and evict one of them in each of the next k steps,
+    lowest first; the budget is held at every step (never exceeded, never below it once full). With k = 1 every step
+    observes and the next step evicts its lowest page."""
+    budget, layers = 32, 3
+    cache = hf_paged.PagedCache(page_size=1, max_pages=2 * budget, eviction="score", sink_pages=1,
+                                eviction_interval=interval)
+    queues = [None] * layers  # per layer and row: the positions its next steps evict, in turn
+    observed_steps, previous = [], None
+    for i in range(60):
+        k = torch.randn(2, 1, 30 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
+        chosen = {}
+        for layer in range(layers):
+            view = cache.update(k, k, layer)[0].paged
+            if view.probe is None:
+                continue
+            plan = view.plan
+            mass = torch.rand(plan.read_table.shape, generator=torch.Generator().manual_seed(i * 7 + layer))
+            out = view.probe.into()
+            view.probe.report(mass if out is None else out.copy_(mass))
+            unprotected = [sorted((m, p) for m, p in zip(row_mass, row_pos) if 1 <= p < plan.num_tokens - 1)
+                           for row_mass, row_pos in zip(mass.tolist(), plan.read_pos.tolist())]
+            chosen[layer] = [[p for _, p in row[:interval]] for row in unprotected]
+        cache.commit()
+        kept = []
+        for layer in cache.layers:
+            table, positions = layer.group.step.live_pages()
+            kept.append([sorted(p for p, page in zip(row_pos, row) if page != EVICTED)
+                         for row_pos, row in zip(positions.tolist(), table.tolist())])
+        assert all(len(row) == min(30 + i, budget) for group in kept for row in group)
+        for layer in range(layers):
+            if previous is not None and 30 + i > budget:  # one victim a row a step: the head of its queue
+                gone = [sorted(set(before) - set(now)) for before, now in zip(previous[layer], kept[layer])]
+                assert gone == [row[:1] for row in queues[layer]]
+                queues[layer] = [row[1:] for row in queues[layer]]
+            if layer in chosen:
+                assert 30 + i <= budget or not any(queues[layer])  # (once full: observed when the queue is used up)
+                queues[layer] = chosen[layer]
+        observed_steps.append(len(chosen))
+        previous = kept
+    steady = observed_steps[10:]
+    assert set(steady) == {0, layers} if interval > 1 else set(steady) == {layers}
+    assert abs(sum(steady) / layers - len(steady) / interval) < 1  # (observed in one step of every k)
+    check_pages(cache)

@@ -324,7 +324,7 @@ def test_the_evaluation_builds_its_per_head_policy(llama):
     from hf_paged.evaluation import long_context
 
     args = Namespace(page_size=1, per_layer_eviction="on", score_decay=None, observation_window=None, score_heads=None,
-                     recent_pages=1, score_signal=None)
+                     recent_pages=1, score_signal=None, eviction_interval=1)
     cache = long_context.bounded_cache(llama[1], args, "score+heads", "streaming", 16)
     assert isinstance(cache, HeadPagedCache) and cache.max_pages == 16 and cache.policy.name == "score"
 

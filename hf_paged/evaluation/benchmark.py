@@ -409,11 +409,13 @@ def markdown_table(configs: list[dict]) -> str:
 
 
 def bounded_table(configs: list[dict], budget: int, budget_page_size: int | None = None, eviction: str | None = None,
-                  per_layer: str | None = None, signal: str | None = None, per_head: bool = False) -> str:
+                  per_layer: str | None = None, signal: str | None = None, per_head: bool = False,
+                  interval: int | None = None) -> str:
     """Decode speed of the bounded PagedCache (``--budget``) against the unbounded one, same runs."""
     policy = f"eviction {eviction or 'score (the default)'}" + (" per KV head" if per_head else "")
     policy += f", per_layer_eviction {per_layer}" if per_layer else ""
     policy += f", score_signal {signal}" if signal else ""
+    policy += f", eviction_interval {interval}" if interval else ""
     lines = [f"Bounded PagedCache (at most {budget} tokens per row and layer, {policy}, a longer prompt "
              "cut to it after prefill) against the unbounded PagedCache, alternated in the same run:", "",
              "| context | batch | mode | page unbounded / bounded | decode tok/s unbounded | bounded | "
@@ -487,7 +489,8 @@ def markdown_report(result: dict) -> str:
         markdown_table(result["configs"]),
         "",
         *([bounded_table(result["configs"], s["budget"], s.get("budget_page_size"), s.get("budget_eviction"),
-                        s.get("budget_per_layer"), s.get("budget_score_signal"), s.get("per_head", False)), ""]
+                        s.get("budget_per_layer"), s.get("budget_score_signal"), s.get("per_head", False),
+                        s.get("budget_eviction_interval")), ""]
           if s.get("budget") else []),
         *([alternated_table(result["configs"]), ""] if s.get("alternate") else []),
         "ratio = paged / dynamic. rows = batch x beams (beamN) or x returned sequences (sampleN). prefill tok/s = "
@@ -631,6 +634,7 @@ def main(args, argv: list[str]) -> dict:
                     seed=args.seed, budget=args.budget, budget_page_size=args.budget_page_size,
                     budget_eviction=args.budget_eviction, budget_per_layer=args.budget_per_layer,
                     budget_score_signal=args.budget_score_signal, per_head=getattr(args, "per_head", False),
+                    budget_eviction_interval=getattr(args, "budget_eviction_interval", None),
                     alternate=args.alternate,
                     kv_format=args.kv_format,
                     prefix_store=args.prefix_store, argv=list(argv),
@@ -645,6 +649,8 @@ def main(args, argv: list[str]) -> dict:
         budget_options["per_layer_eviction"] = args.budget_per_layer == "on"
     if args.budget_score_signal:
         budget_options["score_signal"] = args.budget_score_signal
+    if getattr(args, "budget_eviction_interval", None):
+        budget_options["eviction_interval"] = args.budget_eviction_interval
     if getattr(args, "per_head", False):
         budget_options["per_head_eviction"] = True
     results = []

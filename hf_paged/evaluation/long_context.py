@@ -55,9 +55,10 @@ def policy_kwargs(policy: str) -> dict:
     return dict(eviction="fifo" if policy == "fifo+sinks" else policy)
 
 
-def method_name(base: str, kv_format: str) -> str:
+def method_name(base: str, kv_format: str, interval: int = 1) -> str:
     """A method's name in the tables: ``base`` with the page format unless it is "float" ("float+int4": float pages
-    demoted to int4 under the budget's bytes)."""
+    demoted to int4 under the budget's bytes), and its ``eviction_interval`` unless it is 1."""
+    base = base if interval == 1 else f"{base}, interval {interval}"
     if "+" in kv_format:
         return f"{base}, cold {kv_format.split('+')[1]}"
     return base if kv_format == "float" else f"{base} {kv_format}"
@@ -99,7 +100,8 @@ def bounded_cache(model, args, policy: str, regime: str, budget: int, kv_format:
                                per_layer_eviction=None if args.per_layer_eviction == "on" else False,
                                score_decay=args.score_decay, observation_window=args.observation_window,
                                score_heads=args.score_heads, recent_pages=args.recent_pages,
-                               score_signal=args.score_signal if policy == "score" else None, **policy_kwargs(policy))
+                               score_signal=args.score_signal if policy == "score" else None,
+                               eviction_interval=args.eviction_interval, **policy_kwargs(policy))
 
 
 class Held:
@@ -145,8 +147,9 @@ def continuation_jobs(args) -> list[dict]:
     jobs = [job for w in range(args.windows) for job in unbounded_jobs(args, "continuation", window=w)]
     for kv_format, regime, policy, budget in itertools.product(bounded_formats(args), args.regimes, args.policies,
                                                                args.budgets):
-        jobs += [dict(task="continuation", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
-                      policy=policy, budget=budget, kv_format=kv_format, window=w) for w in range(args.windows)]
+        method = method_name(f"hf_paged {policy}", kv_format, args.eviction_interval)
+        jobs += [dict(task="continuation", method=method, regime=regime, policy=policy, budget=budget,
+                      kv_format=kv_format, window=w) for w in range(args.windows)]
     return jobs
 
 
@@ -286,8 +289,9 @@ def passkey_jobs(args, cases) -> list[dict]:
     jobs = [job for c in cases for job in unbounded_jobs(args, "passkey", case=c["case"])]
     for kv_format, regime, policy, budget in itertools.product(bounded_formats(args), args.regimes, args.policies,
                                                                args.passkey_budgets):
-        jobs += [dict(task="passkey", method=method_name(f"hf_paged {policy}", kv_format), regime=regime,
-                      policy=policy, budget=budget, kv_format=kv_format, case=c["case"]) for c in cases]
+        method = method_name(f"hf_paged {policy}", kv_format, args.eviction_interval)
+        jobs += [dict(task="passkey", method=method, regime=regime, policy=policy, budget=budget, kv_format=kv_format,
+                      case=c["case"]) for c in cases]
     return jobs
 
 
