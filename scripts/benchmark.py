@@ -133,6 +133,8 @@ def parse_args(argv=None):
                    "(per_head_eviction=True; needs --budget-page-size 1)")
     p.add_argument("--budget-score-signal", default=None, choices=["attention", "output"], help="score_signal of the "
                    "bounded PagedCache (default: PagedCache's; with the prompt cut after prefill, attention)")
+    p.add_argument("--budget-eviction-interval", type=int, default=None, help="eviction_interval of the bounded "
+                   "PagedCache: victims chosen every k steps, k at once (needs --budget-page-size 1; default 1)")
     p.add_argument("--alternate", action="store_true", help="also, for greedy configurations, rounds (one per "
                    "repeat) in which DynamicCache and PagedCache decode taking turns token by token: the per-step "
                    "speed ratio, median and quartiles")
@@ -151,9 +153,10 @@ def parse_args(argv=None):
         p.error("--budget must be a positive number of tokens")
     if args.budget_page_size is not None and (args.budget is None or args.budget_page_size < 1):
         p.error("--budget-page-size needs --budget and must be a positive int")
-    if (args.budget_eviction or args.budget_per_layer or args.budget_score_signal or args.per_head) \
-            and args.budget is None:
-        p.error("--budget-eviction, --budget-per-layer, --budget-score-signal and --per-head need --budget")
+    if (args.budget_eviction or args.budget_per_layer or args.budget_score_signal or args.per_head
+            or args.budget_eviction_interval) and args.budget is None:
+        p.error("--budget-eviction, --budget-per-layer, --budget-score-signal, --budget-eviction-interval and "
+                "--per-head need --budget")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args
