@@ -166,7 +166,8 @@ def test_alternated_steps_pair_each_unbounded_step_with_the_bounded_one():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--budget-eviction", "fifo", "--budget-per-layer", "off", "--batch-sizes", "2"],
-                                     ["--budget-page-size", "1", "--budget-score-signal", "output"]])
+                                     ["--budget-page-size", "1", "--budget-score-signal", "output",
+                                      "--budget-eviction-interval", "4"]])
 def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--contexts", "48", "--batch-sizes", "1", "--modes", "greedy",
@@ -196,13 +197,14 @@ def test_budget_times_a_bounded_cache_beside_the_unbounded_one(tmp_path, options
     assert 0 < steps["speed_ratio_q1"] <= steps["speed_ratio"] <= steps["speed_ratio_q3"]
     assert steps["ms_median"]["paged"] > 0 and steps["ms_median"]["bounded"] > 0
     policy = ("eviction fifo, per_layer_eviction off" if one_group else "eviction score (the default)"
-              + (", score_signal output" if options else ""))
+              + (", score_signal output, eviction_interval 4" if options else ""))
     report = (tmp_path / "benchmark.md").read_text()
     assert f"Bounded PagedCache (at most 32 tokens per row and layer, {policy}," in report
     assert f"| {steps['speed_ratio']:.2f} ({steps['speed_ratio_q1']:.2f}–{steps['speed_ratio_q3']:.2f}) |" in report
     assert "The unbounded cache's tokens in every round equal its `generate` run's: yes." in report
     assert result["settings"]["budget_eviction"] == ("fifo" if one_group else None)
     assert result["settings"]["budget_score_signal"] == ("output" if "--budget-score-signal" in options else None)
+    assert result["settings"]["budget_eviction_interval"] == (4 if "--budget-eviction-interval" in options else None)
 
 
 @pytest.mark.slow
