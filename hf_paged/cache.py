@@ -293,13 +293,11 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
         max_pages: pages per layer group; None lets the pool grow (geometrically, +25% at a time).
         config: the model config; builds sliding-window layers up front (their pages are freed
             as they leave the window) and checks the attention implementation.
-        backend: "cpu" (the C kernel, for CPU tensors), "triton" (the Triton kernel; CUDA, or CPU with
-            TRITON_INTERPRET=1), "torch" (SDPA on page views) or "auto" (Triton on CUDA, the C kernel
-            on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
+        backend: "cpu" (the C kernel), "triton" (CUDA, or CPU with TRITON_INTERPRET=1), "torch" (SDPA on page views)
+            or "auto" (Triton on CUDA, the C kernel on the CPU); default ``$HF_PAGED_BACKEND`` or "auto".
         eviction: what a bounded pool does when full: "score", "lru", "fifo" or "error" (raise `PagePoolExhausted`);
             default "score"; see `hf_paged.eviction`. Or a whole `EvictionPolicy` in place of the keywords below.
-        sink_pages / recent_pages: pages never evicted at the start / end of each row (default sinks: the pages of
-            the first 4 tokens, StreamingLLM's attention sinks).
+        sink_pages / recent_pages: pages never evicted at the start / end of each row (default sinks: 4 tokens' pages).
         lru_threshold: "lru" counts a page as used when its attention share is this multiple of an even share.
         score_decay: "score" keeps this weight of a page's past score per step (0: the last step only).
         observation_window: the last queries of a step whose attention scores pages.
@@ -307,16 +305,12 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             if dropped (these four default by page size: `eviction.usage_signal_defaults`).
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
-        eviction_interval: with ``page_size=1`` and ``per_layer_eviction``, a full cache's decode steps choose their
-            victims every ``eviction_interval`` steps, that many per row at once (each row's lowest-ranked pages),
-            and evict one a step as new tokens need room: the cache still holds its bound, and a policy that ranks
-            by the last share (the page-size-1 default) observes attention only in the step before each choice.
-            Faster, slightly lossier (docs/eviction.md); default 1: every step chooses its own victim.
+        eviction_interval: k > 1 (pages of 1): a full cache's decode steps choose victims k at a time, every k steps,
+            one evicted a step, the bound held (faster, lossier: docs/eviction.md); default 1, every step chooses.
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
             for a bounded "score" or "lru" cache); False: the layers of a group share one page table.
-        model: bind the cache to this model (implies ``config=model.config``) for prefix caching:
-            full pages get content hashes, and a prompt whose leading pages are cached (after
-            ``reset()``, or in a fork) computes only its new tokens.
+        model: bind the cache to this model (implies ``config=model.config``) for prefix caching: full pages get
+            content hashes; a prompt whose leading pages are cached (after ``reset()``, in a fork) computes the rest.
         kv_format: how pages store K/V (`hf_paged.kv_formats`): "float" (model's dtype), "int8", "int4", "fp8_e4m3".
         cold_format: "int4", "int8": full pages but the sinks demoted; with max_pages (bytes) coldest first, on need.
         prefix_store / store_spill: with ``model=``, a prefix store under the pool (a URI, a folder or an
@@ -332,8 +326,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
-                 prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
-                 eviction_interval: int = 1,
+                 prefix_store=None, store_spill: bool = True, cold_format: str | None = None, eviction_interval=1,
                  per_head_eviction: bool = False, head_floor: float | None = None):  # (these two: `CacheVariant`)
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         check_cold_format(cold_format, kv_format, config or getattr(model, "config", None), prefix_store)
