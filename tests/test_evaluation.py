@@ -164,3 +164,14 @@ def test_score_signal_reaches_the_score_caches_only(script):
     assert signal(["--score-signal", "output"], "score", "compress") == "output"
     assert signal(["--score-signal", "output"], "lru", "streaming") == "attention"
     assert (signal([], "score", "streaming"), signal([], "score", "compress")) == ("output", "attention")
+
+
+def test_eviction_interval_reaches_the_bounded_caches_and_names_their_rows(script):
+    """``--eviction-interval k`` builds the bounded caches with ``eviction_interval=k`` and names their rows
+    'hf_paged <policy>, interval k' (so that runs with and without it pair in `scripts/paired_rows.py`)."""
+    _, model = make_pair("llama")
+    args = script.parse_args(["--eviction-interval", "8", "--tasks", "continuation", "--windows", "1"])
+    assert script.bounded_cache(model, args, "score", "compress", 64).policy.interval == 8
+    assert script.bounded_cache(model, script.parse_args([]), "score", "compress", 64).policy.interval == 1
+    methods = {job["method"] for job in script.continuation_jobs(args) if job["regime"] != "full"}
+    assert methods == {f"hf_paged {policy}, interval 8" for policy in args.policies}
