@@ -242,10 +242,10 @@ def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     """`paged_attention_cpu` of float pools with no mask, sinks, page mass or cold tier: a cache's decode step. The
     call's checked arguments are kept on ``k_pool`` and copied by the next call with the same pools (``k_pool``'s
     pointer, shape and strides, ``v_pool`` itself and its shape), a float32 query of the same shape and strides, an
-    index of the same shapes whose table is still marked checked (`arguments.mark_checked`: int64, contiguous), the same options and
-    thread count; it then sets only the pointers of the query, the index and the output (a layer passes the checks
-    when its pages or its table's width change, not at every step). -> ``out [B, Q, Hq, D]`` in float32 (a float32
-    query's dtype)."""
+    index of the same shapes whose table is still marked checked (`arguments.mark_checked`; int64, contiguous), the
+    same options and thread count; it then sets only the pointers of the query, the index and the output (a layer
+    passes the checks when its pages or its table's width change, not at every step). -> ``out [B, Q, Hq, D]`` in
+    float32 (a float32 query's dtype)."""
     key = (k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, query.shape, query.stride(), query.dtype,
            page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads())
     kept = getattr(k_pool, _PLAIN_CALL, None)
