@@ -224,9 +224,10 @@ def paged_attention_cpu(
     the head's output (reference.py). ``page_mass_out``: with ``page_mass_heads``, a contiguous float32 ``[B, N]``
     tensor the reduced page mass is written into (every entry) and returned, instead of a new one.
     """
-    args, out, page_mass, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, mask_offset,
-                                           sliding_window, softcap, s_aux, return_page_mass, num_splits, page_mass_heads,
-                                           page_mass_signal, page_mass_out, k_scale, v_scale, kv_format, cold)
+    args, out, page_mass, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask,
+                                           mask_offset, sliding_window, softcap, s_aux, return_page_mass, num_splits,
+                                           page_mass_heads, page_mass_signal, page_mass_out, k_scale, v_scale,
+                                           kv_format, cold)
     _run(entry, args, out)
     if query.dtype != torch.float32:
         out = out.to(query.dtype)
@@ -332,5 +333,6 @@ def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, ma
         args.hot_row, args.cold_row = cold.hot_row.data_ptr(), cold.cold_row.data_ptr()
         args.cold = ctypes.addressof(cold_args)
         symbol = f"{symbol}_{cold.format.name}"
-    args._kept = (q32, table, first, qpos, sinks if s_aux is not None else None, cold_args if cold is not None else None)
+    args._kept = (q32, table, first, qpos, sinks if s_aux is not None else None,
+                  cold_args if cold is not None else None)
     return args, out, page_mass, getattr(library, symbol)
