@@ -243,15 +243,16 @@ def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     """`paged_attention_cpu` of float pools with no mask, sinks, page mass or cold tier: a cache's decode step. The
     call's checked arguments are kept on ``k_pool`` and copied by the next call with the same pools (``k_pool``'s
     pointer, shape and strides, ``v_pool`` itself and its shape), a float32 query of the same shape and strides, an
-    index of the same shapes whose table is still marked checked (`arguments.mark_checked`; int64, contiguous), the
-    same options and thread count; it then sets only the pointers of the query, the index and the output (a layer
-    passes the checks when its pages or its table's width change, not at every step). -> ``out [B, Q, Hq, D]`` in
-    float32 (a float32 query's dtype)."""
+    index of the same shapes whose table is still marked checked (`arguments.mark_checked`; int64, contiguous, all
+    on the CPU), the same options and thread count; it then sets only the pointers of the query, the index and the
+    output (a layer passes the checks when its pages grow or its table's width changes, not at every step).
+    -> ``out [B, Q, Hq, D]`` in float32 (a float32 query's dtype)."""
     key = (k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, query.shape, query.stride(), query.dtype,
            page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads())
     kept = getattr(k_pool, _PLAIN_CALL, None)
     if kept is None or kept[0] != key or kept[1] is not v_pool or not marked(page_table, kept[2]) or not (
-            page_pos.dtype == q_pos.dtype == torch.int64 and page_pos.is_contiguous() and q_pos.is_contiguous()):
+            query.is_cpu and page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu
+            and page_pos.dtype == q_pos.dtype == torch.int64 and page_pos.is_contiguous() and q_pos.is_contiguous()):
         args, out, _, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, None, 0,
                                        sliding_window, softcap, None, False, None, None, "attention", None, None, None,
                                        "float", None)
