@@ -316,7 +316,7 @@ def modules_entered(run, start: str, stop: set[str]) -> dict[str, set[str]]:
     return seen
 
 
-KERNELS = {"paged_attention_cpu"}
+KERNELS = {"paged_attention_cpu", "plain_attention_cpu"}
 
 
 def test_a_steady_decode_step_enters_few_modules():

@@ -232,6 +232,51 @@ def test_index_checked_once_serves_only_the_calls_it_was_checked_for():
     check(dict(case, page_table=table32))
 
 
+def test_a_plain_call_reuses_its_checked_arguments_only_where_they_hold():
+    """`plain_attention_cpu` (a cache's decode call: float pools, no mask, sinks or page mass) gives what
+    `paged_attention_cpu` gives, bit for bit: on its first call, on later calls that reuse the checked arguments
+    (another query, other positions, a table edited into a hole), and where they no longer hold (another window or
+    softcap, a grown pool, a wider table, an unmarked table, a bfloat16 query); an unmarked table's bad id and a pool
+    changed in place are still refused."""
+    from hf_paged.kernels.arguments import mark_checked
+
+    case = make_case(B=2, Hq=4, Hkv=2, D=16, S=4, Q=1, lengths=[9, 6], seed=11, holes=False)
+    case["page_table"] = case["page_table"].long()
+    mark_checked(case["page_table"], case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
+
+    def same(c: dict, **options) -> None:
+        full = cpu_kernel.paged_attention_cpu(**dict(c, **options))
+        plain = cpu_kernel.plain_attention_cpu(c["query"], c["k_pool"], c["v_pool"], c["page_table"], c["page_pos"],
+                                               c["q_pos"], c["scale"], options.get("sliding_window"),
+                                               options.get("softcap"))
+        assert plain.dtype == c["query"].dtype and torch.equal(plain, full)
+
+    same(case)
+    assert hasattr(case["k_pool"], "_hf_paged_cpu_plain_call")  # kept for the next call
+    same(dict(case, query=torch.randn_like(case["query"])))
+    same(dict(case, q_pos=case["q_pos"] - 2))
+    case["page_table"][1, 0] = -1  # its owner edits the marked table into a hole: the next call reads the edit
+    same(case)
+    same(case, sliding_window=3)
+    same(case, softcap=2.0)
+    same(dict(case, k_pool=case["k_pool"].clone(), v_pool=case["v_pool"].clone()))
+    wider = torch.cat([case["page_table"], torch.full((2, 1), -1)], dim=1)
+    mark_checked(wider, case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
+    same(dict(case, page_table=wider, page_pos=torch.cat([case["page_pos"], case["page_pos"][:, -1:] + 4], 1)))
+    same(dict(case, query=case["query"].bfloat16(), k_pool=case["k_pool"].bfloat16(),
+              v_pool=case["v_pool"].bfloat16()))
+    unmarked = dict(case, page_table=case["page_table"].clone())
+    same(unmarked)
+    unmarked["page_table"][0, 0] = case["k_pool"].shape[0]  # an id the pools do not have
+    with pytest.raises(ValueError, match="page_table holds page id"):
+        cpu_kernel.plain_attention_cpu(*(unmarked[k] for k in ("query", "k_pool", "v_pool", "page_table", "page_pos",
+                                                               "q_pos", "scale")))
+    case["k_pool"].resize_(*case["k_pool"].shape[:3], 8)  # an in-place change of the kept pool
+    with pytest.raises(ValueError, match="k_pool/v_pool must be"):
+        cpu_kernel.plain_attention_cpu(*(case[k] for k in ("query", "k_pool", "v_pool", "page_table", "page_pos",
+                                                           "q_pos", "scale")))
+
+
 def test_bad_quantized_input_is_refused_with_a_reason():
     """A format the kernel does not read, missing or misshapen scales, pools of another format, scales with float
     pools, an unknown format: each refused, naming what was wrong."""

@@ -224,6 +224,63 @@ def paged_attention_cpu(
     the head's output (reference.py). ``page_mass_out``: with ``page_mass_heads``, a contiguous float32 ``[B, N]``
     tensor the reduced page mass is written into (every entry) and returned, instead of a new one.
     """
+    args, out, page_mass, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask,
+                                           mask_offset, sliding_window, softcap, s_aux, return_page_mass, num_splits,
+                                           page_mass_heads, page_mass_signal, page_mass_out, k_scale, v_scale,
+                                           kv_format, cold)
+    _run(entry, args, out)
+    if query.dtype != torch.float32:
+        out = out.to(query.dtype)
+    return (out, page_mass) if return_page_mass else out
+
+
+_PLAIN_CALL = "_hf_paged_cpu_plain_call"  # attribute of a k_pool: the checked arguments of its last plain call
+
+
+def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                        page_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """`paged_attention_cpu` of float pools with no mask, sinks, page mass or cold tier: a cache's decode step. The
+    call's checked arguments are kept on ``k_pool`` and copied by the next call with the same pools (``k_pool``'s
+    pointer, shape and strides, ``v_pool`` itself and its shape), a float32 query of the same shape and strides, an
+    index of the same shapes whose table is still marked checked (`arguments.mark_checked`; int64, contiguous, all
+    on the CPU), the same options and thread count; it then sets only the pointers of the query, the index and the
+    output (a layer passes the checks when its pages grow or its table's width changes, not at every step).
+    -> ``out [B, Q, Hq, D]`` in float32 (a float32 query's dtype)."""
+    key = (k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, query.shape, query.stride(), query.dtype,
+           page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads())
+    kept = getattr(k_pool, _PLAIN_CALL, None)
+    if kept is None or kept[0] != key or kept[1] is not v_pool or not marked(page_table, kept[2]) or not (
+            query.is_cpu and page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu
+            and page_pos.dtype == q_pos.dtype == torch.int64 and page_pos.is_contiguous() and q_pos.is_contiguous()):
+        args, out, _, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, None, 0,
+                                       sliding_window, softcap, None, False, None, None, "attention", None, None, None,
+                                       "float", None)
+        if query.dtype == torch.float32 and args.table == page_table.data_ptr():  # (the index as given: no copy)
+            setattr(k_pool, _PLAIN_CALL, (key, v_pool, getattr(k_pool, _POOL_ARGS)[5], entry,
+                                          _PagedArgs.from_buffer_copy(args)))
+        _run(entry, args, out)
+        return out if query.dtype == torch.float32 else out.to(query.dtype)
+    args = _PagedArgs.from_buffer_copy(kept[4])
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=torch.float32)
+    args.q, args.out = query.data_ptr(), out.data_ptr()
+    args.table, args.page_pos, args.q_pos = page_table.data_ptr(), page_pos.data_ptr(), q_pos.data_ptr()
+    _run(kept[3], args, out)
+    return out
+
+
+def _run(entry, args: _PagedArgs, out: torch.Tensor) -> None:
+    """Call the kernel's ``entry`` on ``args`` (nothing to do for an empty output)."""
+    if out.numel() and entry(ctypes.byref(args)) != 0:
+        raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
+
+
+def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, mask_offset, sliding_window, softcap,
+             s_aux, return_page_mass, num_splits, page_mass_heads, page_mass_signal, page_mass_out, k_scale, v_scale,
+             kv_format, cold) -> tuple:
+    """The checked arguments of a `paged_attention_cpu` call: (``_PagedArgs``, ``out``, ``page_mass`` or None, the
+    library's entry point). The tensors and structs made here that the arguments point to (a converted query or index,
+    sinks, the cold pools' fields) are kept alive on them (``_kept``)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"The hf_paged CPU kernel is unavailable: {library}")
@@ -277,9 +334,6 @@ def paged_attention_cpu(
         args.hot_row, args.cold_row = cold.hot_row.data_ptr(), cold.cold_row.data_ptr()
         args.cold = ctypes.addressof(cold_args)
         symbol = f"{symbol}_{cold.format.name}"
-    if out.numel():
-        if getattr(library, symbol)(ctypes.byref(args)) != 0:
-            raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
-    if query.dtype != torch.float32:
-        out = out.to(query.dtype)
-    return (out, page_mass) if return_page_mass else out
+    args._kept = (q32, table, first, qpos, sinks if s_aux is not None else None,
+                  cold_args if cold is not None else None)
+    return args, out, page_mass, getattr(library, symbol)
