@@ -96,15 +96,14 @@ def compile_many_steps(model: torch.nn.Module, backend: str = "inductor", recomp
 class SteadyForward:
     """A compiled forward that evaluates Dynamo's guards only on calls unlike every earlier one.
 
-    A call is like an earlier one when its keyword arguments match: tensors by shape, dtype and device, plain values
-    by value, other objects (the cache) by type; and torch's global state (grad mode, autocast, ...) is the same. Such a
-    call found or compiled its graph the first time, so it runs with ``skip_guard_eval_unsafe`` (only the guards that
-    tell the compiled graphs apart: those of the shapes). Invariants: the model is what it was when first compiled
-    (weights, modules, config; a change needs ``compile_many_steps(model, recompile=True)``, as frozen weights do);
-    any other call (a new shape, another state or a stance other than the default) evaluates every guard, compiling
-    under ``options`` (inductor's config) if it must, as does a steady call that no graph fits (Dynamo was reset:
-    Dynamo raises before running anything); at most `MAX_KEYS` kinds of call are remembered (then forgotten,
-    all at once).
+    A call is like an earlier one when its keyword arguments match: tensors by shape, strides, dtype and device, plain
+    values by value, other objects (the cache) by type; and torch's global state (grad mode, autocast, ...) is the same.
+    Such a call found or compiled its graph the first time, so it runs with ``skip_guard_eval_unsafe`` (only the guards
+    that tell the compiled graphs apart: those of the shapes). Invariants: the model is what it was when first compiled
+    (weights, modules, config; a change needs ``compile_many_steps(model, recompile=True)``, as frozen weights do); any
+    other call (a new shape, another state or a stance other than the default) evaluates every guard, compiling under
+    ``options`` (inductor's config) if it must, as does a steady call that no graph fits (Dynamo was reset: Dynamo
+    raises before running anything); at most `MAX_KEYS` kinds of call are remembered (then forgotten, all at once).
     """
 
     MAX_KEYS = 4096
@@ -133,10 +132,10 @@ class SteadyForward:
 
 
 def _call_kind(value) -> tuple:
-    """What Dynamo's guards may read of a forward's argument: a tensor's shape, dtype and device; a plain value; the
-    type of anything else."""
+    """What Dynamo's guards may read of a forward's argument: a tensor's shape, strides, dtype and device; a plain
+    value; the type of anything else."""
     if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype, value.device
+        return tuple(value.shape), value.stride(), value.dtype, value.device
     if value is None or isinstance(value, (bool, int, float, str)):
         return type(value), value
     return (type(value),)
