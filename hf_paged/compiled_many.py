@@ -9,12 +9,15 @@ caller, so no Python object of the cache enters the graph and a new cache per ca
 around attention is inductor's: norms, rotary, SiLU * mul and residual adds fused, linear weights frozen and packed
 for oneDNN, and linears that read the same input (q/k/v, gate/up) merged into one GEMM (inductor's
 ``freezing`` and ``cpp.enable_concat_linear``). Token counts are dynamic: a step of any size reuses the graph
-(besides one graph for one-token steps, which Dynamo specializes).
+(besides one graph for one-token steps, which Dynamo specializes). A step shaped like an earlier one skips
+Dynamo's guard evaluation (`SteadyForward`): the steady decode steps cost the graph and the op, not the guards over
+the model's modules.
 
 Invariants:
 - the compiled forward is made once per model (`compile_many_steps`) and kept on it; a forward is only run inside
   `active_cache` (the op refuses otherwise, saying what to do);
-- frozen weights are copies taken at the first compiled forward: weights changed afterwards are not seen until
+- frozen weights are copies taken at the first compiled forward, and the model's modules and config are not checked
+  again on steps shaped like earlier ones: changes afterwards are not seen until
   `compile_many_steps(model, recompile=True)`.
 """
 
@@ -79,20 +82,65 @@ def _(query, keys, values, layer_idx, scale, sliding_window, softcap, s_aux):
 def compile_many_steps(model: torch.nn.Module, backend: str = "inductor", recompile: bool = False):
     """The compiled forward `generate_many(..., compile=True)` runs for ``model``, made on the first call and kept
     on the model; ``recompile`` makes a new one (after the weights changed). With inductor, its freezing and
-    linear-merging options (`INDUCTOR_OPTIONS`) are on while the forward runs (they are read when it compiles, which
-    ``torch.compile(options=...)`` does not reach for freezing); another ``backend`` (e.g. ``"eager"``) compiles
-    with its defaults."""
+    linear-merging options (`INDUCTOR_OPTIONS`) are on while the forward compiles (they are read when it compiles,
+    which ``torch.compile(options=...)`` does not reach for freezing); another ``backend`` (e.g. ``"eager"``)
+    compiles with its defaults. Calls like an earlier one skip Dynamo's guards (`SteadyForward`)."""
     compiled = model.__dict__.get(_COMPILED)
     if compiled is None or recompile or compiled[0] != backend:
         forward = torch.compile(model.forward, backend=backend, dynamic=True)
-        compiled = (backend, _with_options(forward) if backend == "inductor" else forward)
+        compiled = (backend, SteadyForward(forward, INDUCTOR_OPTIONS if backend == "inductor" else {}))
         model.__dict__[_COMPILED] = compiled
     return compiled[1]
 
 
-def _with_options(forward):
-    def frozen_forward(*args, **kwargs):
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
-            return forward(*args, **kwargs)
+class SteadyForward:
+    """A compiled forward that evaluates Dynamo's guards only on calls unlike every earlier one.
 
-    return frozen_forward
+    A call is like an earlier one when its keyword arguments match: tensors by shape, strides, dtype and device, plain
+    values by value, other objects (the cache) by type; and torch's global state (grad mode, autocast, ...) is the same.
+    Such a call found or compiled its graph the first time, so it runs with ``skip_guard_eval_unsafe`` (only the guards
+    that tell the compiled graphs apart: those of the shapes). Invariants: the model is what it was when first compiled
+    (weights, modules, config; a change needs ``compile_many_steps(model, recompile=True)``, as frozen weights do); any
+    other call (a new shape, another state or a stance other than the default) evaluates every guard, compiling under
+    ``options`` (inductor's config) if it must, as does a steady call that no graph fits (Dynamo was reset: Dynamo
+    raises before running anything); at most `MAX_KEYS` kinds of call are remembered (then forgotten, all at once).
+    """
+
+    MAX_KEYS = 4096
+
+    def __init__(self, forward, options: dict):
+        self.forward, self.options = forward, options
+        self.seen: dict[tuple, torch._C._dynamo.guards.GlobalStateGuard] = {}  # kind of call -> its global state
+
+    def __call__(self, **kwargs):
+        key = tuple((name, *_call_kind(value)) for name, value in sorted(kwargs.items()))
+        state = self.seen.get(key)
+        if state is not None and state.check() and torch._dynamo.eval_frame._stance.stance == "default":
+            try:
+                with _skip_guards():
+                    return self.forward(**kwargs)
+            except RuntimeError as error:  # no graph fits (Dynamo's caches were reset): before anything ran
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
+                self.seen.clear()
+        with torch._inductor.config.patch(self.options):
+            out = self.forward(**kwargs)
+        if len(self.seen) >= self.MAX_KEYS:
+            self.seen.clear()
+        self.seen[key] = torch._C._dynamo.guards.GlobalStateGuard()
+        return out
+
+
+def _call_kind(value) -> tuple:
+    """What Dynamo's guards may read of a forward's argument: a tensor's shape, strides, dtype and device; a plain
+    value; the type of anything else."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.stride(), value.dtype, value.device
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value), value
+    return (type(value),)
+
+
+def _skip_guards():
+    """Dynamo evaluates only the guards that tell a function's compiled graphs apart (raising if none fits)."""
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
