@@ -235,9 +235,9 @@ def test_index_checked_once_serves_only_the_calls_it_was_checked_for():
 def test_a_plain_call_reuses_its_checked_arguments_only_where_they_hold():
     """`plain_attention_cpu` (a cache's decode call: float pools, no mask, sinks or page mass) gives what
     `paged_attention_cpu` gives, bit for bit: on its first call, on later calls that reuse the checked arguments
-    (another query, other positions, a table edited into a hole), and where they no longer hold (another window or
-    softcap, a grown pool, a wider table, an unmarked table, a bfloat16 query); an unmarked table's bad id and a pool
-    changed in place are still refused."""
+    (another query, other positions, another marked table, a table edited into a hole), and where they no longer hold
+    (another window or softcap, a grown pool, a wider table, an unmarked table, a bfloat16 query); an unmarked table's
+    bad id and a pool changed in place are still refused."""
     from hf_paged.kernels.arguments import mark_checked
 
     case = make_case(B=2, Hq=4, Hkv=2, D=16, S=4, Q=1, lengths=[9, 6], seed=11, holes=False)
@@ -255,6 +255,10 @@ def test_a_plain_call_reuses_its_checked_arguments_only_where_they_hold():
     assert hasattr(case["k_pool"], "_hf_paged_cpu_plain_call")  # kept for the next call
     same(dict(case, query=torch.randn_like(case["query"])))
     same(dict(case, q_pos=case["q_pos"] - 2))
+    another = case["page_table"].clone()  # another marked table of the same shape: its own pages are read
+    another[0, 0] = another[1, 0]  # (a full page of row 1)
+    mark_checked(another, case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
+    same(dict(case, page_table=another))
     case["page_table"][1, 0] = -1  # its owner edits the marked table into a hole: the next call reads the edit
     same(case)
     same(case, sliding_window=3)
