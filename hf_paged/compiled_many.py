@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 
 from .errors import CacheUsageError
+from .huge_pages import packed_weights_to_huge_pages
 
 _COMPILED = "_hf_paged_compiled_many"  # attribute of a model that holds its compiled forward
 INDUCTOR_OPTIONS = {"freezing": True, "cpp.enable_concat_linear": True}
@@ -104,6 +105,8 @@ class SteadyForward:
     other call (a new shape, another state or a stance other than the default) evaluates every guard, compiling under
     ``options`` (inductor's config) if it must, as does a steady call that no graph fits (Dynamo was reset: Dynamo
     raises before running anything); at most `MAX_KEYS` kinds of call are remembered (then forgotten, all at once).
+    A call that compiled new graphs moves the packed weights their freezing made onto 2 MB pages
+    (`hf_paged.huge_pages.packed_weights_to_huge_pages`; ``huge_page_bytes``: how many bytes the last one moved).
     """
 
     MAX_KEYS = 4096
@@ -111,6 +114,7 @@ class SteadyForward:
     def __init__(self, forward, options: dict):
         self.forward, self.options = forward, options
         self.seen: dict[tuple, torch._C._dynamo.guards.GlobalStateGuard] = {}  # kind of call -> its global state
+        self.huge_page_bytes = 0  # of the packed weights, after the last compile (`hf_paged.huge_pages`)
 
     def __call__(self, **kwargs):
         key = tuple((name, *_call_kind(value)) for name, value in sorted(kwargs.items()))
@@ -123,8 +127,11 @@ class SteadyForward:
                 if "skip_guard_eval_unsafe" not in str(error):
                     raise
                 self.seen.clear()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with torch._inductor.config.patch(self.options):
             out = self.forward(**kwargs)
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:  # new graphs, new frozen weights
+            self.huge_page_bytes = packed_weights_to_huge_pages()
         if len(self.seen) >= self.MAX_KEYS:
             self.seen.clear()
         self.seen[key] = torch._C._dynamo.guards.GlobalStateGuard()

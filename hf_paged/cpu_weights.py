@@ -13,7 +13,8 @@ Invariants of a packed module:
 - its parameters are untouched (the state dict, tied embeddings and autograd see the plain weights);
   the packed copy costs the weight's size again in memory;
 - a weight changed in place after packing is repacked before its next use, never read stale;
-- `unpack_linear_weights` restores the module's own forward and drops the packed copy.
+- `unpack_linear_weights` restores the module's own forward and drops the packed copy;
+- the packed copy lies on 2 MB pages where the kernel allows (`hf_paged.huge_pages`): the decode steps stream it.
 Modules on another device, of another dtype, or whose forward is already replaced (accelerate's
 hooks) are left alone.
 """
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .huge_pages import move_to_huge_pages
 
 _STATE = "_hf_paged_packed_weight"
 onednn_linear = torch.ops.mkldnn._linear_pointwise  # (input, packed weight, bias, "none", [], "")
@@ -47,6 +50,7 @@ class _PackedWeight:
     def of(cls, weight: torch.Tensor, batch_hint: int) -> "_PackedWeight":
         plain = weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(plain.contiguous(), batch_hint)
+        move_to_huge_pages([packed])
         return cls(packed, plain.data_ptr(), plain._version, batch_hint)
 
     def matches(self, weight: torch.Tensor) -> bool:
