@@ -12,7 +12,7 @@
  * into the result (they may hold garbage, even NaN). Splits write unnormalised partials that
  * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
  * With `mass_output` (pages of one token) the page "mass" is how far the head's output would move if
- * the token were dropped, p / (1 - p) * |v - out| for its probability p: `output_mass` reads its value.
+ * the token were dropped, p / (1 - p) * |v - out| for its probability p: `add_page_mass` reads its value.
  *
  * Pool formats (hf_paged/kv_formats.py): float32, bfloat16, int8 (x = scale * code, a float16 scale per token
  * and head) and int4. int4 values: two codes a byte, then an int8 zero point, x = scale * (code - zero) with a
@@ -889,10 +889,10 @@ static const float *value_row(const PagedArgs *t, Row at, int fmt, float *buf) {
     return buf;
 }
 
-/* Merge the splits of row r = (query, head) of batch row b: sink, normalisation, the attention page mass. With
- * `mass_output` the row's max and total weight go to norm[2 item..] for `output_mass`, which rotates the output. */
+/* Merge the splits of row r = (query, head) of batch row b: sink, normalisation. With a page mass the row's max and
+ * total weight go to norm[2 item..] for `add_page_mass`, which rotates the output back. */
 static void finalize(const PagedArgs *a, int64_t item, float *norm) {
-    const int64_t R = a->Q * a->Hq, D = a->D, N = a->N;
+    const int64_t R = a->Q * a->Hq, D = a->D;
     const int64_t r = item % R, b = item / R, qi = r / a->Hq, h = r % a->Hq;
     const float *part = a->partial + (b * a->splits * R + r) * (D + 2);
     const int64_t step = R * (D + 2);
@@ -912,16 +912,10 @@ static void finalize(const PagedArgs *a, int64_t item, float *norm) {
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
-    if (a->page_mass && a->mass_output) {
+    if (a->page_mass) {
         norm[2 * item] = m;
         norm[2 * item + 1] = total;
         return;
-    }
-    if (a->page_mass && total > 0.0f) {
-        const float *st = a->entry_stats + (b * R + r) * N * 2;
-        float *mass = a->page_mass + (b * a->Hq + h) * N;
-        for (int64_t n = 0; n < N; n++)
-            if (st[2 * n + 1] > 0.0f) mass[n] += st[2 * n + 1] * exp_approx(st[2 * n] - m) * inv / (float)a->Q;
     }
     if (a->cold ? a->cold->v_rotated : a->v_rotated) rotate(out, D);
 }
@@ -966,18 +960,19 @@ static const float *entry_value(const PagedArgs *a, int64_t b, int64_t n, int64_
     return value_row(t, at, (int)t->format, row);
 }
 
-/* The "output" page mass of batch row b (pages of one token), once `finalize` has normalised its rows (norm: their
- * max and total weight): each attended token's p / (1 - p) * |v - out| per head, averaged over the queries; then the
- * outputs are rotated back (the distances are measured in the values' basis; two tiers: out is in the cold values'
- * basis, and `model` [R, D] scratch holds it in the model's, for the hot values). Three passes over a row's entry
- * stats, in place: p into the max slot, and 0 into the sum slot of an attended entry, -1 of another (16 entries at a
- * time); |v - out| into the sum slot (a token's value row of a KV head read, dequantized, once for the rows of all
- * of its heads); the mass (16 at a time). Each value is computed as the one-pass loop did, bit for bit. */
-static void output_mass(const PagedArgs *a, int64_t b, const float *norm, float *model) {
+/* The page mass of batch row b, once `finalize` has normalised its rows (norm: their max and total weight): each
+ * attended entry's probability p per head, or with `mass_output` (pages of one token) its token's p / (1 - p) *
+ * |v - out|, averaged over the queries; then the outputs are rotated back (the distances are measured in the values'
+ * basis; two tiers: out is in the cold values' basis, and `model` [R, D] scratch holds it in the model's, for the hot
+ * values). Passes over a row's entry stats, in place: p into the max slot, and 0 into the sum slot of an attended
+ * entry, -1 of another (16 entries at a time); |v - out| into the sum slot (a token's value row of a KV head read,
+ * dequantized, once for the rows of all of its heads); the mass (16 at a time). Each value is computed as a loop over
+ * the entries of one row at a time did, bit for bit. */
+static void add_page_mass(const PagedArgs *a, int64_t b, const float *norm, float *model) {
     const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, N = a->N, group = Hq / a->Hkv;
     const int v_rotated = a->cold ? (int)a->cold->v_rotated : (int)a->v_rotated;
     float *outs = a->out + b * R * D, *stats = a->entry_stats + b * R * N * 2, row[D];
-    if (a->cold) {
+    if (model) {
         memcpy(model, outs, sizeof(float) * R * D);
         for (int64_t r = 0; r < R && v_rotated; r++) rotate(model + r * D, D);
     }
@@ -992,8 +987,18 @@ static void output_mass(const PagedArgs *a, int64_t b, const float *norm, float 
             st[2 * n + 1] = seen ? 0.0f : -1.0f;
         }
     }
+    const float queries = (float)a->Q;
+    for (int64_t r = 0; r < R && !a->mass_output; r++) {
+        const float *st = stats + r * N * 2;
+        float *mass = a->page_mass + (b * Hq + r % Hq) * N;
+#pragma omp simd
+        for (int64_t n = 0; n < N; n++) { /* (+ 0 leaves a mass unchanged: it is never -0) */
+            const float share = st[2 * n] / queries;
+            mass[n] += st[2 * n + 1] < 0.0f ? 0.0f : share;
+        }
+    }
     int64_t rows[R]; /* the rows of one KV head's heads */
-    for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
+    for (int64_t kvh = 0; kvh < a->Hkv && a->mass_output; kvh++) {
         int64_t count = 0;
         for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
             for (int64_t qi = 0; qi < a->Q; qi++) rows[count++] = qi * Hq + h;
@@ -1007,8 +1012,7 @@ static void output_mass(const PagedArgs *a, int64_t b, const float *norm, float 
             }
         }
     }
-    const float queries = (float)a->Q;
-    for (int64_t r = 0; r < R; r++) {
+    for (int64_t r = 0; r < R && a->mass_output; r++) {
         const float *st = stats + r * N * 2;
         float *mass = a->page_mass + (b * Hq + r % Hq) * N;
 #pragma omp simd
@@ -1057,11 +1061,11 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
                                                + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
-    const int output = a->page_mass && a->mass_output; /* `output_mass`'s scratch: norm [B, R, 2], model [R, D] */
-    float *norm = output ? malloc(sizeof(float) * a->B * R * 2) : NULL;
-    float *model = output && a->cold ? malloc(sizeof(float) * R * a->D) : NULL;
-    int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL) || (output && norm == NULL)
-                 || (output && a->cold && model == NULL);
+    /* `add_page_mass`'s scratch: norm [B, R, 2], and model [R, D] for the output signal of two tiers */
+    float *norm = a->page_mass ? malloc(sizeof(float) * a->B * R * 2) : NULL;
+    float *model = a->page_mass && a->mass_output && a->cold ? malloc(sizeof(float) * R * a->D) : NULL;
+    int failed = a->partial == NULL || (a->page_mass && (a->entry_stats == NULL || norm == NULL))
+                 || (a->page_mass && a->mass_output && a->cold && model == NULL);
     if (!failed && a->threads <= 1) { /* no parallel region: a decode step of a short row takes microseconds */
         float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
         failed = work == NULL;
@@ -1089,7 +1093,7 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
             for (int64_t i = 0; i < a->B * R; i++) finalize(a, i, norm);
         }
     }
-    for (int64_t b = 0; b < a->B && output && !failed; b++) output_mass(a, b, norm, model);
+    for (int64_t b = 0; b < a->B && a->page_mass && !failed; b++) add_page_mass(a, b, norm, model);
     free(a->partial);
     free(a->entry_stats);
     free(norm);
