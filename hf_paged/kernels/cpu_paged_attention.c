@@ -12,7 +12,7 @@
  * into the result (they may hold garbage, even NaN). Splits write unnormalised partials that
  * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
  * With `mass_output` (pages of one token) the page "mass" is how far the head's output would move if
- * the token were dropped, p / (1 - p) * |v - out| for its probability p: `finalize` reads its value.
+ * the token were dropped, p / (1 - p) * |v - out| for its probability p: `add_page_mass` reads its value.
  *
  * Pool formats (hf_paged/kv_formats.py): float32, bfloat16, int8 (x = scale * code, a float16 scale per token
  * and head) and int4. int4 values: two codes a byte, then an int8 zero point, x = scale * (code - zero) with a
@@ -692,10 +692,20 @@ static inline void next_chunk(const PagedArgs *a, const int64_t *rows, int64_t b
 }
 
 /* Fold row r's probability weights ``p`` of a chunk (relative to ``max``) into its entries' (max, sum),
- * entry_stats [B, R, N, 2] (sum 0: nothing seen yet); an entry's slots are consecutive in the chunk. */
+ * entry_stats [B, R, N, 2] (sum 0: nothing seen yet); an entry's slots are consecutive in the chunk. Pages of one
+ * token: each entry is one slot, seen once (a split's walk of a tier reads it once), so its stats are (max, p). */
 static inline void add_entry_stats(const PagedArgs *a, float *entry_stats, int64_t b, int64_t r, const Chunk *ch,
                                    const float *p, float max) {
     const int64_t R = a->Q * a->Hq;
+    if (a->S == 1) {
+        float *st = entry_stats + (b * R + r) * a->N * 2;
+        for (int64_t c = 0; c < ch->C; c++)
+            if (p[c] > 0.0f) {
+                st[2 * ch->entry[c]] = max;
+                st[2 * ch->entry[c] + 1] = p[c];
+            }
+        return;
+    }
     for (int64_t c = 0; c < ch->C;) {
         const int64_t e = ch->entry[c];
         float sum = 0.0f;
@@ -879,9 +889,10 @@ static const float *value_row(const PagedArgs *t, Row at, int fmt, float *buf) {
     return buf;
 }
 
-/* Merge the splits of row r = (query, head) of batch row b: sink, normalisation, page mass. */
-static void finalize(const PagedArgs *a, int64_t item) {
-    const int64_t R = a->Q * a->Hq, D = a->D, N = a->N;
+/* Merge the splits of row r = (query, head) of batch row b: sink, normalisation. With a page mass the row's max and
+ * total weight go to norm[2 item..] for `add_page_mass`, which rotates the output back. */
+static void finalize(const PagedArgs *a, int64_t item, float *norm) {
+    const int64_t R = a->Q * a->Hq, D = a->D;
     const int64_t r = item % R, b = item / R, qi = r / a->Hq, h = r % a->Hq;
     const float *part = a->partial + (b * a->splits * R + r) * (D + 2);
     const int64_t step = R * (D + 2);
@@ -901,44 +912,117 @@ static void finalize(const PagedArgs *a, int64_t item) {
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
-    /* two tiers: out is in the cold values' basis; hot values are compared with it in the model's */
-    const int v_rotated = a->cold ? (int)a->cold->v_rotated : (int)a->v_rotated;
-    float model[a->cold && a->mass_output ? D : 1], row[a->mass_output ? D : 1];
-    if (a->cold && a->mass_output) {
-        memcpy(model, out, sizeof(float) * D);
-        if (v_rotated) rotate(model, D);
+    if (a->page_mass) {
+        norm[2 * item] = m;
+        norm[2 * item + 1] = total;
+        return;
     }
-    if (a->page_mass && total > 0.0f) {
-        const float *st = a->entry_stats + (b * R + r) * N * 2;
-        float *mass = a->page_mass + (b * a->Hq + h) * N;
-        const int64_t kvh = h / (a->Hq / a->Hkv);
-        for (int64_t n = 0; n < N; n++) {
-            if (st[2 * n + 1] <= 0.0f) continue;
-            const float p = st[2 * n + 1] * exp_approx(st[2 * n] - m) * inv;
-            if (!a->mass_output) {
-                mass[n] += p / (float)a->Q;
-                continue;
-            }
-            int64_t page = a->table[b * N + n];
-            const PagedArgs *t = a; /* the pools holding the page, and what its values are compared with */
-            const float *o = out;
-            if (a->cold) {
-                const int hot = a->hot_row[page] >= 0;
-                page = hot ? a->hot_row[page] : a->cold_row[page];
-                t = hot ? a : a->cold;
-                o = hot ? model : out;
-            }
-            const Row at = {page * t->v_stride[0] + kvh * t->v_stride[2],
-                            page * t->vs_stride[0] + kvh * t->vs_stride[2]};
-            const float *v = value_row(t, at, (int)t->format, row);
-            float d2 = 0.0f;
+    if (a->cold ? a->cold->v_rotated : a->v_rotated) rotate(out, D);
+}
+
+/* |x - y|^2 of D floats. D a multiple of 16: summed in a fixed order, 16 lanes (x - y)^2 + lane, then the upper
+ * half of the lanes added to the lower down to one (the order of the plain loop below, vectorised with AVX-512). */
+static inline float distance2(const float *x, const float *y, int64_t D) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    if (D % 16) {
+        float d2 = 0.0f;
 #pragma omp simd reduction(+ : d2)
-            for (int64_t d = 0; d < D; d++) d2 += (v[d] - o[d]) * (v[d] - o[d]);
-            const float rest = 1.0f - p;
-            mass[n] += p / (rest > LEAVE_OUT_FLOOR ? rest : LEAVE_OUT_FLOOR) * sqrtf(d2) / (float)a->Q;
+        for (int64_t d = 0; d < D; d++) d2 += (x[d] - y[d]) * (x[d] - y[d]);
+        return d2;
+    }
+    v16 acc = {0};
+    for (int64_t d = 0; d < D; d += 16) {
+        v16 u, w;
+        memcpy(&u, x + d, sizeof u);
+        memcpy(&w, y + d, sizeof w);
+        acc += (u - w) * (u - w);
+    }
+    const v8 h8 = __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15)
+                  + __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v4 h4 = __builtin_shufflevector(h8, h8, 4, 5, 6, 7) + __builtin_shufflevector(h8, h8, 0, 1, 2, 3);
+    return (h4[3] + h4[1]) + (h4[2] + h4[0]);
+}
+
+/* Entry n's value row of KV head kvh in batch row b, as fp32 (in place, or dequantized into ``row``), and in
+ * ``basis`` the outputs it is compared with: two tiers, ``model`` (the outputs in the model's basis) for a hot page. */
+static const float *entry_value(const PagedArgs *a, int64_t b, int64_t n, int64_t kvh, const float *model,
+                                const float **basis, float *row) {
+    int64_t page = a->table[b * a->N + n];
+    const PagedArgs *t = a; /* the pools holding the page */
+    if (a->cold) {
+        const int hot = a->hot_row[page] >= 0;
+        page = hot ? a->hot_row[page] : a->cold_row[page];
+        t = hot ? a : a->cold;
+        if (hot) *basis = model;
+    }
+    const Row at = {page * t->v_stride[0] + kvh * t->v_stride[2], page * t->vs_stride[0] + kvh * t->vs_stride[2]};
+    return value_row(t, at, (int)t->format, row);
+}
+
+/* The page mass of batch row b, once `finalize` has normalised its rows (norm: their max and total weight): each
+ * attended entry's probability p per head, or with `mass_output` (pages of one token) its token's p / (1 - p) *
+ * |v - out|, averaged over the queries; then the outputs are rotated back (the distances are measured in the values'
+ * basis; two tiers: out is in the cold values' basis, and `model` [R, D] scratch holds it in the model's, for the hot
+ * values). Passes over a row's entry stats, in place: p into the max slot, and 0 into the sum slot of an attended
+ * entry, -1 of another (16 entries at a time); |v - out| into the sum slot (a token's value row of a KV head read,
+ * dequantized, once for the rows of all of its heads); the mass (16 at a time). Each value is computed as a loop over
+ * the entries of one row at a time did, bit for bit. */
+static void add_page_mass(const PagedArgs *a, int64_t b, const float *norm, float *model) {
+    const int64_t Hq = a->Hq, R = a->Q * Hq, D = a->D, N = a->N, group = Hq / a->Hkv;
+    const int v_rotated = a->cold ? (int)a->cold->v_rotated : (int)a->v_rotated;
+    float *outs = a->out + b * R * D, *stats = a->entry_stats + b * R * N * 2, row[D];
+    if (model) {
+        memcpy(model, outs, sizeof(float) * R * D);
+        for (int64_t r = 0; r < R && v_rotated; r++) rotate(model + r * D, D);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const float m = norm[2 * (b * R + r)], total = norm[2 * (b * R + r) + 1];
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        float *st = stats + r * N * 2;
+#pragma omp simd
+        for (int64_t n = 0; n < N; n++) {
+            const int seen = total > 0.0f && st[2 * n + 1] > 0.0f; /* nothing attended in the row: no mass */
+            st[2 * n] = seen ? st[2 * n + 1] * exp_approx(st[2 * n] - m) * inv : 0.0f;
+            st[2 * n + 1] = seen ? 0.0f : -1.0f;
         }
     }
-    if (v_rotated) rotate(out, D); /* (after the page mass, which measured in the values' basis) */
+    const float queries = (float)a->Q;
+    for (int64_t r = 0; r < R && !a->mass_output; r++) {
+        const float *st = stats + r * N * 2;
+        float *mass = a->page_mass + (b * Hq + r % Hq) * N;
+#pragma omp simd
+        for (int64_t n = 0; n < N; n++) { /* (+ 0 leaves a mass unchanged: it is never -0) */
+            const float share = st[2 * n] / queries;
+            mass[n] += st[2 * n + 1] < 0.0f ? 0.0f : share;
+        }
+    }
+    int64_t rows[R]; /* the rows of one KV head's heads */
+    for (int64_t kvh = 0; kvh < a->Hkv && a->mass_output; kvh++) {
+        int64_t count = 0;
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+            for (int64_t qi = 0; qi < a->Q; qi++) rows[count++] = qi * Hq + h;
+        for (int64_t n = 0; n < N; n++) {
+            const float *v = NULL, *basis = outs; /* the value row, once a row attended the token */
+            for (int64_t i = 0; i < count; i++) {
+                float *st = stats + (rows[i] * N + n) * 2;
+                if (st[1] < 0.0f) continue;
+                if (v == NULL) v = entry_value(a, b, n, kvh, model, &basis, row);
+                st[1] = sqrtf(distance2(v, basis + rows[i] * D, D));
+            }
+        }
+    }
+    for (int64_t r = 0; r < R && a->mass_output; r++) {
+        const float *st = stats + r * N * 2;
+        float *mass = a->page_mass + (b * Hq + r % Hq) * N;
+#pragma omp simd
+        for (int64_t n = 0; n < N; n++) { /* (+ 0 leaves a mass unchanged: it is never -0) */
+            const float p = st[2 * n], rest = 1.0f - p;
+            const float moved = p / (rest > LEAVE_OUT_FLOOR ? rest : LEAVE_OUT_FLOOR) * st[2 * n + 1] / queries;
+            mass[n] += st[2 * n + 1] < 0.0f ? 0.0f : moved;
+        }
+    }
+    for (int64_t r = 0; r < R && v_rotated; r++) rotate(outs + r * D, D);
 }
 
 /* The heads' mean or max of the page mass per head [B, Hq, N] into out [B, N]. */
@@ -977,12 +1061,16 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
                                                + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R) + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
-    int failed = a->partial == NULL || (a->page_mass && a->entry_stats == NULL);
+    /* `add_page_mass`'s scratch: norm [B, R, 2], and model [R, D] for the output signal of two tiers */
+    float *norm = a->page_mass ? malloc(sizeof(float) * a->B * R * 2) : NULL;
+    float *model = a->page_mass && a->mass_output && a->cold ? malloc(sizeof(float) * R * a->D) : NULL;
+    int failed = a->partial == NULL || (a->page_mass && (a->entry_stats == NULL || norm == NULL))
+                 || (a->page_mass && a->mass_output && a->cold && model == NULL);
     if (!failed && a->threads <= 1) { /* no parallel region: a decode step of a short row takes microseconds */
         float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
         failed = work == NULL;
         for (int64_t i = 0; i < items && !failed; i++) attend_split(a, i, fmt, cold_fmt, work);
-        for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i);
+        for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i, norm);
         free(work);
     } else if (!failed) {
 #pragma omp parallel num_threads(a->threads)
@@ -1002,11 +1090,14 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
         /* with page mass, the queries of a head add to the same entries: run those rows in one thread */
         if (!failed) {
 #pragma omp parallel for num_threads(a->threads) if (a->page_mass == NULL)
-            for (int64_t i = 0; i < a->B * R; i++) finalize(a, i);
+            for (int64_t i = 0; i < a->B * R; i++) finalize(a, i, norm);
         }
     }
+    for (int64_t b = 0; b < a->B && a->page_mass && !failed; b++) add_page_mass(a, b, norm, model);
     free(a->partial);
     free(a->entry_stats);
+    free(norm);
+    free(model);
     a->partial = a->entry_stats = NULL;
     if (reduced) {
         if (!failed) reduce_heads(a, a->page_mass, reduced);
