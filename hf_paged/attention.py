@@ -279,14 +279,15 @@ def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, s
     query is observed the kernel also returns the usage per page: attention mass (the C kernel reduces it over the
     heads itself, ``page_mass_heads``, into the probe's buffer if it gives one: `UsageProbe.into`), or the "output"
     signal where it measures it (the C kernel, pages of one token); otherwise `_observe_tail` measures it on the live
-    pages. A C kernel call with none of these, no mask and no sinks on float pages is a plain one
-    (`cpu_paged_attention.plain_attention_cpu`: its checked arguments are reused)."""
+    pages. A C kernel call with no mask and no sinks on float pages, and no usage or usage reduced into the probe's
+    buffer, is a plain one (`cpu_paged_attention.plain_attention_cpu`: its checked arguments are reused)."""
     page_table, page_pos, q_pos = view.kernel_index()
     in_c = kernel is cpu_kernel.paged_attention_cpu
     probe = view.probe
     operands = view.pages.kernel_operands()
-    if in_c and probe is None and attention_mask is None and s_aux is None and operands["kv_format"] == "float" \
-            and operands.get("cold") is None:
+    plain = (in_c and attention_mask is None and s_aux is None and operands["kv_format"] == "float"
+             and operands.get("cold") is None)
+    if plain and probe is None:
         return cpu_kernel.plain_attention_cpu(query, operands["k_pool"], operands["v_pool"], page_table, page_pos,
                                               q_pos, scaling, sliding_window, softcap)
     mask_offset = 0
@@ -302,10 +303,15 @@ def _kernel_attention(kernel, query, view: PagedView, attention_mask, scaling, s
         options["page_mass_heads"], options["page_mass_out"] = probe.heads, probe.into()
     if measured and output:
         options["page_mass_signal"] = "output"
-    result = kernel(
-        query, **operands, page_table=page_table, page_pos=page_pos, q_pos=q_pos, scale=scaling,
-        mask=attention_mask, mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
-        return_page_mass=measured, **options)
+    if plain and measured and options["page_mass_out"] is not None:  # a bounded cache's decode step
+        usage = (probe.heads, options.get("page_mass_signal", "attention"), options["page_mass_out"])
+        result = cpu_kernel.plain_attention_cpu(query, operands["k_pool"], operands["v_pool"], page_table, page_pos,
+                                                q_pos, scaling, sliding_window, softcap, usage)
+    else:
+        result = kernel(
+            query, **operands, page_table=page_table, page_pos=page_pos, q_pos=q_pos, scale=scaling,
+            mask=attention_mask, mask_offset=mask_offset, sliding_window=sliding_window, softcap=softcap,
+            s_aux=s_aux, return_page_mass=measured, **options)
     if measured:
         out, page_mass = result
         probe.report(page_mass)

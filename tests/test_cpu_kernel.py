@@ -281,6 +281,42 @@ def test_a_plain_call_reuses_its_checked_arguments_only_where_they_hold():
                                                            "q_pos", "scale")))
 
 
+@pytest.mark.parametrize("signal", ["attention", "output"])
+@pytest.mark.parametrize("heads", ["mean", "max"])
+def test_a_plain_call_with_usage_gives_the_page_mass_of_a_full_call(signal, heads):
+    """`plain_attention_cpu` with ``usage`` (a bounded cache's decode call: the page mass reduced over the heads into
+    the cache's buffer) gives the output and page mass of `paged_attention_cpu`, bit for bit, on its first call and
+    on calls that reuse its arguments (another query, another buffer, another marked table); calls without usage keep
+    their own arguments (no page mass written); a buffer of the wrong shape is refused as the full call refuses it."""
+    from hf_paged.kernels.arguments import mark_checked
+
+    case = make_case(B=2, Hq=4, Hkv=2, D=16, S=1, Q=1, lengths=[9, 6], seed=12, holes=False)
+    case["page_table"] = case["page_table"].long()
+    mark_checked(case["page_table"], case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
+    N = case["page_table"].shape[1]
+
+    def same(c: dict) -> None:
+        full, full_mass = cpu_kernel.paged_attention_cpu(**c, return_page_mass=True, page_mass_heads=heads,
+                                                         page_mass_signal=signal)
+        buffer = torch.full((2, N), float("nan"))
+        out, mass = cpu_kernel.plain_attention_cpu(c["query"], c["k_pool"], c["v_pool"], c["page_table"],
+                                                   c["page_pos"], c["q_pos"], c["scale"], usage=(heads, signal, buffer))
+        assert mass is buffer and torch.equal(out, full) and torch.equal(mass, full_mass)
+
+    same(case)
+    same(case)
+    same(dict(case, query=torch.randn_like(case["query"])))
+    another = case["page_table"].flip(1).contiguous()
+    mark_checked(another, case["page_pos"], case["q_pos"], case["k_pool"].shape[0])
+    same(dict(case, page_table=another))
+    plain = cpu_kernel.plain_attention_cpu(*(case[k] for k in ("query", "k_pool", "v_pool", "page_table", "page_pos",
+                                                               "q_pos", "scale")))
+    assert torch.equal(plain, cpu_kernel.paged_attention_cpu(**case))
+    with pytest.raises(ValueError, match="page_mass_out must be a contiguous float32 CPU tensor"):
+        cpu_kernel.plain_attention_cpu(*(case[k] for k in ("query", "k_pool", "v_pool", "page_table", "page_pos",
+                                                           "q_pos", "scale")), usage=(heads, signal, torch.zeros(2, 1)))
+
+
 def test_bad_quantized_input_is_refused_with_a_reason():
     """A format the kernel does not read, missing or misshapen scales, pools of another format, scales with float
     pools, an unknown format: each refused, naming what was wrong."""

@@ -235,38 +235,50 @@ def paged_attention_cpu(
 
 
 _PLAIN_CALL = "_hf_paged_cpu_plain_call"  # attribute of a k_pool: the checked arguments of its last plain call
+_USAGE_CALL = "_hf_paged_cpu_usage_call"  # the same for its last plain call with a page mass
 
 
 def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                         page_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
-    """`paged_attention_cpu` of float pools with no mask, sinks, page mass or cold tier: a cache's decode step. The
-    call's checked arguments are kept on ``k_pool`` and copied by the next call with the same pools (``k_pool``'s
-    pointer, shape and strides, ``v_pool`` itself and its shape), a float32 query of the same shape and strides, an
-    index of the same shapes whose table is still marked checked (`arguments.mark_checked`; int64, contiguous, all
-    on the CPU), the same options and thread count; it then sets only the pointers of the query, the index and the
-    output (a layer passes the checks when its pages grow or its table's width changes, not at every step).
-    -> ``out [B, Q, Hq, D]`` in float32 (a float32 query's dtype)."""
+                        softcap: float | None = None, usage: tuple[str, str, torch.Tensor] | None = None):
+    """`paged_attention_cpu` of float pools with no mask, sinks or cold tier: a cache's decode step. The call's
+    checked arguments are kept on ``k_pool`` and copied by the next call with the same pools (``k_pool``'s pointer,
+    shape and strides, ``v_pool`` itself and its shape), a float32 query of the same shape and strides, an index of
+    the same shapes whose table is still marked checked (`arguments.mark_checked`; int64, contiguous, all on the
+    CPU), the same options and thread count; it then sets only the pointers of the query, the index and the output
+    (a layer passes the checks when its pages grow or its table's width changes, not at every step). ``usage``:
+    (``page_mass_heads``, ``page_mass_signal``, ``page_mass_out``) of a bounded cache's step, the page mass reduced
+    over the heads into that buffer (a contiguous float32 CPU ``[B, N]``), kept apart from the calls without.
+    -> ``out [B, Q, Hq, D]`` in float32 (a float32 query's dtype), and with ``usage`` the buffer:
+    ``(out, page_mass_out)``."""
+    mass = None if usage is None else usage[2]
     key = (k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, query.shape, query.stride(), query.dtype,
-           page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads())
-    kept = getattr(k_pool, _PLAIN_CALL, None)
+           page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads(),
+           None if usage is None else (*usage[:2], mass.shape))
+    name = _PLAIN_CALL if usage is None else _USAGE_CALL
+    kept = getattr(k_pool, name, None)
     if kept is None or kept[0] != key or kept[1] is not v_pool or not marked(page_table, kept[2]) or not (
             query.is_cpu and page_table.is_cpu and page_pos.is_cpu and q_pos.is_cpu
-            and page_pos.dtype == q_pos.dtype == torch.int64 and page_pos.is_contiguous() and q_pos.is_contiguous()):
+            and page_pos.dtype == q_pos.dtype == torch.int64 and page_pos.is_contiguous() and q_pos.is_contiguous()
+            and (mass is None or (mass.is_cpu and mass.dtype == torch.float32 and mass.is_contiguous()))):
+        heads, signal = (None, "attention") if usage is None else usage[:2]
         args, out, _, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, None, 0,
-                                       sliding_window, softcap, None, False, None, None, "attention", None, None, None,
-                                       "float", None)
+                                       sliding_window, softcap, None, usage is not None, None, heads, signal, mass,
+                                       None, None, "float", None)
         if query.dtype == torch.float32 and args.table == page_table.data_ptr():  # (the index as given: no copy)
-            setattr(k_pool, _PLAIN_CALL, (key, v_pool, getattr(k_pool, _POOL_ARGS)[5], entry,
-                                          _PagedArgs.from_buffer_copy(args)))
+            setattr(k_pool, name, (key, v_pool, getattr(k_pool, _POOL_ARGS)[5], entry,
+                                   _PagedArgs.from_buffer_copy(args)))
         _run(entry, args, out)
-        return out if query.dtype == torch.float32 else out.to(query.dtype)
+        out = out if query.dtype == torch.float32 else out.to(query.dtype)
+        return out if usage is None else (out, mass)
     args = _PagedArgs.from_buffer_copy(kept[4])
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=torch.float32)
     args.q, args.out = query.data_ptr(), out.data_ptr()
     args.table, args.page_pos, args.q_pos = page_table.data_ptr(), page_pos.data_ptr(), q_pos.data_ptr()
+    if mass is not None:
+        args.page_mass = mass.data_ptr()
     _run(kept[3], args, out)
-    return out
+    return out if usage is None else (out, mass)
 
 
 def _run(entry, args: _PagedArgs, out: torch.Tensor) -> None:
