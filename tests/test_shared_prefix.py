@@ -1,0 +1,120 @@
+"""Cascade attention over a shared prefix (`hf_paged.shared_prefix`) against the per-segment path it replaces, on
+constructed packed steps, and generate_many's greedy tokens against per-prompt `generate` when it runs."""
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged import shared_prefix
+from hf_paged.attention import packed_attention
+from hf_paged.ragged_cache import RaggedCache
+from test_generate_many import generate_each, random_prompts
+from tiny_models import make_config, make_pair
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEVER = 10**9  # a threshold no prefix reaches: the per-segment path
+
+
+def attend_layer0(cache, steps, seed=0):
+    """Run ``steps`` (lists of (seq_id, n), one-token segments first) on layer 0 with random queries, keys and values;
+    returns the last step's view and queries (its step still planned)."""
+    config = CONFIG
+    Hq, Hkv = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // Hq
+    g = torch.Generator().manual_seed(seed)
+    layer = cache.layers[0]
+    for i, step in enumerate(steps):
+        cache.begin_step(step)
+        T = sum(n for _, n in step)
+        q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+        view = layer._write(k, v)
+        if i < len(steps) - 1:
+            cache.finish_step()
+    return view, q
+
+
+def both_paths(monkeypatch, view, q, min_tokens):
+    """(per-segment output, cascade output, the cascade's groups)."""
+    outs = {}
+    for threshold in (NEVER, min_tokens):
+        monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", threshold)
+        outs[threshold] = packed_attention(q, view, 0.25, None, None, None)
+    return outs[NEVER], outs[min_tokens], shared_prefix.shared_prefix_groups(view.plan)
+
+
+CONFIG = make_config("llama")  # GQA: 4 query heads, 2 KV heads
+
+
+def make_cache(page_size=4, kv_format="float"):
+    return RaggedCache(CONFIG, page_size=page_size, kv_format=kv_format)
+
+
+def share(cache, source, seq_ids, tokens):
+    for seq_id in seq_ids:
+        cache.add_sequence(seq_id, cache.sequences[source].pages[:tokens // cache.page_size], tokens)
+
+
+@pytest.mark.parametrize("kv_format", ["float", "int8"])  # int8: own tokens read from the pages, not the step
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_prefill_chunks_over_a_shared_prefix_equal_the_per_segment_path(monkeypatch, kv_format, page_size):
+    cache = make_cache(page_size=page_size, kv_format=kv_format)
+    prefix = 4 * page_size
+    cache.add_sequence(0)
+    cache.add_sequence(9)  # a sequence of its own: no shared prefix
+    attend_layer0(cache, [[(0, prefix + 3), (9, 7)]])
+    cache.finish_step()
+    share(cache, 0, [1, 2, 3, 4], prefix)
+    cache.add_sequence(5)  # a fresh prompt: no past
+    attend_layer0(cache, [[(4, 5)]])  # sequence 4's first own chunk: its next one continues after it
+    cache.finish_step()
+    view, q = attend_layer0(cache, [[(0, 1), (1, 9), (9, 6), (2, 2), (3, 13), (4, 6), (5, 8)]])
+    old, new, groups = both_paths(monkeypatch, view, q, page_size)
+    assert groups == [(4, [1, 3, 4, 5])]  # segment indices: 1, 2, 3 share with 4
+    torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+
+
+def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatch):
+    cache = make_cache()
+    cache.add_sequence(0)
+    attend_layer0(cache, [[(0, 19)]])
+    cache.finish_step()
+    share(cache, 0, [1, 2], 16)
+    cache.add_sequence(3, cache.sequences[0].pages[:2], 8)  # a shorter share of the same first pages
+    view, q = attend_layer0(cache, [[(1, 4), (2, 3), (3, 5)]])
+    old, new, groups = both_paths(monkeypatch, view, q, 4)
+    assert groups == [(2, [0, 1, 2])]  # what all three share: 2 pages
+    torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 20)
+    assert shared_prefix.shared_prefix_groups(view.plan) == []  # no chunk has 20 tokens in its past
+
+
+def test_a_wrong_merge_is_caught(monkeypatch):
+    """The comparison above can fail: dropping the own part's weight changes the output."""
+    cache = make_cache()
+    cache.add_sequence(0)
+    attend_layer0(cache, [[(0, 17)]])
+    cache.finish_step()
+    share(cache, 0, [1, 2], 16)
+    view, q = attend_layer0(cache, [[(1, 4), (2, 3)]])
+    monkeypatch.setattr(torch, "sigmoid", lambda x: torch.full_like(x, 0.5))
+    old, new, groups = both_paths(monkeypatch, view, q, 4)
+    assert groups and not torch.allclose(new, old, rtol=1e-5, atol=1e-5)
+
+
+SHARED_NEW = (6, 3, 9, 4, 7)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3", "gpt_oss"])  # softcap, windows, sinks
+def test_greedy_tokens_with_a_shared_system_prompt_equal_generate(monkeypatch, name):
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 8)
+    calls = []
+    cascade = hf_paged.attention.cascade_attention
+    monkeypatch.setattr(hf_paged.attention, "cascade_attention", lambda *a: calls.append(1) or cascade(*a))
+    ref, paged = make_pair(name)
+    system = random_prompts((24,), seed=3)[0]
+    prompts = [system + p for p in random_prompts((5, 9, 2, 13, 7), seed=4)]
+    want = generate_each(ref, prompts, SHARED_NEW, eos_token_id=None)
+    got = hf_paged.generate_many(paged, prompts, max_new_tokens=list(SHARED_NEW), page_size=4, max_batch_tokens=256,
+                                 eos_token_id=[], progress=False)
+    assert got == want
+    assert bool(calls) == (name in ("llama", "qwen3", "gemma3"))  # not with a softcap or sinks
