@@ -35,7 +35,7 @@ from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
-from .shared_prefix import cascade_attention, shared_prefix_groups
+from .shared_prefix import cascade_attention, cascade_decode, decode_cascade_applies, shared_prefix_groups
 
 logger = logging.get_logger(__name__)
 
@@ -401,17 +401,23 @@ def _segment_attention(query, view: PagedView, segment, scaling, sliding_window,
 
 def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
-    prefill chunks each over their own pages, except chunks that share a cached prefix (on the CPU, no window,
-    softcap or sinks): `shared_prefix.cascade_attention`. Returns ``[1, T, Hq, D]``."""
+    prefill chunks each over their own pages, except rows that share a cached prefix (on the CPU, no window,
+    softcap or sinks): `shared_prefix.cascade_decode`, `shared_prefix.cascade_attention`. Returns ``[1, T, Hq, D]``."""
     step = view.plan
     kernel = _kernel_for(view, 1)
     outs, first = {}, 0
+    cascade = view.pages.device.type == "cpu" and not (sliding_window or softcap or s_aux is not None)
     if kernel is not None and step.num_single:
         first = step.num_single
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
-        out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
+        groups = (shared_prefix_groups(step, decode=True)
+                  if cascade and kernel is cpu_kernel.paged_attention_cpu and decode_cascade_applies(view) else None)
+        if groups:
+            out = cascade_decode(singles, view, groups, scaling)
+        else:
+            out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
         outs[-1] = out.transpose(0, 1)  # [1, R, Hq, D]
-    if view.pages.device.type == "cpu" and not (sliding_window or softcap or s_aux is not None):
+    if cascade:
         for shared, members in shared_prefix_groups(step):
             chunks = [step.segments[i] for i in members]
             outs.update(zip(members, cascade_attention(query, view, chunks, shared, scaling)))

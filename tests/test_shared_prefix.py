@@ -33,11 +33,18 @@ def attend_layer0(cache, steps, seed=0):
     return view, q
 
 
+def set_threshold(monkeypatch, min_tokens):
+    """Groups from ``min_tokens`` shared tokens and two rows on."""
+    for name in ("PREFILL_MIN_TOKENS", "DECODE_MIN_TOKENS"):
+        monkeypatch.setattr(shared_prefix, name, min_tokens)
+    monkeypatch.setattr(shared_prefix, "DECODE_MIN_ROW_TOKENS", 2 * min_tokens)
+
+
 def both_paths(monkeypatch, view, q, min_tokens):
     """(per-segment output, cascade output, the cascade's groups)."""
     outs = {}
     for threshold in (NEVER, min_tokens):
-        monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", threshold)
+        set_threshold(monkeypatch, threshold)
         outs[threshold] = packed_attention(q, view, 0.25, None, None, None)
     return outs[NEVER], outs[min_tokens], shared_prefix.shared_prefix_groups(view.plan)
 
@@ -54,22 +61,35 @@ def share(cache, source, seq_ids, tokens):
         cache.add_sequence(seq_id, cache.sequences[source].pages[:tokens // cache.page_size], tokens)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])  # True: the prefix's page ids are not consecutive (gathered)
 @pytest.mark.parametrize("kv_format", ["float", "int8"])  # int8: own tokens read from the pages, not the step
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_prefill_chunks_over_a_shared_prefix_equal_the_per_segment_path(monkeypatch, kv_format, page_size):
+def test_rows_over_a_shared_prefix_equal_the_per_segment_path(monkeypatch, kv_format, page_size, interleaved):
+    """Decode rows and prefill chunks mixed in one step: sharers of different own lengths, one continuing an earlier
+    chunk, decode rows with and without the prefix, a chunk of a sequence of its own and a fresh prompt."""
     cache = make_cache(page_size=page_size, kv_format=kv_format)
     prefix = 4 * page_size
-    cache.add_sequence(0)
-    cache.add_sequence(9)  # a sequence of its own: no shared prefix
-    attend_layer0(cache, [[(0, prefix + 3), (9, 7)]])
+    for seq_id in (0, 8, 9):
+        cache.add_sequence(seq_id)
+    if interleaved:
+        attend_layer0(cache, [[(0, page_size), (9, page_size + 1)]])
+        cache.finish_step()
+        attend_layer0(cache, [[(0, prefix - page_size + 3), (8, 10)]])
+    else:
+        attend_layer0(cache, [[(0, prefix + 3), (9, page_size + 1), (8, 10)]])
     cache.finish_step()
-    share(cache, 0, [1, 2, 3, 4], prefix)
+    pages = cache.sequences[0].pages[:4]
+    assert (pages == list(range(pages[0], pages[0] + 4))) != interleaved
+    share(cache, 0, [1, 2, 3, 4, 6], prefix)
     cache.add_sequence(5)  # a fresh prompt: no past
     attend_layer0(cache, [[(4, 5)]])  # sequence 4's first own chunk: its next one continues after it
     cache.finish_step()
-    view, q = attend_layer0(cache, [[(0, 1), (1, 9), (9, 6), (2, 2), (3, 13), (4, 6), (5, 8)]])
+    view, q = attend_layer0(cache, [[(0, 1), (6, 1), (8, 1), (1, 9), (9, 6), (2, 2), (3, 13), (4, 6), (5, 8)]])
     old, new, groups = both_paths(monkeypatch, view, q, page_size)
-    assert groups == [(4, [1, 3, 4, 5])]  # segment indices: 1, 2, 3 share with 4
+    assert groups == [(4, [3, 5, 6, 7])]  # segment indices: the chunks of sequences 1, 2, 3, 4
+    decode = kv_format == "float"  # (the C kernel's log-sum-exp: float pages)
+    assert shared_prefix.shared_prefix_groups(view.plan, decode=True) == [(4, [0, 1])]  # sequences 0 and 6
+    assert decode == shared_prefix.decode_cascade_applies(view)
     torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
 
 
@@ -84,7 +104,7 @@ def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatc
     old, new, groups = both_paths(monkeypatch, view, q, 4)
     assert groups == [(2, [0, 1, 2])]  # what all three share: 2 pages
     torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 20)
+    set_threshold(monkeypatch, 20)
     assert shared_prefix.shared_prefix_groups(view.plan) == []  # no chunk has 20 tokens in its past
 
 
@@ -106,7 +126,7 @@ SHARED_NEW = (6, 3, 9, 4, 7)
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3", "gpt_oss"])  # softcap, windows, sinks
 def test_greedy_tokens_with_a_shared_system_prompt_equal_generate(monkeypatch, name):
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 8)
+    set_threshold(monkeypatch, 8)
     calls = []
     cascade = hf_paged.attention.cascade_attention
     monkeypatch.setattr(hf_paged.attention, "cascade_attention", lambda *a: calls.append(1) or cascade(*a))
