@@ -93,12 +93,18 @@ def test_rows_over_a_shared_prefix_equal_the_per_segment_path(monkeypatch, kv_fo
     torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
 
 
-def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatch):
+def prefix_of(tokens):
+    """A cache of pages of 4 whose sequence 0 holds ``tokens``, shared by sequences 1 and 2 (their first 16)."""
     cache = make_cache()
     cache.add_sequence(0)
-    attend_layer0(cache, [[(0, 19)]])
+    attend_layer0(cache, [[(0, tokens)]])
     cache.finish_step()
     share(cache, 0, [1, 2], 16)
+    return cache
+
+
+def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatch):
+    cache = prefix_of(19)
     cache.add_sequence(3, cache.sequences[0].pages[:2], 8)  # a shorter share of the same first pages
     view, q = attend_layer0(cache, [[(1, 4), (2, 3), (3, 5)]])
     old, new, groups = both_paths(monkeypatch, view, q, 4)
@@ -110,12 +116,7 @@ def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatc
 
 def test_a_wrong_merge_is_caught(monkeypatch):
     """The comparison above can fail: dropping the own part's weight changes the output."""
-    cache = make_cache()
-    cache.add_sequence(0)
-    attend_layer0(cache, [[(0, 17)]])
-    cache.finish_step()
-    share(cache, 0, [1, 2], 16)
-    view, q = attend_layer0(cache, [[(1, 4), (2, 3)]])
+    view, q = attend_layer0(prefix_of(17), [[(1, 4), (2, 3)]])
     monkeypatch.setattr(torch, "sigmoid", lambda x: torch.full_like(x, 0.5))
     old, new, groups = both_paths(monkeypatch, view, q, 4)
     assert groups and not torch.allclose(new, old, rtol=1e-5, atol=1e-5)
