@@ -406,7 +406,8 @@ def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s
     step = view.plan
     kernel = _kernel_for(view, 1)
     outs, first = {}, 0
-    cascade = view.pages.device.type == "cpu" and not (sliding_window or softcap or s_aux is not None)
+    cascade = step.shared_start and view.pages.device.type == "cpu" and not (
+        sliding_window or softcap or s_aux is not None)
     if kernel is not None and step.num_single:
         first = step.num_single
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
