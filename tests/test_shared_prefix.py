@@ -1,6 +1,9 @@
 """Cascade attention over a shared prefix (`hf_paged.shared_prefix`) against the per-segment path it replaces, on
 constructed packed steps, and generate_many's greedy tokens against per-prompt `generate` when it runs."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from test_generate_many import generate_each, random_prompts
 from tiny_models import make_config, make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
 NEVER = 10**9  # a threshold no prefix reaches: the per-segment path
 
 
@@ -143,3 +147,16 @@ def test_greedy_tokens_with_a_shared_system_prompt_equal_generate(monkeypatch, n
                                  eos_token_id=[], progress=False)
     assert got == want
     assert bool(calls) == (name in ("llama", "qwen3", "gemma3"))  # not with a softcap or sinks
+
+
+def test_the_benchmark_script_measures_both_paths_and_they_agree(tmp_path):
+    """scripts/shared_prefix_bench.py on a small sweep: every row measured, the two paths' outputs equal."""
+    spec = importlib.util.spec_from_file_location("shared_prefix_bench", ROOT / "scripts" / "shared_prefix_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(bench.parse_args(["--prefixes", "32", "--rows", "2", "--chunks", "2", "--own", "20,9",
+                                        "--generated", "1", "--repeats", "2", "--out", str(tmp_path)]))
+    assert [(r["step"], r["rows"]) for r in rows] == [("prefill", 2), ("decode", 2)]
+    assert all(r["max_abs_diff"] < 1e-5 and r["per_row_ms"] > 0 and r["cascade_ms"] > 0 for r in rows)
+    assert (tmp_path / "shared_prefix.md").read_text().count("\n| ") == 3  # header and two rows
+    assert shared_prefix.PREFILL_MIN_TOKENS == 512  # the thresholds are restored
