@@ -35,6 +35,7 @@ from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
+from .shared_prefix import cascade_attention, cascade_decode, decode_cascade_applies, shared_prefix_groups
 
 logger = logging.get_logger(__name__)
 
@@ -400,19 +401,34 @@ def _segment_attention(query, view: PagedView, segment, scaling, sliding_window,
 
 def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
     """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
-    prefill chunks each over their own pages. Returns ``[1, T, Hq, D]``."""
+    prefill chunks each over their own pages, except rows that share a cached prefix (on the CPU, no window,
+    softcap or sinks): `shared_prefix.cascade_decode`, `shared_prefix.cascade_attention`. Returns ``[1, T, Hq, D]``."""
     step = view.plan
     kernel = _kernel_for(view, 1)
-    outs, first = [], 0
+    outs, first = {}, 0
+    cascade = step.shared_start and view.pages.device.type == "cpu" and not (
+        sliding_window or softcap or s_aux is not None)
     if kernel is not None and step.num_single:
         first = step.num_single
         singles = query[0, :, :first].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
-        out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
-        outs.append(out.transpose(0, 1))  # [1, R, Hq, D]
-    for segment in step.segments[first:]:
-        q = query[:, :, segment.start:segment.start + segment.length]
-        outs.append(_segment_attention(q, view, segment, scaling, sliding_window, softcap, s_aux))
-    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        groups = (shared_prefix_groups(step, decode=True)
+                  if cascade and kernel is cpu_kernel.paged_attention_cpu and decode_cascade_applies(view) else None)
+        if groups:
+            out = cascade_decode(singles, view, groups, scaling)
+        else:
+            out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
+        outs[-1] = out.transpose(0, 1)  # [1, R, Hq, D]
+    if cascade:
+        for shared, members in shared_prefix_groups(step):
+            chunks = [step.segments[i] for i in members]
+            outs.update(zip(members, cascade_attention(query, view, chunks, shared, scaling)))
+    for i in range(first, len(step.segments)):
+        if i not in outs:
+            segment = step.segments[i]
+            q = query[:, :, segment.start:segment.start + segment.length]
+            outs[i] = _segment_attention(q, view, segment, scaling, sliding_window, softcap, s_aux)
+    parts = [outs[i] for i in sorted(outs)]
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 def _attend_window(module, query, key, value, attention_mask, scaling, softcap, s_aux) -> torch.Tensor:

@@ -123,15 +123,16 @@ def query_positions(rows: int, past: int, q_len: int) -> torch.Tensor:
 
 
 def kernel_index(memo: dict, device: torch.device, num_pages: int,
-                 build: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+                 build: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], name: str = "kernel"):
     """(page_table [R, N], page_pos [R, N], q_pos [R, Q]) for the paged kernels on ``device``, contiguous: ``build()``
-    makes them on the host once per step (``memo`` is the step's) and device (`remember_kernel_index`)."""
-    index = memo.get(("kernel", device))
-    return index if index is not None else remember_kernel_index(memo, device, num_pages, build())
+    makes them on the host once per step (``memo`` is the step's, ``name`` tells a step's indexes apart) and device
+    (`remember_kernel_index`)."""
+    index = memo.get((name, device))
+    return index if index is not None else remember_kernel_index(memo, device, num_pages, build(), name)
 
 
 def remember_kernel_index(memo: dict, device: torch.device, num_pages: int,
-                          rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+                          rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], name: str = "kernel"):
     """The kernel index of the host ``rows`` (page_table, page_pos, q_pos) on ``device``, kept in ``memo`` (a step's):
     int32 pages on CUDA (Triton), int64 on the CPU (the C kernel's type). The page ids are checked here against
     pages of ``num_pages`` pages, once per step and device (the kernels read pages unchecked; `mark_checked`
@@ -143,7 +144,7 @@ def remember_kernel_index(memo: dict, device: torch.device, num_pages: int,
     moved = (table, page_pos, q_pos) if device.type == "cpu" else (t.to(device) for t in (table, page_pos, q_pos))
     index = tuple(t.contiguous() for t in moved)
     mark_checked(*index, num_pages)
-    memo[("kernel", device)] = index
+    memo[(name, device)] = index
     return index
 
 

@@ -89,6 +89,7 @@ class RaggedStep:
     copy_src: torch.Tensor | None  # long [C]: shared partial pages copied before writing
     copy_dst: torch.Tensor | None
     page_size: int
+    shared_start: bool = False  # two sequences begin with the same page (a shared prefix: `hf_paged.shared_prefix`)
     _on_device: dict = field(default_factory=dict)
     packed = True  # (a class constant) the tokens of several sequences in one row: see `PagedKV`
 
@@ -167,7 +168,9 @@ class RaggedGroup:
             segments.append(Segment(seq_id, start, n, length, torch.tensor(table, dtype=torch.long), first))
             start += n
         src, dst = (torch.tensor(side) for side in zip(*copies)) if copies else (None, None)
-        self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S)
+        starts = [table[0] for table in tables if table[0] != EVICTED]
+        self.step = RaggedStep(segments, num_single, torch.tensor(slots, dtype=torch.long), src, dst, S,
+                               len(set(starts)) < len(starts))
         return self.step
 
     def finish(self, sequences: dict | None = None, g: int = 0, prefilling=()) -> None:

@@ -175,6 +175,41 @@ def test_fully_masked_rows_give_zeros(sink):
     check(case, num_splits=2)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_sum_exp_merges_the_attention_of_two_halves_of_a_table(dtype, splits):
+    """``return_lse``: attention over a table's two halves (the other half as holes), merged by their log-sum-exp,
+    is attention over the whole table, and the output is bit-identical to a call that does not ask for it."""
+    case = make_case(B=3, Hq=6, Hkv=2, D=16, S=4, Q=2, lengths=[37, 9, 22], pad=[0, 2, 0], seed=3, dtype=dtype)
+    case["query"] = case["query"].float()
+    whole, lse = cpu_kernel.paged_attention_cpu(**case, num_splits=splits, return_lse=True)
+    assert torch.equal(whole, cpu_kernel.paged_attention_cpu(**case, num_splits=splits))
+    table, cut = case["page_table"], case["page_table"].shape[1] // 2
+    halves = []
+    for keep in (slice(0, cut), slice(cut, None)):
+        part = table.clone()
+        part[:, keep] = -1
+        halves.append(cpu_kernel.paged_attention_cpu(**dict(case, page_table=part), num_splits=splits,
+                                                     return_lse=True))
+    (out1, lse1), (out2, lse2) = halves
+    torch.testing.assert_close(torch.logaddexp(lse1, lse2), lse, rtol=1e-5, atol=1e-5)
+    w1, w2 = (torch.exp(x - lse).nan_to_num().unsqueeze(-1) for x in (lse1, lse2))
+    torch.testing.assert_close(out1 * w1 + out2 * w2, whole, rtol=1e-5, atol=1e-5)
+    plain, plain_lse = cpu_kernel.plain_attention_cpu(case["query"], case["k_pool"], case["v_pool"], table,
+                                                      case["page_pos"], case["q_pos"], case["scale"],
+                                                      return_lse=True)
+    case["mask"] = None
+    out, want = cpu_kernel.paged_attention_cpu(**case, return_lse=True)
+    assert torch.equal(plain, out) and torch.equal(plain_lse, want)
+
+
+def test_log_sum_exp_of_a_row_that_attends_nothing_is_minus_infinity():
+    case = make_case(B=2, Hq=4, Hkv=2, D=16, S=3, Q=3, lengths=[9, 6], pad=[0, 0], seed=5)
+    case["mask"][0, :, 1, :] = False  # query 1 of row 0 sees nothing
+    _, lse = cpu_kernel.paged_attention_cpu(**case, return_lse=True)
+    assert torch.all(lse[0, 1] == -torch.inf) and torch.isfinite(lse[0, 0]).all()
+
+
 def test_bad_input_is_refused_with_a_reason():
     case = make_case(B=1, Hq=4, Hkv=2, D=8, S=4, Q=1, lengths=[5], seed=8)
     with pytest.raises(TypeError, match="float32 or bfloat16"):

@@ -10,7 +10,8 @@
  * and part of one when they are larger): scores for the chunk, one rescale of the running (max, sum,
  * acc) per row, then the weighted sum of V. Slots that no row may attend are never read
  * into the result (they may hold garbage, even NaN). Splits write unnormalised partials that
- * `finalize` merges, adding the sink logit and the page mass. Everything accumulates in fp32.
+ * `finalize` merges, adding the sink logit and the page mass (and, asked for, each row's log-sum-exp: a caller merges
+ * attention over other tokens with it). Everything accumulates in fp32.
  * With `mass_output` (pages of one token) the page "mass" is how far the head's output would move if
  * the token were dropped, p / (1 - p) * |v - out| for its probability p: `add_page_mass` reads its value.
  *
@@ -87,6 +88,7 @@ typedef struct PagedArgs {
      * cold_row[id] (its row in cold's pools) say where each page is; NULL for one pool read directly. */
     const int64_t *hot_row, *cold_row;
     const struct PagedArgs *cold; /* the cold pools: a copy of these args with the pool fields of its format */
+    float *lse;            /* [B, Q, Hq] or NULL: each row's log-sum-exp of its scores (and sink); -inf: none */
 } PagedArgs;
 
 /* exp(x) for x <= 88, ~2 ulp; plain arithmetic so that loops over it vectorise. */
@@ -912,6 +914,7 @@ static void finalize(const PagedArgs *a, int64_t item, float *norm) {
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    if (a->lse) a->lse[(b * a->Q + qi) * a->Hq + h] = total > 0.0f ? m + logf(total) : -INFINITY;
     if (a->page_mass) {
         norm[2 * item] = m;
         norm[2 * item + 1] = total;

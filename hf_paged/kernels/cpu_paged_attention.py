@@ -64,7 +64,7 @@ class _PagedArgs(ctypes.Structure):
         ("mask_per_head", _i64),
         ("sinks", _ptr), ("out", _ptr), ("page_mass", _ptr), ("mass_heads", _i64), ("mass_output", _i64),
         ("splits", _i64), ("threads", _i64), ("partial", _ptr), ("entry_stats", _ptr),
-        ("k_page_params", _i64), ("hot_row", _ptr), ("cold_row", _ptr), ("cold", _ptr),
+        ("k_page_params", _i64), ("hot_row", _ptr), ("cold_row", _ptr), ("cold", _ptr), ("lse", _ptr),
     ]
 
 
@@ -210,7 +210,8 @@ def paged_attention_cpu(
     v_scale: torch.Tensor | None = None,
     kv_format: str = "float",
     cold: ColdTier | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Paged attention of ``query [B, Hq, Q, D]`` over ``k_pool/v_pool [P, S, Hkv, D]`` (CPU tensors).
 
     Arguments as in :func:`~hf_paged.kernels.triton_paged_attention.paged_attention_triton`; float pools must
@@ -222,16 +223,32 @@ def paged_attention_cpu(
     with ``return_page_mass``, or its heads' ``"mean"`` or ``"max"`` ``[B, N]`` with ``page_mass_heads``;
     ``page_mass_signal="output"`` (pages of one token): instead of each token's probability, how far it moves
     the head's output (reference.py). ``page_mass_out``: with ``page_mass_heads``, a contiguous float32 ``[B, N]``
-    tensor the reduced page mass is written into (every entry) and returned, instead of a new one.
+    tensor the reduced page mass is written into (every entry) and returned, instead of a new one. ``return_lse``:
+    also (last) each (query, head)'s log-sum-exp of its scores, float32 ``[B, Q, Hq]`` (-inf where it attends
+    nothing; with sinks it counts the sink), to merge with attention over other tokens.
     """
     args, out, page_mass, entry = _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask,
                                            mask_offset, sliding_window, softcap, s_aux, return_page_mass, num_splits,
                                            page_mass_heads, page_mass_signal, page_mass_out, k_scale, v_scale,
                                            kv_format, cold)
+    lse = _lse_into(args, out) if return_lse else None
     _run(entry, args, out)
     if query.dtype != torch.float32:
         out = out.to(query.dtype)
-    return (out, page_mass) if return_page_mass else out
+    return _outputs(out, page_mass if return_page_mass else None, lse)
+
+
+def _lse_into(args: _PagedArgs, out: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[B, Q, Hq]`` tensor the kernel writes each row's log-sum-exp into (``args.lse``)."""
+    lse = torch.empty(out.shape[:3], dtype=torch.float32)
+    args.lse = lse.data_ptr()
+    return lse
+
+
+def _outputs(out, page_mass, lse):
+    """``out``, or ``(out, page_mass and / or lse)`` for those asked for."""
+    extra = tuple(t for t in (page_mass, lse) if t is not None)
+    return (out, *extra) if extra else out
 
 
 _PLAIN_CALL = "_hf_paged_cpu_plain_call"  # attribute of a k_pool: the checked arguments of its last plain call
@@ -240,7 +257,8 @@ _USAGE_CALL = "_hf_paged_cpu_usage_call"  # the same for its last plain call wit
 
 def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                         page_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None, usage: tuple[str, str, torch.Tensor] | None = None):
+                        softcap: float | None = None, usage: tuple[str, str, torch.Tensor] | None = None,
+                        return_lse: bool = False):
     """`paged_attention_cpu` of float pools with no mask, sinks or cold tier: a cache's decode step. The call's
     checked arguments are kept on ``k_pool`` and copied by the next call with the same pools (``k_pool``'s pointer,
     shape and strides, ``v_pool`` itself and its shape), a float32 query of the same shape and strides, an index of
@@ -250,11 +268,11 @@ def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     (``page_mass_heads``, ``page_mass_signal``, ``page_mass_out``) of a bounded cache's step, the page mass reduced
     over the heads into that buffer (a contiguous float32 CPU ``[B, N]``), kept apart from the calls without.
     -> ``out [B, Q, Hq, D]`` in float32 (a float32 query's dtype), and with ``usage`` the buffer:
-    ``(out, page_mass_out)``."""
+    ``(out, page_mass_out)``; ``return_lse``: and (last) the rows' log-sum-exp (`paged_attention_cpu`)."""
     mass = None if usage is None else usage[2]
     key = (k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, query.shape, query.stride(), query.dtype,
            page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads(),
-           None if usage is None else (*usage[:2], mass.shape))
+           None if usage is None else (*usage[:2], mass.shape), return_lse)
     name = _PLAIN_CALL if usage is None else _USAGE_CALL
     kept = getattr(k_pool, name, None)
     if kept is None or kept[0] != key or kept[1] is not v_pool or not marked(page_table, kept[2]) or not (
@@ -268,17 +286,19 @@ def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         if query.dtype == torch.float32 and args.table == page_table.data_ptr():  # (the index as given: no copy)
             setattr(k_pool, name, (key, v_pool, getattr(k_pool, _POOL_ARGS)[5], entry,
                                    _PagedArgs.from_buffer_copy(args)))
+        lse = _lse_into(args, out) if return_lse else None
         _run(entry, args, out)
         out = out if query.dtype == torch.float32 else out.to(query.dtype)
-        return out if usage is None else (out, mass)
+        return _outputs(out, mass, lse)
     args = _PagedArgs.from_buffer_copy(kept[4])
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=torch.float32)
     args.q, args.out = query.data_ptr(), out.data_ptr()
     args.table, args.page_pos, args.q_pos = page_table.data_ptr(), page_pos.data_ptr(), q_pos.data_ptr()
     if mass is not None:
         args.page_mass = mass.data_ptr()
+    lse = _lse_into(args, out) if return_lse else None
     _run(kept[3], args, out)
-    return out if usage is None else (out, mass)
+    return _outputs(out, mass, lse)
 
 
 def _run(entry, args: _PagedArgs, out: torch.Tensor) -> None:
