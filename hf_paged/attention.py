@@ -35,6 +35,7 @@ from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
+from .segment_kv import causal_positions, segment_kv
 from .shared_prefix import cascade_attention, cascade_decode, decode_cascade_applies, shared_prefix_groups
 
 logger = logging.get_logger(__name__)
@@ -382,17 +383,11 @@ def _segment_attention(query, view: PagedView, segment, scaling, sliding_window,
     """One sequence's new queries ``[1, Hq, L, D]`` over its gathered pages (causal, its own positions), from its
     first page still held (the ones before left the sliding window). A sequence with no past reads its keys and
     values from the step itself when the view has them (``step_kv``: what its pages hold, bit for bit)."""
-    total, first = segment.past + segment.length, segment.first_page * view.plan.page_size
-    if segment.past == 0 and view.step_kv is not None:
-        keys, values = (t[:, :, segment.start:segment.start + segment.length] for t in view.step_kv)
-    else:
-        keys, values = view.pages.gather(segment.pages[segment.first_page:].to(view.pages.device))
-        keys = keys.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total - first, D]
-        values = values.flatten(0, 1)[:total - first].transpose(0, 1).unsqueeze(0)
+    first = segment.first_page * view.plan.page_size
+    keys, values = segment_kv(view, segment, first)
     mask = None
     if segment.past or sliding_window:
-        k_pos = torch.arange(first, total, device=query.device)
-        q_pos = k_pos[segment.past - first:, None]
+        k_pos, q_pos = causal_positions(segment, first, query.device)
         mask = k_pos <= q_pos
         if sliding_window:
             mask &= q_pos - k_pos < sliding_window

@@ -19,6 +19,7 @@ import torch
 
 from .kernels import cpu_paged_attention as cpu_kernel
 from .page_tables import kernel_index
+from .segment_kv import causal_positions, segment_kv
 
 # When a group pays (one layer's attention, SmolLM2, 1 thread: docs/many_prompts.md, "Cascade attention"): prefill
 # chunks sharing 512 tokens (at 64-256 the per-chunk path was as fast or faster), decode rows when rows x shared
@@ -97,19 +98,12 @@ def _merge(own, own_lse, prefix, prefix_lse) -> torch.Tensor:
 def _own_part(query, view, segment, shared: int, scaling):
     """``segment``'s queries ``[1, Hq, L, D]`` over its tokens from position ``shared`` on (causal): output
     ``[1, Hq, L, D]`` and log-sum-exp ``[1, Hq, L]`` (float32)."""
-    total = segment.past + segment.length
-    if segment.past == shared and view.step_kv is not None:  # all its own tokens are in this step
-        keys, values = (t[:, :, segment.start:segment.start + segment.length] for t in view.step_kv)
-    else:
-        first_page = shared // view.plan.page_size
-        keys, values = view.pages.gather(segment.pages[first_page:].to(view.pages.device))
-        keys = keys.flatten(0, 1)[:total - shared].transpose(0, 1).unsqueeze(0)  # [1, Hkv, total - shared, D]
-        values = values.flatten(0, 1)[:total - shared].transpose(0, 1).unsqueeze(0)
+    keys, values = segment_kv(view, segment, shared)
     if segment.past == shared:
         return _flash(query, keys, values, 0.0, True, scale=scaling)
-    k_pos = torch.arange(shared, total, device=query.device)
-    allowed = k_pos <= k_pos[segment.past - shared:, None]
-    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+    k_pos, q_pos = causal_positions(segment, shared, query.device)
+    mask = torch.zeros((len(q_pos), len(k_pos)), dtype=query.dtype, device=query.device)
+    mask.masked_fill_(k_pos > q_pos, float("-inf"))
     return _flash(query, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
 
 

@@ -272,7 +272,7 @@ def plain_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     mass = None if usage is None else usage[2]
     key = (k_pool.data_ptr(), k_pool.shape, k_pool.stride(), v_pool.shape, query.shape, query.stride(), query.dtype,
            page_table.shape, page_pos.shape, q_pos.shape, scale, sliding_window, softcap, torch.get_num_threads(),
-           None if usage is None else (*usage[:2], mass.shape), return_lse)
+           None if usage is None else (*usage[:2], mass.shape))
     name = _PLAIN_CALL if usage is None else _USAGE_CALL
     kept = getattr(k_pool, name, None)
     if kept is None or kept[0] != key or kept[1] is not v_pool or not marked(page_table, kept[2]) or not (
