@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import KERNEL_CASES, assert_matches_reference, make_case, quantize_case
+from kernel_cases import TOL, KERNEL_CASES, assert_matches_reference, make_case, quantize_case, rel_err
 from tiny_models import left_padded_batch, make_pair
 
 import hf_paged
@@ -102,15 +102,15 @@ def test_page_mass_written_into_a_given_buffer():
 def test_output_signal_matches_reference(shape, splits, threads, monkeypatch):
     """``page_mass_signal="output"``: how far each token moves its head's output, as the reference defines it
     (several queries, a per-head mask, sinks, bfloat16 pools, the heads of a KV head reading a value row
-    together, on 1 and 2 threads); the attention output is the same, the heads' reduction applies to it;
-    refused for pages of several tokens."""
+    together, on 1 and 2 threads); the attention output is a plain call's (which takes the float walk: up to the
+    order of float additions), the heads' reduction applies to it; refused for pages of several tokens."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     case = make_case(seed=3, **shape)
     out, moved = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits,
                                                 page_mass_signal="output")
     _, want = paged_attention_reference(**case, return_page_mass=True, page_mass_signal="output")
     torch.testing.assert_close(moved, want, rtol=1e-4, atol=1e-5)
-    assert torch.equal(out, cpu_kernel.paged_attention_cpu(**case, num_splits=splits))
+    assert rel_err(out, cpu_kernel.paged_attention_cpu(**case, num_splits=splits)) <= TOL[out.dtype]  # (float walk)
     assert torch.all(moved.masked_select((case["page_table"] < 0)[:, None, :]) == 0)
     _, mass = cpu_kernel.paged_attention_cpu(**case, return_page_mass=True, num_splits=splits)
     assert not torch.allclose(moved, mass, rtol=0.1)  # another signal than the attention mass
@@ -142,6 +142,24 @@ def test_head_dims(D, Hq, Hkv, Q):
     per slot; query rows of a KV head (GQA group x queries) add values in blocks of 4, or 3 when 3 are left: all
     exact."""
     check(make_case(B=2, Hq=Hq, Hkv=Hkv, D=D, S=20, Q=Q, lengths=[75, 41], pad=[3, 0], seed=D), num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,Q", [(9, 3, 1), (16, 2, 1), (6, 3, 2), (4, 4, 3)])
+@pytest.mark.parametrize("D", [16, 64, 80, 128])
+def test_float_walk_matches_reference(D, Hq, Hkv, Q, dtype):
+    """A call with no page mass, mask, window or softcap on float pages takes the kernel's float walk (its slots 256 at
+    a time): rows longer than a block, blocks that end mid-page, -1 holes, shuffled and evicted pages, NaN in every
+    slot no query attends, query rows of a KV head in blocks of 4 and the rest, head dims of 1 to 8 blocks of 16
+    lanes, with and without splits; its log-sum-exp too."""
+    case = make_case(B=3, Hq=Hq, Hkv=Hkv, D=D, S=20, Q=Q, lengths=[600, 75, 257], drop_page=True, sink=Q == 1,
+                     seed=D + Hq + Q, dtype=dtype)
+    for splits in (1, 3):
+        out, lse = cpu_kernel.paged_attention_cpu(**case, num_splits=splits, return_lse=True)
+        assert torch.isfinite(out).all() and rel_err(out, paged_attention_reference(**case)) <= TOL[dtype]
+        full, _, full_lse = cpu_kernel.paged_attention_cpu(**case, num_splits=splits, return_lse=True,
+                                                           return_page_mass=True)  # (the general walk)
+        assert rel_err(out, full) <= TOL[dtype] and torch.allclose(lse, full_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_format", ["float", "int8", "int4", "int2"])
