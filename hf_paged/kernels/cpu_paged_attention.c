@@ -749,6 +749,34 @@ typedef struct {
     ChunkScales cs;
 } Scratch;
 
+/* Fold a row's scores ``sr[0..n)`` (MASKED where it may not attend) into its running (max, sum) and accumulator
+ * ``acc`` [D] (rescaled to the new max): ``sr`` becomes the probability weights relative to the new max, 0 where
+ * masked. Returns 0, with ``sr`` all 0 and the running state untouched, when no score is attended. */
+static inline __attribute__((always_inline)) int update_softmax(float *sr, int64_t n, float *run_max, float *run_sum,
+                                                                float *acc, int64_t D) {
+    float chunk_max = MASKED;
+#pragma omp simd reduction(max : chunk_max)
+    for (int64_t c = 0; c < n; c++) chunk_max = sr[c] > chunk_max ? sr[c] : chunk_max;
+    if (chunk_max <= MASKED) {
+        for (int64_t c = 0; c < n; c++) sr[c] = 0.0f;
+        return 0;
+    }
+    const float new_max = *run_max > chunk_max ? *run_max : chunk_max;
+    const float rescale = exp_approx(*run_max - new_max);
+    float chunk_sum = 0.0f;
+#pragma omp simd reduction(+ : chunk_sum)
+    for (int64_t c = 0; c < n; c++) {
+        const float p = sr[c] <= MASKED ? 0.0f : exp_approx(sr[c] - new_max);
+        sr[c] = p;
+        chunk_sum += p;
+    }
+    *run_sum = *run_sum * rescale + chunk_sum;
+    if (rescale != 1.0f)
+        for (int64_t d = 0; d < D; d++) acc[d] *= rescale;
+    *run_max = new_max;
+    return 1;
+}
+
 /* Fold entries [n_begin, n_end) of row b held in the pools of ``a`` (format fmt) into the running (max, sum, acc):
  * ``rows`` maps a table id to its row of these pools (-1: not here, skipped like a hole), NULL: ids are rows. */
 static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *a, const int64_t *rows, int64_t b,
@@ -786,31 +814,9 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
                            w->page_base, w->slot_base, &page_at);
         else
             chunk_scores(a, ch, next, slot_used, allowed, q, score, fmt, w->slot);
-        /* online softmax: one rescale per row and chunk; score becomes the probability weight */
-        for (int64_t r = 0; r < R; r++) {
-            float *sr = score + r * CHUNK;
-            float chunk_max = MASKED;
-#pragma omp simd reduction(max : chunk_max)
-            for (int64_t c = 0; c < C; c++) chunk_max = sr[c] > chunk_max ? sr[c] : chunk_max;
-            if (chunk_max <= MASKED) {
-                for (int64_t c = 0; c < C; c++) sr[c] = 0.0f;
-                continue;
-            }
-            const float new_max = run_max[r] > chunk_max ? run_max[r] : chunk_max;
-            const float rescale = exp_approx(run_max[r] - new_max);
-            float chunk_sum = 0.0f;
-#pragma omp simd reduction(+ : chunk_sum)
-            for (int64_t c = 0; c < C; c++) {
-                const float p = sr[c] <= MASKED ? 0.0f : exp_approx(sr[c] - new_max);
-                sr[c] = p;
-                chunk_sum += p;
-            }
-            run_sum[r] = run_sum[r] * rescale + chunk_sum;
-            if (rescale != 1.0f)
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] *= rescale;
-            run_max[r] = new_max;
-            if (w->entry_stats) add_entry_stats(a, w->entry_stats, b, r, ch, sr, new_max);
-        }
+        for (int64_t r = 0; r < R; r++) /* one rescale per row and chunk; score becomes the probability weight */
+            if (update_softmax(score + r * CHUNK, C, run_max + r, run_sum + r, acc + r * D, D) && w->entry_stats)
+                add_entry_stats(a, w->entry_stats, b, r, ch, score + r * CHUNK, run_max[r]);
         add_values(a, ch, slot_used, score, acc, fmt);
     }
 }
@@ -886,28 +892,8 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
                         for (int t = 0; t < 16; t++) sr[t] = bits >> t & 1 ? sr[t] : MASKED;
                     }
             }
-        for (int64_t r = 0; r < R; r++) { /* one softmax update a row: its scores become its weights */
-            float *sr = score + r * BLOCK, block_max = MASKED;
-#pragma omp simd reduction(max : block_max)
-            for (int64_t t = 0; t < lanes; t++) block_max = sr[t] > block_max ? sr[t] : block_max;
-            if (block_max <= MASKED) {
-                memset(sr, 0, sizeof(float) * lanes);
-                continue;
-            }
-            const float new_max = w->run_max[r] > block_max ? w->run_max[r] : block_max;
-            const float rescale = exp_approx(w->run_max[r] - new_max);
-            float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-            for (int64_t t = 0; t < lanes; t++) {
-                const float p = sr[t] <= MASKED ? 0.0f : exp_approx(sr[t] - new_max);
-                sr[t] = p;
-                block_sum += p;
-            }
-            w->run_sum[r] = w->run_sum[r] * rescale + block_sum;
-            if (rescale != 1.0f)
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] *= rescale;
-            w->run_max[r] = new_max;
-        }
+        for (int64_t r = 0; r < R; r++) /* one softmax update a row: its scores become its weights */
+            update_softmax(score + r * BLOCK, lanes, w->run_max + r, w->run_sum + r, acc + r * D, D);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) /* the weighted values: 4 rows x 4 blocks of lanes at a time */
             for (int64_t i0 = 0; i0 < rows; i0 += 4) {
                 const int64_t nr = rows - i0 < 4 ? rows - i0 : 4;
