@@ -743,7 +743,6 @@ static inline void chunk_scales(const PagedArgs *a, const Chunk *ch, const uint8
 typedef struct {
     float *partial16, *q, *acc, *run_max, *run_sum, *slot, *score, *page_q, *page_base, *slot_base;
     float *block_score;   /* `walk_float`'s scores, then weights: [R][BLOCK] */
-    int64_t *block_slots; /* `walk_float`'s slot offsets and positions: [3][BLOCK] */
     float *entry_stats; /* run()'s, or NULL (the cold tier's args are a copy made before run() set it) */
     uint8_t *allowed;
     ChunkScales cs;
@@ -828,32 +827,22 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
  * every row's scores into ``w->block_score`` [R][BLOCK] (a key row read once for its KV head's query rows,
  * `group_dots`, one lane-sum tree a row and 16 slots); then per row one softmax update over the block (its max,
  * one rescale, the weights), and the weighted value rows, the accumulators of up to 4 rows held in registers while
- * the block's value rows pass. One update per BLOCK slots instead of one per chunk is what makes it faster (0.75-0.85x
- * the time on cached pages, docs/kernels.md). Slots no query attends are never read into the result (their scores
+ * the block's value rows pass (its slots: BLOCK / CHUNK chunks of `next_chunk`). One update per BLOCK slots instead
+ * of one per chunk is what makes it faster (0.83-0.87x the time on cached pages, docs/kernels.md). Slots no query attends are never read into the result (their scores
  * are masked, their values skipped). Same results as `walk_entries` up to the order of float additions. */
 static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a, int64_t b, int64_t n_begin,
                                                               int64_t n_end, int fmt, int64_t blocks, Scratch *w) {
-    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, R = a->Q * Hq, S = a->S;
+    const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, R = a->Q * Hq;
     float *acc = w->acc, *score = w->block_score;
     v16 *partial = (v16 *)w->partial16; /* [R][16] */
-    int64_t *k_off = w->block_slots, *v_off = k_off + BLOCK, *pos = v_off + BLOCK;
+    Chunk chunks[BLOCK / CHUNK]; /* slot t of the block: slot t % CHUNK of chunk t / CHUNK (all full but the last) */
+#define SLOT(field, t) chunks[(t) / CHUNK].field[(t) % CHUNK]
     int64_t n = n_begin, s0 = 0;
     while (n < n_end) {
         int64_t m = 0; /* the block's slots: the next BLOCK of the entries' (-1 entries skipped) */
-        for (; n < n_end && m < BLOCK; s0 = 0, n++) {
-            const int64_t page = a->table[b * a->N + n];
-            if (page < 0) continue;
-            const int64_t first = a->page_pos[b * a->N + n];
-            const int64_t end = S - s0 < BLOCK - m ? S : s0 + BLOCK - m;
-            for (int64_t s = s0; s < end; s++, m++) {
-                k_off[m] = page * a->k_stride[0] + s * a->k_stride[1];
-                v_off[m] = page * a->v_stride[0] + s * a->v_stride[1];
-                pos[m] = first + s;
-            }
-            if (end < S) { /* the block is full mid-page: the next one starts at slot `end` of this entry */
-                s0 = end;
-                break;
-            }
+        for (int i = 0; i < BLOCK / CHUNK && n < n_end; i++) {
+            next_chunk(a, NULL, b, &n, &s0, n_end, &chunks[i]);
+            m += chunks[i].C;
         }
         const int64_t m16 = (m + 15) / 16, lanes = 16 * m16;
         uint32_t allowed[a->Q][m16 ? m16 : 1], used[m16 ? m16 : 1]; /* bit t: slot 16 c + t */
@@ -863,7 +852,7 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
             for (int64_t qi = 0; qi < a->Q; qi++) {
                 const int64_t qp = a->q_pos[b * a->Q + qi];
                 uint32_t bits = 0;
-                for (int64_t t = 0; t < 16 && 16 * c + t < m; t++) bits |= (uint32_t)(pos[16 * c + t] <= qp) << t;
+                for (int64_t t = 0; t < 16 && 16 * c + t < m; t++) bits |= (uint32_t)(SLOT(pos, 16 * c + t) <= qp) << t;
                 allowed[qi][c] = bits;
                 used[c] |= bits;
             }
@@ -878,7 +867,7 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
                             for (int64_t r = r0; r < r0 + G; r++) partial[r * 16 + t] = (v16){0};
                         continue;
                     }
-                    const Row at = {k_off[16 * c + t] + kvh * a->k_stride[2], 0};
+                    const Row at = {SLOT(k_off, 16 * c + t) + kvh * a->k_stride[2], 0};
                     v16 key[blocks];
                     for (int64_t k = 0; k < blocks; k++) key[k] = load16(a, 0, at, 16 * k, fmt);
                     group_dots(a, key, kvh, blocks, w->q, 1.0f, fmt, partial + t);
@@ -916,7 +905,7 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
                         for (int64_t k = 0; k < kn; k++) memcpy(&sum[j][k], ar[j] + 16 * (k0 + k), sizeof(v16));
                     for (int64_t t = 0; t < m; t++) {
                         if (!(attended[t / 16] >> (t % 16) & 1)) continue;
-                        const Row at = {v_off[t] + kvh * a->v_stride[2], 0};
+                        const Row at = {SLOT(v_off, t) + kvh * a->v_stride[2], 0};
                         v16 v[4];
                         for (int64_t k = 0; k < kn; k++) v[k] = load16(a, 1, at, 16 * (k0 + k), fmt);
                         for (int64_t j = 0; j < nr; j++)
@@ -927,6 +916,7 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
                 }
             }
     }
+#undef SLOT
 }
 
 static inline __attribute__((always_inline)) void attend_split(const PagedArgs *a, int64_t item, int fmt,
@@ -950,8 +940,7 @@ static inline __attribute__((always_inline)) void attend_split(const PagedArgs *
     w.page_q = w.cs.k_zero + CHUNK * a->Hkv * w.cs.k_groups; /* int4 keys: [R][D], of one page */
     w.page_base = w.page_q + R * D;                            /* [R] */
     w.slot_base = w.page_base + R;                              /* [R][16] */
-    w.block_score = (float *)(((uintptr_t)(w.slot_base + R * 16) + 63) & ~(uintptr_t)63); /* [R][BLOCK] */
-    w.block_slots = (int64_t *)(w.block_score + R * BLOCK); /* [3][BLOCK], 64-byte aligned */
+    w.block_score = w.slot_base + R * 16;                       /* [R][BLOCK] */
     float *q = w.q, *acc = w.acc;
 
     for (int64_t r = 0; r < R; r++) { /* row r = (query r / Hq, head r % Hq) */
@@ -1183,8 +1172,8 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
     const int scaled = cold_fmt < 0 ? fmt : cold_fmt;
     const int64_t groups = scaled >= FMT_I4 && c->k_page_params ? 0 : a->D / c->k_group; /* of keys */
     const size_t work_bytes = sizeof(float) * (256 * R + 2 * R * a->D + 2 * R + a->Hkv * a->D + R * CHUNK
-                                               + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R + R * BLOCK + 16)
-                              + R * CHUNK + sizeof(int64_t) * 3 * BLOCK;
+                                               + 2 * CHUNK * a->Hkv * groups + R * a->D + 17 * R + R * BLOCK)
+                              + R * CHUNK;
     a->partial = malloc(sizeof(float) * items * R * (a->D + 2));
     a->entry_stats = a->page_mass ? calloc((size_t)(a->B * R * a->N * 2), sizeof(float)) : NULL;
     /* `add_page_mass`'s scratch: norm [B, R, 2], and model [R, D] for the output signal of two tiers */
