@@ -824,12 +824,13 @@ static inline __attribute__((always_inline)) void walk_entries(const PagedArgs *
 
 /* `walk_entries` for float pools (fp32, bf16) with no mask, window, softcap, page mass or cold tier, head dims a
  * multiple of 16 (``blocks`` of 16 lanes, a constant where D is 64): the slots BLOCK at a time, in two passes. First
- * every row's scores into ``w->block_score`` [R][BLOCK] (a key row read once for its KV head's query rows,
- * `group_dots`, one lane-sum tree a row and 16 slots); then per row one softmax update over the block (its max,
- * one rescale, the weights), and the weighted value rows, the accumulators of up to 4 rows held in registers while
- * the block's value rows pass (its slots: BLOCK / CHUNK chunks of `next_chunk`). One update per BLOCK slots instead
- * of one per chunk is what makes it faster (0.83-0.87x the time on cached pages, docs/kernels.md). Slots no query attends are never read into the result (their scores
- * are masked, their values skipped). Same results as `walk_entries` up to the order of float additions. */
+ * every row's scores into ``w->block_score`` [R][BLOCK] (16 slots at a time, a slot's KV heads in turn as they lie
+ * in memory, each key row read once for its KV head's query rows, `group_dots`; one lane-sum tree a row); then per
+ * row one softmax update over the block (its max, one rescale, the weights), and the weighted value rows, the
+ * accumulators of up to 4 rows held in registers while the block's value rows pass (its slots: BLOCK / CHUNK chunks
+ * of `next_chunk`). One update per BLOCK slots instead of one per chunk is what makes it faster (0.83-0.87x the
+ * time on cached pages, docs/kernels.md). Slots no query attends are never read into the result (their scores are
+ * masked, their values skipped). Same results as `walk_entries` up to the order of float additions. */
 static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a, int64_t b, int64_t n_begin,
                                                               int64_t n_end, int fmt, int64_t blocks, Scratch *w) {
     const int64_t G = a->Hq / a->Hkv, Hq = a->Hq, D = a->D, rows = a->Q * G, R = a->Q * Hq;
@@ -859,9 +860,9 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
             any |= used[c] != 0;
         }
         if (!any) continue;
-        for (int64_t kvh = 0; kvh < a->Hkv; kvh++)
-            for (int64_t c = 0; c < m16; c++) { /* scores, 16 slots at a time */
-                for (int64_t t = 0; t < 16; t++) {
+        for (int64_t c = 0; c < m16; c++) { /* scores, 16 slots at a time, a slot's KV heads in turn */
+            for (int64_t t = 0; t < 16; t++)
+                for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
                     if (!(used[c] >> t & 1)) { /* never read: may be garbage */
                         for (int64_t r0 = kvh * G; r0 < R; r0 += Hq)
                             for (int64_t r = r0; r < r0 + G; r++) partial[r * 16 + t] = (v16){0};
@@ -872,15 +873,14 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
                     for (int64_t k = 0; k < blocks; k++) key[k] = load16(a, 0, at, 16 * k, fmt);
                     group_dots(a, key, kvh, blocks, w->q, 1.0f, fmt, partial + t);
                 }
-                for (int64_t r0 = kvh * G; r0 < R; r0 += Hq)
-                    for (int64_t r = r0; r < r0 + G; r++) {
-                        const v16 dots = sum_lanes16(partial + r * 16) * a->scale;
-                        const uint32_t bits = allowed[r / Hq][c];
-                        float *sr = score + r * BLOCK + 16 * c;
-                        memcpy(sr, &dots, sizeof dots);
-                        for (int t = 0; t < 16; t++) sr[t] = bits >> t & 1 ? sr[t] : MASKED;
-                    }
+            for (int64_t r = 0; r < R; r++) {
+                const v16 dots = sum_lanes16(partial + r * 16) * a->scale;
+                const uint32_t bits = allowed[r / Hq][c];
+                float *sr = score + r * BLOCK + 16 * c;
+                memcpy(sr, &dots, sizeof dots);
+                for (int t = 0; t < 16; t++) sr[t] = bits >> t & 1 ? sr[t] : MASKED;
             }
+        }
         for (int64_t r = 0; r < R; r++) /* one softmax update a row: its scores become its weights */
             update_softmax(score + r * BLOCK, lanes, w->run_max + r, w->run_sum + r, acc + r * D, D);
         for (int64_t kvh = 0; kvh < a->Hkv; kvh++) /* the weighted values: 4 rows x 4 blocks of lanes at a time */
