@@ -21,11 +21,12 @@ from .kernels import cpu_paged_attention as cpu_kernel
 from .page_tables import kernel_index
 from .segment_kv import causal_positions, segment_kv
 
-# When a group pays (one layer's attention, SmolLM2, 1 thread: docs/many_prompts.md, "Cascade attention"): prefill
-# chunks sharing 512 tokens (at 64-256 the per-chunk path was as fast or faster), decode rows when rows x shared
-# tokens reach 4096 (16 rows x 256, 8 x 512; the prefix's flash call and the merge cost a fixed ~0.1 ms).
+# When a group pays (SmolLM2, 1 thread: docs/many_prompts.md, "Cascade attention"): prefill chunks sharing 512
+# tokens (one layer's attention: at 64-256 the per-chunk path was as fast or faster); decode rows sharing 2048
+# tokens, 8192 row-tokens (compiled system-prompt passes, the C kernel's float walk: at 512 and 1024 shared tokens
+# the decode steps' attention cost more with the cascade than without, at 2048 less).
 PREFILL_MIN_TOKENS, PREFILL_MIN_CHUNKS = 512, 2
-DECODE_MIN_TOKENS, DECODE_MIN_ROW_TOKENS = 256, 4096
+DECODE_MIN_TOKENS, DECODE_MIN_ROW_TOKENS = 2048, 8192
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
