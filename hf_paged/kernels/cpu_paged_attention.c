@@ -861,18 +861,18 @@ static inline __attribute__((always_inline)) void walk_float(const PagedArgs *a,
         }
         if (!any) continue;
         for (int64_t c = 0; c < m16; c++) { /* scores, 16 slots at a time, a slot's KV heads in turn */
-            for (int64_t t = 0; t < 16; t++)
+            for (int64_t t = 0; t < 16; t++) {
+                if (!(used[c] >> t & 1)) { /* never read: may be garbage */
+                    for (int64_t r = 0; r < R; r++) partial[r * 16 + t] = (v16){0};
+                    continue;
+                }
                 for (int64_t kvh = 0; kvh < a->Hkv; kvh++) {
-                    if (!(used[c] >> t & 1)) { /* never read: may be garbage */
-                        for (int64_t r0 = kvh * G; r0 < R; r0 += Hq)
-                            for (int64_t r = r0; r < r0 + G; r++) partial[r * 16 + t] = (v16){0};
-                        continue;
-                    }
                     const Row at = {SLOT(k_off, 16 * c + t) + kvh * a->k_stride[2], 0};
                     v16 key[blocks];
                     for (int64_t k = 0; k < blocks; k++) key[k] = load16(a, 0, at, 16 * k, fmt);
                     group_dots(a, key, kvh, blocks, w->q, 1.0f, fmt, partial + t);
                 }
+            }
             for (int64_t r = 0; r < R; r++) {
                 const v16 dots = sum_lanes16(partial + r * 16) * a->scale;
                 const uint32_t bits = allowed[r / Hq][c];
