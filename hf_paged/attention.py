@@ -35,6 +35,7 @@ from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
+from .prefill_kernel import prefill_kernel_applies, prefill_kernel_attention
 from .segment_kv import causal_positions, segment_kv
 from .shared_prefix import cascade_attention, cascade_decode, decode_cascade_applies, shared_prefix_groups
 
@@ -395,9 +396,10 @@ def _segment_attention(query, view: PagedView, segment, scaling, sliding_window,
 
 
 def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s_aux) -> torch.Tensor:
-    """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call,
-    prefill chunks each over their own pages, except rows that share a cached prefix (on the CPU, no window,
-    softcap or sinks): `shared_prefix.cascade_decode`, `shared_prefix.cascade_attention`. Returns ``[1, T, Hq, D]``."""
+    """A packed step ``query [1, Hq, T, D]``: one-token segments (decode rows) in one paged-kernel call, or rows that
+    share a long cached prefix through it (`shared_prefix.cascade_decode`); prefill chunks in one C-kernel call where
+    it applies (`prefill_kernel`: float pages on the CPU, no window, softcap or sinks), else each over its own pages,
+    rows that share a cached prefix through it (`shared_prefix.cascade_attention`). Returns ``[1, T, Hq, D]``."""
     step = view.plan
     kernel = _kernel_for(view, 1)
     outs, first = {}, 0
@@ -413,6 +415,11 @@ def packed_attention(query, view: PagedView, scaling, sliding_window, softcap, s
         else:
             out = _kernel_attention(kernel, singles, view, None, scaling, sliding_window, softcap, s_aux)
         outs[-1] = out.transpose(0, 1)  # [1, R, Hq, D]
+    if first < len(step.segments) and prefill_kernel_applies(view, sliding_window, softcap, s_aux):
+        out = prefill_kernel_attention(query, view, first, scaling)
+        if first:
+            out[:, :first] = outs[-1]
+        return out.to(query.dtype)
     if cascade:
         for shared, members in shared_prefix_groups(step):
             chunks = [step.segments[i] for i in members]

@@ -1,12 +1,13 @@
 """One layer's packed attention (`hf_paged.attention.packed_attention`) on steps whose sequences share a cached prefix,
-with the cascade over the shared prefix (`hf_paged.shared_prefix`) and without (the per-row paths), alternated, the
+with the cascade over the shared prefix (`hf_paged.shared_prefix`) and without (the per-row paths), and for prefill
+steps with the C prefill kernel (`hf_paged.prefill_kernel`, which the other two paths leave out), alternated, the
 median CPU time of ``--repeats`` (docs/many_prompts.md, "Cascade attention over a shared prefix"). 1 thread.
 
 Steps, on SmolLM2's attention shapes (9 query heads, 3 KV heads, head dim 64), pages of 16 tokens, random keys and
 values: ``prefill``: one sequence decodes while the chunks ``--own`` (default: the lengths of
 scripts/many_prompts.py's 15 other prompts) follow a shared prefix (the system-prompt workload's second step);
 ``decode``: ``--rows`` sequences decode after that prefix, their own tokens and ``--generated`` decoded ones. Every
-(step, prefix, rows) of the sweep is measured; the outputs of both paths are compared (max abs difference).
+(step, prefix, rows) of the sweep is measured; the outputs of the paths are compared (max abs difference).
 Writes ``shared_prefix.json`` and ``shared_prefix.md`` into ``--out``.
 """
 
@@ -22,12 +23,14 @@ import torch
 
 import hf_paged
 from hf_paged import assets, shared_prefix
+from hf_paged import attention
 from hf_paged.attention import packed_attention
 from hf_paged.evaluation import run_info
 from hf_paged.evaluation.formats import int_list
 
 OWN = "241,107,47,166,62,77,196,226,137,151,92,32,122,256,211"
 THRESHOLDS = ("PREFILL_MIN_TOKENS", "DECODE_MIN_TOKENS", "DECODE_MIN_ROW_TOKENS")
+PREFILL_KERNEL_APPLIES = attention.prefill_kernel_applies
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,28 +75,33 @@ class Step:
             self.cache.finish_step()
         return q, view
 
-    def attend(self, cascade: bool) -> tuple[float, torch.Tensor]:
-        """(CPU seconds, output) of the step's attention with or without the cascade."""
+    def attend(self, path: str) -> tuple[float, torch.Tensor]:
+        """(CPU seconds, output) of the step's attention by ``path``: "per_row", "cascade" or "kernel"."""
         for name in THRESHOLDS:
-            setattr(shared_prefix, name, 16 if cascade else 10**9)
+            setattr(shared_prefix, name, 16 if path == "cascade" else 10**9)
+        attention.prefill_kernel_applies = PREFILL_KERNEL_APPLIES if path == "kernel" else lambda *args: False
         began = time.process_time()
         out = packed_attention(self.query, self.view, self.dim ** -0.5, None, None, None)
         return time.process_time() - began, out
 
 
-def measure(step: Step, repeats: int) -> dict:
+def measure(step: Step, repeats: int, paths: tuple[str, ...]) -> dict:
     defaults = {name: getattr(shared_prefix, name) for name in THRESHOLDS}
     try:
-        diff = (step.attend(True)[1] - step.attend(False)[1]).abs().max().item()
-        times = {True: [], False: []}
+        outs = [step.attend(path)[1] for path in paths]
+        diff = max((out - outs[0]).abs().max().item() for out in outs[1:])
+        times = {path: [] for path in paths}
         for r in range(repeats):
-            for cascade in (True, False) if r % 2 else (False, True):
-                times[cascade].append(step.attend(cascade)[0])
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+                times[path].append(step.attend(path)[0])
     finally:
         for name, value in defaults.items():
             setattr(shared_prefix, name, value)
-    old, new = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
-    return {"per_row_ms": old, "cascade_ms": new, "ratio": new / old, "max_abs_diff": diff}
+        attention.prefill_kernel_applies = PREFILL_KERNEL_APPLIES
+    ms = {path: statistics.median(times[path]) * 1e3 for path in paths}
+    return {"per_row_ms": ms["per_row"], "cascade_ms": ms["cascade"], "ratio": ms["cascade"] / ms["per_row"],
+            "kernel_ms": ms.get("kernel"), "kernel_ratio": ms["kernel"] / ms["per_row"] if "kernel" in ms else None,
+            "max_abs_diff": diff}
 
 
 def main(args) -> list[dict]:
@@ -105,20 +113,24 @@ def main(args) -> list[dict]:
     for prefix in args.prefixes:
         for chunks in args.chunks:
             step = Step(config, prefix, args.own[:chunks], 0, 0)
-            rows.append({"step": "prefill", "prefix": prefix, "rows": chunks, **measure(step, args.repeats)})
+            rows.append({"step": "prefill", "prefix": prefix, "rows": chunks,
+                         **measure(step, args.repeats, ("per_row", "cascade", "kernel"))})
         for decode_rows in args.rows:
             step = Step(config, prefix, args.own[:max(decode_rows - 1, 1)], decode_rows, args.generated)
-            rows.append({"step": "decode", "prefix": prefix, "rows": decode_rows, **measure(step, args.repeats)})
-        print(*(f"{r['step']} prefix {r['prefix']} rows {r['rows']}: {r['ratio']:.3f}" for r in rows[-2:]), sep="\n")
+            rows.append({"step": "decode", "prefix": prefix, "rows": decode_rows,
+                         **measure(step, args.repeats, ("per_row", "cascade"))})
+        print(*(f"{r['step']} prefix {r['prefix']} rows {r['rows']}: cascade {r['ratio']:.3f}" + ("" if r['kernel_ratio'] is None else f", prefill kernel {r['kernel_ratio']:.3f}") for r in rows[-2:]), sep="\n")
     args.out.mkdir(parents=True, exist_ok=True)
     settings = vars(args) | {"out": str(args.out), "load_average": [load_before, run_info.load_average()],
                              "source": run_info.source_fingerprint(hf_paged), **run_info.versions(("torch",))}
     (args.out / "shared_prefix.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     lines = [f"load average {load_before} -> {run_info.load_average()}", "",
-             "| step | shared prefix | rows | per-row paths (ms) | cascade (ms) | cascade / per-row | max abs diff |",
-             "|---|---|---|---|---|---|---|"]
+             "| step | shared prefix | rows | per-row paths (ms) | cascade (ms) | cascade / per-row | prefill kernel (ms) "
+             "| kernel / per-row | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['prefix']} | {r['rows']} | {r['per_row_ms']:.3f} | {r['cascade_ms']:.3f} | "
-              f"{r['ratio']:.3f} | {r['max_abs_diff']:.1e} |" for r in rows]
+              f"{r['ratio']:.3f} | " + ("— | — | " if r["kernel_ms"] is None else
+                                        f"{r['kernel_ms']:.3f} | {r['kernel_ratio']:.3f} | ")
+              + f"{r['max_abs_diff']:.1e} |" for r in rows]
     (args.out / "shared_prefix.md").write_text("\n".join(lines) + "\n")
     return rows
 

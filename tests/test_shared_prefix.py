@@ -1,5 +1,7 @@
 """Cascade attention over a shared prefix (`hf_paged.shared_prefix`) against the per-segment path it replaces, on
-constructed packed steps, and generate_many's greedy tokens against per-prompt `generate` when it runs."""
+constructed packed steps, and generate_many's greedy tokens against per-prompt `generate` when it runs. Prefill
+chunks on float pages take the C prefill kernel first (`hf_paged.prefill_kernel`, tests/test_prefill_kernel.py):
+these tests turn it off (`without_prefill_kernel`) to reach the cascade of chunks, as quantized pages do."""
 
 import importlib.util
 from pathlib import Path
@@ -17,6 +19,12 @@ from tiny_models import make_config, make_pair
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 NEVER = 10**9  # a threshold no prefix reaches: the per-segment path
+
+
+@pytest.fixture
+def without_prefill_kernel(monkeypatch):
+    """Prefill chunks take the cascade or the per-segment path, as when the C prefill kernel does not apply."""
+    monkeypatch.setattr(hf_paged.attention, "prefill_kernel_applies", lambda *args: False)
 
 
 def attend_layer0(cache, steps, seed=0, dtype=torch.float32):
@@ -69,7 +77,8 @@ def share(cache, source, seq_ids, tokens):
 @pytest.mark.parametrize("kv_format,dtype", [("float", torch.float32), ("float", torch.bfloat16),
                                              ("int8", torch.float32)])  # int8: own tokens read from the pages
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_rows_over_a_shared_prefix_equal_the_per_segment_path(monkeypatch, kv_format, dtype, page_size, interleaved):
+def test_rows_over_a_shared_prefix_equal_the_per_segment_path(monkeypatch, without_prefill_kernel, kv_format, dtype,
+                                                              page_size, interleaved):
     """Decode rows and prefill chunks mixed in one step: sharers of different own lengths, one continuing an earlier
     chunk, decode rows with and without the prefix, a chunk of a sequence of its own and a fresh prompt."""
     cache = make_cache(page_size=page_size, kv_format=kv_format)
@@ -111,7 +120,7 @@ def prefix_of(tokens):
     return cache
 
 
-def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatch):
+def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatch, without_prefill_kernel):
     cache = prefix_of(19)
     cache.add_sequence(3, cache.sequences[0].pages[:2], 8)  # a shorter share of the same first pages
     view, q = attend_layer0(cache, [[(1, 4), (2, 3), (3, 5)]])
@@ -122,7 +131,7 @@ def test_groups_need_two_chunks_pages_in_their_past_and_the_threshold(monkeypatc
     assert shared_prefix.shared_prefix_groups(view.plan) == []  # no chunk has 20 tokens in its past
 
 
-def test_a_wrong_merge_is_caught(monkeypatch):
+def test_a_wrong_merge_is_caught(monkeypatch, without_prefill_kernel):
     """The comparison above can fail: dropping the own part's weight changes the output."""
     view, q = attend_layer0(prefix_of(17), [[(1, 4), (2, 3)]])
     monkeypatch.setattr(torch, "sigmoid", lambda x: torch.full_like(x, 0.5))
@@ -133,12 +142,17 @@ def test_a_wrong_merge_is_caught(monkeypatch):
 SHARED_NEW = (6, 3, 9, 4, 7)
 
 
+@pytest.mark.parametrize("prefill_kernel", [False, True])
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3", "gpt_oss"])  # softcap, windows, sinks
-def test_greedy_tokens_with_a_shared_system_prompt_equal_generate(monkeypatch, name):
+def test_greedy_tokens_with_a_shared_system_prompt_equal_generate(monkeypatch, name, prefill_kernel):
+    """Chunks through the cascade (the prefill kernel off) or the C prefill kernel, where either applies."""
     set_threshold(monkeypatch, 8)
     calls = []
-    cascade = hf_paged.attention.cascade_attention
-    monkeypatch.setattr(hf_paged.attention, "cascade_attention", lambda *a: calls.append(1) or cascade(*a))
+    name_of_path = "prefill_kernel_attention" if prefill_kernel else "cascade_attention"
+    path = getattr(hf_paged.attention, name_of_path)
+    monkeypatch.setattr(hf_paged.attention, name_of_path, lambda *a: calls.append(1) or path(*a))
+    if not prefill_kernel:
+        monkeypatch.setattr(hf_paged.attention, "prefill_kernel_applies", lambda *args: False)
     ref, paged = make_pair(name)
     system = random_prompts((24,), seed=3)[0]
     prompts = [system + p for p in random_prompts((5, 9, 2, 13, 7), seed=4)]

@@ -1234,3 +1234,174 @@ int paged_attention_bf16_int8(PagedArgs *a) { return run(a, FMT_BF16, FMT_I8); }
 int paged_attention_bf16_int4(PagedArgs *a) { return run(a, FMT_BF16, FMT_I4); }
 int paged_attention_f32_int2(PagedArgs *a) { return run(a, FMT_F32, FMT_I2); }
 int paged_attention_bf16_int2(PagedArgs *a) { return run(a, FMT_BF16, FMT_I2); }
+
+/* ---- Prefill chunks: a packed step's multi-token segments, each over its sequence's pages, causal ----
+ *
+ * Work item = (segment, KV head). Its T = past + length keys and values are copied once from the pages into scratch
+ * as fp32, the keys transposed (`[D][Tp]`: keys of one dimension side by side, so 16 keys' scores are plain FMAs,
+ * no lane sums) and the values as rows (`[T][D]`). Then its length x G query rows, 8 at a time (row r: query r / G
+ * of the segment, head kvh * G + r % G, position past + r / G): their scores against 32 keys at a time in 16
+ * register accumulators (each key vector read once for the 8 rows) up to the block's last causal key; one softmax a
+ * row over all the keys it sees (its scores fit the scratch: no running rescale); the weighted values, 4 rows x 64
+ * lanes held in registers while the value rows pass. Keys after a query's position never enter its result. */
+typedef struct PrefillArgs {
+    const float *q;       /* [T, Hq, D] fp32: the step's packed queries, strides q_stride */
+    int64_t q_stride[3];
+    const void *k, *v;    /* [P, S, Hkv, D] pools in the entry point's format (fp32, bf16), strides (page, slot, head) */
+    int64_t k_stride[3], v_stride[3];
+    const int64_t *table; /* [segments, width]: each segment's page table (ids checked by the caller) */
+    int64_t width;
+    const int64_t *segment; /* [segments][3]: first packed query, queries, tokens before this step */
+    int64_t segments, Hq, Hkv, D, S, threads;
+    float scale;
+    float *out;           /* [T, Hq, D] fp32, strides out_stride: each segment's rows written, the others untouched */
+    int64_t out_stride[3];
+} PrefillArgs;
+
+#define PREFILL_ROWS 8 /* query rows whose scores share each key vector */
+
+static inline int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
+
+/* Segment s's keys (transposed, `kT [D][Tp]`, zero after T) and values (`vr [T][D]`) of KV head kvh as fp32. */
+static void prefill_kv(const PrefillArgs *a, int64_t s, int64_t kvh, int64_t T, int64_t Tp, int fmt, float *kT,
+                     float *vr) {
+    const int64_t D = a->D;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t page = a->table[s * a->width + t / a->S], slot = t % a->S;
+        const int64_t k0 = page * a->k_stride[0] + slot * a->k_stride[1] + kvh * a->k_stride[2];
+        const int64_t v0 = page * a->v_stride[0] + slot * a->v_stride[1] + kvh * a->v_stride[2];
+        if (fmt == FMT_F32) {
+            const float *key = (const float *)a->k + k0;
+            for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = key[d];
+            memcpy(vr + t * D, (const float *)a->v + v0, sizeof(float) * D);
+        } else {
+            for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = load_bf16((const uint16_t *)a->k, k0 + d);
+            for (int64_t d = 0; d < D; d++) vr[t * D + d] = load_bf16((const uint16_t *)a->v, v0 + d);
+        }
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t t = T; t < Tp; t++) kT[d * Tp + t] = 0.0f;
+}
+
+/* sc[j][0..lp) = qt[j] . key, for the PREFILL_ROWS rows of qt [PREFILL_ROWS][D] (scaled) and the keys of kT, 32 at a
+ * time (lp a multiple of 32). */
+static inline __attribute__((always_inline)) void prefill_scores(const float *qt, const float *kT, int64_t D,
+                                                                int64_t Tp, int64_t lp, float *sc) {
+    for (int64_t j0 = 0; j0 < lp; j0 += 32) {
+        v16 lo[PREFILL_ROWS], hi[PREFILL_ROWS];
+        for (int j = 0; j < PREFILL_ROWS; j++) lo[j] = hi[j] = (v16){0};
+        for (int64_t d = 0; d < D; d++) {
+            v16 k0, k1;
+            memcpy(&k0, kT + d * Tp + j0, sizeof k0);
+            memcpy(&k1, kT + d * Tp + j0 + 16, sizeof k1);
+            for (int j = 0; j < PREFILL_ROWS; j++) {
+                const float x = qt[j * D + d];
+                lo[j] += x * k0;
+                hi[j] += x * k1;
+            }
+        }
+        for (int j = 0; j < PREFILL_ROWS; j++) {
+            memcpy(sc + j * Tp + j0, &lo[j], sizeof lo[j]);
+            memcpy(sc + j * Tp + j0 + 16, &hi[j], sizeof hi[j]);
+        }
+    }
+}
+
+/* Row scores s[0..n) become their softmax weights, s[n..lp) zero; returns 1 / their sum of exponentials. */
+static inline float prefill_softmax(float *s, int64_t n, int64_t lp) {
+    float m = MASKED, sum = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        const float p = exp_approx(s[t] - m);
+        s[t] = p;
+        sum += p;
+    }
+    for (int64_t t = n; t < lp; t++) s[t] = 0.0f;
+    return 1.0f / sum;
+}
+
+/* out[j][c0 .. c0 + 16 nc) = inv[j] * sum_t p[j][t] vr[t][c0 ..], 4 rows (those of `o` not NULL written) over keys
+ * 0..n; nc (1-4) a constant where inlined. */
+static inline __attribute__((always_inline)) void prefill_values(const float *p, int64_t Tp, const float *vr,
+                                                                int64_t D, int64_t n, int64_t c0, int nc,
+                                                                float *const *o, const float *inv) {
+    v16 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < nc; c++) acc[j][c] = (v16){0};
+    for (int64_t t = 0; t < n; t++) {
+        v16 x[4];
+        for (int c = 0; c < nc; c++) memcpy(&x[c], vr + t * D + c0 + 16 * c, sizeof x[c]);
+        for (int j = 0; j < 4; j++) {
+            const float w = p[j * Tp + t];
+            for (int c = 0; c < nc; c++) acc[j][c] += w * x[c];
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < nc && o[j]; c++) {
+            const v16 y = acc[j][c] * inv[j];
+            memcpy(o[j] + c0 + 16 * c, &y, sizeof y);
+        }
+}
+
+static void prefill_item(const PrefillArgs *a, int64_t item, int fmt, float *work) {
+    const int64_t s = item / a->Hkv, kvh = item % a->Hkv, G = a->Hq / a->Hkv, D = a->D;
+    const int64_t start = a->segment[3 * s], L = a->segment[3 * s + 1], past = a->segment[3 * s + 2];
+    const int64_t T = past + L, Tp = round32(T), R = L * G;
+    float *kT = work, *vr = kT + D * Tp, *sc = vr + D * Tp, *qt = sc + PREFILL_ROWS * Tp;
+    prefill_kv(a, s, kvh, T, Tp, fmt, kT, vr);
+    for (int64_t r0 = 0; r0 < R; r0 += PREFILL_ROWS) {
+        const int64_t nr = R - r0 < PREFILL_ROWS ? R - r0 : PREFILL_ROWS;
+        int64_t seen[PREFILL_ROWS]; /* keys row j sees: its position + 1 (past rows repeat the last row) */
+        float inv[PREFILL_ROWS], *o[PREFILL_ROWS];
+        for (int64_t j = 0; j < PREFILL_ROWS; j++) {
+            const int64_t r = r0 + (j < nr ? j : nr - 1), qi = r / G, head = kvh * G + r % G;
+            const float *src = a->q + (start + qi) * a->q_stride[0] + head * a->q_stride[1];
+            for (int64_t d = 0; d < D; d++) qt[j * D + d] = src[d * a->q_stride[2]] * a->scale;
+            seen[j] = past + qi + 1;
+            o[j] = j < nr ? a->out + (start + qi) * a->out_stride[0] + head * a->out_stride[1] : NULL;
+        }
+        const int64_t lp = round32(seen[PREFILL_ROWS - 1]);
+        prefill_scores(qt, kT, D, Tp, lp, sc);
+        for (int j = 0; j < PREFILL_ROWS; j++) inv[j] = prefill_softmax(sc + j * Tp, seen[j], lp);
+        for (int j0 = 0; j0 < nr; j0 += 4)
+            for (int64_t c0 = 0; c0 < D; c0 += 64) {
+                const int64_t nc = (D - c0) / 16 < 4 ? (D - c0) / 16 : 4;
+                const float *p = sc + j0 * Tp;
+                if (nc == 4) prefill_values(p, Tp, vr, D, seen[j0 + 3], c0, 4, o + j0, inv + j0);
+                else if (nc == 3) prefill_values(p, Tp, vr, D, seen[j0 + 3], c0, 3, o + j0, inv + j0);
+                else if (nc == 2) prefill_values(p, Tp, vr, D, seen[j0 + 3], c0, 2, o + j0, inv + j0);
+                else prefill_values(p, Tp, vr, D, seen[j0 + 3], c0, 1, o + j0, inv + j0);
+            }
+    }
+}
+
+static int run_prefill(const PrefillArgs *a, int fmt) {
+    int64_t most = 0; /* the longest segment's keys */
+    for (int64_t s = 0; s < a->segments; s++) {
+        const int64_t T = a->segment[3 * s + 2] + a->segment[3 * s + 1];
+        most = T > most ? T : most;
+    }
+    const int64_t Tp = round32(most);
+    const size_t work_bytes = sizeof(float) * (2 * a->D * Tp + PREFILL_ROWS * Tp + PREFILL_ROWS * a->D);
+    int failed = 0;
+#pragma omp parallel num_threads(a->threads > 1 ? a->threads : 1) if (a->threads > 1)
+    {
+        float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
+        if (work == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic)
+            for (int64_t i = 0; i < a->segments * a->Hkv; i++) prefill_item(a, i, fmt, work);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+}
+
+int prefill_attention_f32(PrefillArgs *a) { return run_prefill(a, FMT_F32); }
+int prefill_attention_bf16(PrefillArgs *a) { return run_prefill(a, FMT_BF16); }

@@ -27,7 +27,7 @@ from ..kv_formats import PageFormat, page_format, slot_scale_strides
 from . import library_cache
 from .arguments import ColdTier, check_call, check_cold_rows, check_mask_and_sinks, check_pools, marked, mask_strides
 
-__all__ = ["paged_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
+__all__ = ["paged_attention_cpu", "prefill_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -38,6 +38,7 @@ SYMBOLS = ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8"
            "paged_attention_int2", "paged_attention_f32_int8", "paged_attention_f32_int4", "paged_attention_f32_int2",
            "paged_attention_bf16_int8", "paged_attention_bf16_int4", "paged_attention_bf16_int2")
 # (the first five by the C kernel's format number; then hot float pages and cold pages, `ColdTier`)
+PREFILL_SYMBOLS = ("prefill_attention_f32", "prefill_attention_bf16")  # `prefill_attention_cpu`, by pool dtype
 MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
 PAGE_MASS_SIGNALS = ("attention", "output")  # what the page mass measures (`page_mass_signal`, reference.py)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
@@ -68,12 +69,23 @@ class _PagedArgs(ctypes.Structure):
     ]
 
 
+class _PrefillArgs(ctypes.Structure):
+    """Mirror of the C ``PrefillArgs`` struct (field order matters)."""
+
+    _fields_ = [
+        ("q", _ptr), ("q_stride", _i64x3), ("k", _ptr), ("v", _ptr), ("k_stride", _i64x3), ("v_stride", _i64x3),
+        ("table", _ptr), ("width", _i64), ("segment", _ptr),
+        ("segments", _i64), ("Hq", _i64), ("Hkv", _i64), ("D", _i64), ("S", _i64), ("threads", _i64),
+        ("scale", ctypes.c_float), ("out", _ptr), ("out_stride", _i64x3),
+    ]
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel library, or a string saying why it cannot be built or loaded."""
-    library = library_cache.compiled_library(SOURCE, FLAGS, SYMBOLS)
-    for name in SYMBOLS if not isinstance(library, str) else ():
-        getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs)]
+    library = library_cache.compiled_library(SOURCE, FLAGS, SYMBOLS + PREFILL_SYMBOLS)
+    for name in SYMBOLS + PREFILL_SYMBOLS if not isinstance(library, str) else ():
+        getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs if name in SYMBOLS else _PrefillArgs)]
         getattr(library, name).restype = ctypes.c_int
     return library
 
@@ -369,3 +381,56 @@ def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, ma
     args._kept = (q32, table, first, qpos, sinks if s_aux is not None else None,
                   cold_args if cold is not None else None)
     return args, out, page_mass, getattr(library, symbol)
+
+
+_PREFILL_CHECKED = "_hf_paged_prefill_checked"  # attribute of a checked prefill table: the pool's page count
+
+
+def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                          segments: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a packed step's prefill chunks over their sequences' float pages, read in place.
+
+    ``query [T, Hq, D]`` float32 (any strides): the step's packed queries; ``k_pool``/``v_pool [P, S, Hkv, D]``
+    float32 or bfloat16; ``table [n, W]`` int64: segment i's page table (every entry a page id, padding included);
+    ``segments [n, 3]`` int64 rows (start, length, past): segment i's queries are packed tokens ``start ..
+    start + length`` at positions ``past ..``, and each attends its sequence's tokens ``0 ..`` its position.
+    Returns ``out [T, Hq, D]`` float32 whose segments' rows are the attention (others undefined). A table is
+    checked once for pools of its page count and marked (its ids must not change afterwards)."""
+    library = _library()
+    if isinstance(library, str):
+        raise RuntimeError(f"the hf_paged CPU kernel is unavailable: {library}")
+    if k_pool.dtype not in SUPPORTED_DTYPES or v_pool.dtype != k_pool.dtype or k_pool.dim() != 4 or (
+            v_pool.shape[:3] != k_pool.shape[:3]) or k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
+        raise ValueError("prefill_attention_cpu reads float32 or bfloat16 pools [P, S, Hkv, D] of one dtype with "
+                         f"contiguous rows, got {tuple(k_pool.shape)} {k_pool.dtype} and {tuple(v_pool.shape)} "
+                         f"{v_pool.dtype}")
+    T, Hq, D = query.shape
+    P, S, Hkv, _ = k_pool.shape
+    if query.dtype != torch.float32 or D != k_pool.shape[3] or D != v_pool.shape[3] or D % 16 or Hq % Hkv:
+        raise ValueError(f"prefill_attention_cpu needs a float32 query [T, Hq, D] with D a multiple of 16 and Hq a "
+                         f"multiple of the pools' {Hkv} heads of D={k_pool.shape[3]}, got {tuple(query.shape)} "
+                         f"{query.dtype}")
+    if not (query.is_cpu and k_pool.is_cpu and v_pool.is_cpu and table.is_cpu and segments.is_cpu):
+        raise ValueError("prefill_attention_cpu needs CPU tensors")
+    if table.dtype != torch.int64 or segments.dtype != torch.int64 or not (
+            table.is_contiguous() and segments.is_contiguous()) or segments.shape != (table.shape[0], 3):
+        raise ValueError("prefill_attention_cpu needs a contiguous int64 table [n, W] and segments [n, 3]")
+    if getattr(table, _PREFILL_CHECKED, -1) != P:
+        start, length, past = segments.unbind(1)
+        if table.numel() and not (0 <= int(table.min()) and int(table.max()) < P):
+            raise ValueError(f"page ids must lie in [0, {P}): the table holds {int(table.min())}..{int(table.max())}")
+        if segments.numel() and not (bool((length > 0).all()) and bool((start >= 0).all()) and bool(
+                (past >= 0).all()) and int((start + length).max()) <= T and int(
+                (past + length).max()) <= table.shape[1] * S):
+            raise ValueError("segments must have queries (length > 0) within the packed step's tokens, and their "
+                             f"tokens (past + length) within their table's {table.shape[1]} pages of {S}")
+        setattr(table, _PREFILL_CHECKED, P)
+    out = torch.empty(T, Hq, D, dtype=torch.float32)
+    args = _PrefillArgs(
+        q=query.data_ptr(), q_stride=_i64x3(*query.stride()), k=k_pool.data_ptr(), v=v_pool.data_ptr(),
+        k_stride=_i64x3(*k_pool.stride()[:3]), v_stride=_i64x3(*v_pool.stride()[:3]), table=table.data_ptr(),
+        width=table.shape[1], segment=segments.data_ptr(), segments=segments.shape[0], Hq=Hq, Hkv=Hkv, D=D, S=S,
+        threads=torch.get_num_threads(), scale=scale, out=out.data_ptr(), out_stride=_i64x3(*out.stride()))
+    if segments.shape[0] and getattr(library, PREFILL_SYMBOLS[k_pool.dtype == torch.bfloat16])(ctypes.byref(args)):
+        raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
+    return out
