@@ -35,7 +35,8 @@ from .eviction import page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 from .kernels.paged_attention_op import paged_attention as paged_attention_op
 from .model_config import ATTN_IMPLEMENTATION
-from .prefill_kernel import prefill_kernel_applies, prefill_kernel_attention
+from .prefill_kernel import (prefill_kernel_applies, prefill_kernel_attention, rows_kernel_applies,
+                             rows_prefill_attention)
 from .segment_kv import causal_positions, segment_kv
 from .shared_prefix import cascade_attention, cascade_decode, decode_cascade_applies, shared_prefix_groups
 
@@ -373,6 +374,8 @@ def _paged_attention(module, query, view: PagedView, attention_mask, scaling, sl
     kernel = _kernel_for(view, query.shape[2])
     if kernel is not None:
         return _kernel_attention(kernel, query, view, attention_mask, scaling, sliding_window, softcap, s_aux)
+    if rows_kernel_applies(view, module, attention_mask, sliding_window, softcap, s_aux):
+        return rows_prefill_attention(query, view, scaling)
     if view.live_only:
         return _live_attention(query, view, attention_mask, scaling, softcap, s_aux)
     keys, values = view.read()

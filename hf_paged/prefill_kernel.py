@@ -1,14 +1,18 @@
-"""A packed step's prefill chunks in one C-kernel call (`cpu_paged_attention.prefill_attention_cpu`).
+"""Prefill in one C-kernel call (`cpu_paged_attention.prefill_attention_cpu`): a packed step's chunks, or a batch's
+rows of a `PagedCache` step.
 
 On the CPU, float pages and layers with no sliding window, softcap or sinks, every multi-token segment of a packed
-step attends its sequence's pages read in place, causally, in one call for all of them and for every query head:
+step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
+mask to apply (no padding, no evicted pages, no usage to measure), attends its pages read in place, causally, in one
+call for all of them and for every query head:
 the kernel copies a sequence's keys once per KV head into a transposed scratch and computes 8 query rows' scores
 per key vector, where PyTorch's flash kernel, called per chunk (and once more over a shared prefix, merged), pays
 its fixed costs per call and computes whole blocks on the causal diagonal (docs/many_prompts.md, "Prefill chunks in
 one kernel call").
 
-Invariant: the index (each segment's page table, and its start, length and past) is built once per step on the host
-from the step's plan, and checked once against the layer's pool size by the kernel's wrapper.
+Invariant: the index (each segment's or row's page table, and its start, length and past) is built once per step on
+the host from the step's plan, and checked once against the layer's pool size by the kernel's wrapper; a row's table
+is used only where every page it covers is held (no hole).
 """
 
 from __future__ import annotations
@@ -18,16 +22,54 @@ import torch
 from .kernels import cpu_paged_attention as cpu_kernel
 
 
-def prefill_kernel_applies(view, sliding_window, softcap, s_aux) -> bool:
-    """The step's prefill chunks can run in the C prefill kernel: CPU float pools of one tier with contiguous rows,
-    head dims equal and a multiple of 16, no window, softcap or sinks, every segment's table from its first page."""
+def _float_pages(view, sliding_window, softcap, s_aux) -> bool:
+    """CPU float pools of one tier with contiguous rows, head dims equal and a multiple of 16, read by the C kernel
+    ("cpu" backend), for a layer with no window, softcap or sinks."""
     if sliding_window or softcap or s_aux is not None or view.backend != "cpu":
         return False
     operands = view.pages.kernel_operands()
     k_pool, v_pool = operands["k_pool"], operands["v_pool"]
     return (operands["kv_format"] == "float" and operands.get("cold") is None and k_pool.is_cpu
             and k_pool.dtype in cpu_kernel.SUPPORTED_DTYPES and k_pool.shape[3] == v_pool.shape[3]
-            and k_pool.shape[3] % 16 == 0 and not any(s.first_page for s in view.plan.segments))
+            and k_pool.shape[3] % 16 == 0)
+
+
+def prefill_kernel_applies(view, sliding_window, softcap, s_aux) -> bool:
+    """The packed step's prefill chunks can run in the C prefill kernel: `_float_pages`, and every segment's table
+    from its first page."""
+    return _float_pages(view, sliding_window, softcap, s_aux) and not any(s.first_page for s in view.plan.segments)
+
+
+def rows_kernel_applies(view, module, attention_mask, sliding_window, softcap, s_aux) -> bool:
+    """A `PagedCache` step's rows can run in the C prefill kernel: `_float_pages`, causal with no mask (no padding),
+    every token from the first held (no window start, no evicted page: no hole in the tables), no usage to measure."""
+    plan = view.plan
+    return (attention_mask is None and getattr(module, "is_causal", True) and view.probe is None
+            and plan.read_table is None and plan.first_pos == 0
+            and _float_pages(view, sliding_window, softcap, s_aux) and _rows_index(plan) is not None)
+
+
+def _rows_index(plan) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(table [B, W], segments [B, 3]) of a `StepPlan`'s rows (row b: queries ``b * Q ..``, past ``plan.past``), its
+    tables cut to the pages that hold ``num_tokens``; None where one of those is not held. Made once per step."""
+    if "prefill_rows" not in plan._on_device:
+        B, Q, S = plan.batch_size, plan.q_len, plan.page_size
+        table = plan.table[:, :(plan.num_tokens + S - 1) // S]
+        segments = torch.tensor([[b * Q, Q, plan.past] for b in range(B)], dtype=torch.long)
+        plan._on_device["prefill_rows"] = None if bool((table < 0).any()) else (table.contiguous(), segments)
+    return plan._on_device["prefill_rows"]
+
+
+def rows_prefill_attention(query: torch.Tensor, view, scaling: float) -> torch.Tensor:
+    """``[B, Q, Hq, D]`` attention (in the query's dtype) of a `PagedCache` step's ``query [B, Hq, Q, D]`` over each
+    row's pages, causal (`rows_kernel_applies`)."""
+    B, Hq, Q, D = query.shape
+    operands = view.pages.kernel_operands()
+    table, segments = _rows_index(view.plan)
+    q = query.transpose(1, 2).reshape(B * Q, Hq, D)
+    out = cpu_kernel.prefill_attention_cpu(q if q.dtype == torch.float32 else q.float(), operands["k_pool"],
+                                           operands["v_pool"], table, segments, scaling)
+    return out.view(B, Q, Hq, D).to(query.dtype)
 
 
 def _prefill_index(step, first: int) -> tuple[torch.Tensor, torch.Tensor]:

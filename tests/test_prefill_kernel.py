@@ -9,6 +9,7 @@ import hf_paged
 from hf_paged.attention import packed_attention
 from hf_paged.kernels.cpu_paged_attention import prefill_attention_cpu
 from test_shared_prefix import NEVER, attend_layer0, make_cache, set_threshold, share
+from tiny_models import make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,3 +124,27 @@ def test_a_packed_step_equals_the_per_segment_path(monkeypatch, page_size, dtype
     assert calls == [1] and new.dtype == old.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 outputs: rounded once either way
     torch.testing.assert_close(new, old, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])  # gemma3: sliding-window layers keep SDPA
+def test_generate_with_a_paged_cache_prefills_rows_in_the_kernel_and_equals_dynamic_cache(monkeypatch, name):
+    """A batch of two unpadded prompts: the prompt's step runs in the prefill kernel (no mask to apply); its
+    logits match `DynamicCache`'s and the greedy tokens are identical. A padded batch keeps the masked path."""
+    ref, paged = make_pair(name)
+    calls = []
+    rows = hf_paged.attention.rows_prefill_attention
+    monkeypatch.setattr(hf_paged.attention, "rows_prefill_attention", lambda *a: calls.append(1) or rows(*a))
+    ids = torch.randint(1, 96, (2, 21), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = paged(ids, **{hf_paged.CACHE_KWARG: hf_paged.PagedCache(page_size=4, config=paged.config)}).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert calls and len(calls) <= paged.config.num_hidden_layers
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cache = lambda: {hf_paged.CACHE_KWARG: hf_paged.PagedCache(page_size=4, config=paged.config)}  # noqa: E731
+    assert torch.equal(paged.generate(ids, **cache(), **kwargs), ref.generate(ids, **kwargs))
+    calls.clear()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    paged.generate(ids, attention_mask=mask, **cache(), **kwargs)
+    assert not calls
