@@ -148,3 +148,17 @@ def test_generate_with_a_paged_cache_prefills_rows_in_the_kernel_and_equals_dyna
     mask[1, :3] = 0  # left padding
     paged.generate(ids, attention_mask=mask, **cache(), **kwargs)
     assert not calls
+
+
+def test_threads_split_the_work_items_and_give_the_same_result():
+    """(chunk, KV head) items shared by two threads: the same output as one thread's, bit for bit."""
+    args = constructed(16, 9, 3, 64, [(100, 60), (0, 45), (30, 9)])
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(prefill_attention_cpu(*args, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
