@@ -49,6 +49,24 @@
 #define MASKED (-1e30f) /* score of a slot a row may not attend: exp() of it minus any max is 0 */
 #define LEAVE_OUT_FLOOR 1e-6f /* 1 - p below this (a token holding all the attention) counts as this */
 
+#define DO_PRAGMA(x) _Pragma(#x)
+/* Run CALL (which may use the item index ``i`` and its thread's scratch ``work`` of work_bytes) for items 0..n on
+ * ``threads`` threads, dynamically scheduled; ``failed`` set (and no item run) when a scratch cannot be allocated. */
+#define PARALLEL_ITEMS(threads, n, work_bytes, failed, CALL)                \
+    DO_PRAGMA(omp parallel num_threads(threads)) {                          \
+        float *work = aligned_alloc(64, ((work_bytes) + 63) / 64 * 64);     \
+        if (work == NULL) {                                                 \
+            DO_PRAGMA(omp atomic write)                                     \
+            failed = 1;                                                     \
+        }                                                                   \
+        DO_PRAGMA(omp barrier)                                              \
+        if (!failed) {                                                      \
+            DO_PRAGMA(omp for schedule(dynamic))                            \
+            for (int64_t i = 0; i < (n); i++) CALL;                         \
+        }                                                                   \
+        free(work);                                                         \
+    }
+
 enum { FMT_F32, FMT_BF16, FMT_I8, FMT_I4, FMT_I2 }; /* pool formats, one compiled entry point each; from FMT_I4 on:
                                                        * packed codes with int8 zero points (per token) */
 
@@ -1188,20 +1206,7 @@ static inline __attribute__((always_inline)) int run(PagedArgs *a, int fmt, int 
         for (int64_t i = 0; i < a->B * R && !failed; i++) finalize(a, i, norm);
         free(work);
     } else if (!failed) {
-#pragma omp parallel num_threads(a->threads)
-        {
-            float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
-            if (work == NULL) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp barrier
-            if (!failed) {
-#pragma omp for schedule(dynamic)
-                for (int64_t i = 0; i < items; i++) attend_split(a, i, fmt, cold_fmt, work);
-            }
-            free(work);
-        }
+        PARALLEL_ITEMS(a->threads, items, work_bytes, failed, attend_split(a, i, fmt, cold_fmt, work));
         /* with page mass, the queries of a head add to the same entries: run those rows in one thread */
         if (!failed) {
 #pragma omp parallel for num_threads(a->threads) if (a->page_mass == NULL)
@@ -1386,20 +1391,8 @@ static int run_prefill(const PrefillArgs *a, int fmt) {
     const int64_t Tp = round32(most);
     const size_t work_bytes = sizeof(float) * (2 * a->D * Tp + PREFILL_ROWS * Tp + PREFILL_ROWS * a->D);
     int failed = 0;
-#pragma omp parallel num_threads(a->threads > 1 ? a->threads : 1) if (a->threads > 1)
-    {
-        float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
-        if (work == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic)
-            for (int64_t i = 0; i < a->segments * a->Hkv; i++) prefill_item(a, i, fmt, work);
-        }
-        free(work);
-    }
+    PARALLEL_ITEMS(a->threads > 1 ? a->threads : 1, a->segments * a->Hkv, work_bytes, failed,
+                   prefill_item(a, i, fmt, work));
     return failed ? -1 : 0;
 }
 
