@@ -4,8 +4,9 @@ A packed step's planning is Python (the scheduler, `RaggedCache.begin_step`) and
 eager steps. Inside the compiled forward each layer's `RaggedLayer.update` hands attention a `RaggedRead` (its new
 keys and values, its layer index), and the attention function calls one custom op, ``hf_paged::ragged_attention``,
 which at run time writes the keys and values into the planned slots and attends with the eager paged path (C kernel
-for decode rows, SDPA per prefill chunk): the cache is found through `active_cache`, set around the forward by the
-caller, so no Python object of the cache enters the graph and a new cache per call is no recompile. Everything
+for decode rows, the C prefill kernel or SDPA for prefill chunks): the cache is found through `active_cache`, set
+around the forward by the caller, so no Python object of the cache enters the graph and a new cache per call is no
+recompile. Everything
 around attention is inductor's: norms, rotary, SiLU * mul and residual adds fused, linear weights frozen and packed
 for oneDNN, and linears that read the same input (q/k/v, gate/up) merged into one GEMM (inductor's
 ``freezing`` and ``cpp.enable_concat_linear``). Token counts are dynamic: a step of any size reuses the graph
