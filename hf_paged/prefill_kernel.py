@@ -11,8 +11,8 @@ its fixed costs per call and computes whole blocks on the causal diagonal (docs/
 one kernel call").
 
 Invariant: the index (each segment's or row's page table, and its start, length and past) is built once per step on
-the host from the step's plan, and checked once against the layer's pool size by the kernel's wrapper; a row's table
-is used only where every page it covers is held (no hole).
+the host from the step's plan, and checked against the layer's pool by the kernel's wrapper at every call; a row's
+table is used only where every page it covers is held (no hole).
 """
 
 from __future__ import annotations

@@ -96,7 +96,9 @@ def test_a_bad_index_is_refused_with_what_was_wrong():
         prefill_attention_cpu(query.double(), k_pool, v_pool, table, segments, 0.25)
     with pytest.raises(ValueError, match="contiguous int64 table"):
         prefill_attention_cpu(query, k_pool, v_pool, table.int(), segments, 0.25)
-    assert not hasattr(bad, "_hf_paged_prefill_checked")  # a refused table is not marked checked
+    prefill_attention_cpu(query, k_pool, v_pool, table, segments, 0.25)  # a good call, then the same table again
+    with pytest.raises(ValueError, match="within their table"):  # with segments past it: checked again
+        prefill_attention_cpu(query, k_pool, v_pool, table, torch.tensor([[0, 5, 30]]), 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

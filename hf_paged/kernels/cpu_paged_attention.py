@@ -383,8 +383,6 @@ def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, ma
     return args, out, page_mass, getattr(library, symbol)
 
 
-_PREFILL_CHECKED = "_hf_paged_prefill_checked"  # attribute of a checked prefill table: the pool's page count
-
 
 def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                           segments: torch.Tensor, scale: float) -> torch.Tensor:
@@ -394,8 +392,8 @@ def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     float32 or bfloat16; ``table [n, W]`` int64: segment i's page table (every entry a page id, padding included);
     ``segments [n, 3]`` int64 rows (start, length, past): segment i's queries are packed tokens ``start ..
     start + length`` at positions ``past ..``, and each attends its sequence's tokens ``0 ..`` its position.
-    Returns ``out [T, Hq, D]`` float32 whose segments' rows are the attention (others undefined). A table is
-    checked once for pools of its page count and marked (its ids must not change afterwards)."""
+    Returns ``out [T, Hq, D]`` float32 whose segments' rows are the attention (others undefined). The index is
+    checked on every call (a few reductions: a prefill call's arithmetic dwarfs them)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"the hf_paged CPU kernel is unavailable: {library}")
@@ -415,16 +413,14 @@ def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     if table.dtype != torch.int64 or segments.dtype != torch.int64 or not (
             table.is_contiguous() and segments.is_contiguous()) or segments.shape != (table.shape[0], 3):
         raise ValueError("prefill_attention_cpu needs a contiguous int64 table [n, W] and segments [n, 3]")
-    if getattr(table, _PREFILL_CHECKED, -1) != P:
-        start, length, past = segments.unbind(1)
-        if table.numel() and not (0 <= int(table.min()) and int(table.max()) < P):
-            raise ValueError(f"page ids must lie in [0, {P}): the table holds {int(table.min())}..{int(table.max())}")
-        if segments.numel() and not (bool((length > 0).all()) and bool((start >= 0).all()) and bool(
-                (past >= 0).all()) and int((start + length).max()) <= T and int(
-                (past + length).max()) <= table.shape[1] * S):
-            raise ValueError("segments must have queries (length > 0) within the packed step's tokens, and their "
-                             f"tokens (past + length) within their table's {table.shape[1]} pages of {S}")
-        setattr(table, _PREFILL_CHECKED, P)
+    start, length, past = segments.unbind(1)
+    if table.numel() and not (0 <= int(table.min()) and int(table.max()) < P):
+        raise ValueError(f"page ids must lie in [0, {P}): the table holds {int(table.min())}..{int(table.max())}")
+    if segments.numel() and not (bool((length > 0).all()) and bool((start >= 0).all()) and bool(
+            (past >= 0).all()) and int((start + length).max()) <= T and int(
+            (past + length).max()) <= table.shape[1] * S):
+        raise ValueError("segments must have queries (length > 0) within the packed step's tokens, and their "
+                         f"tokens (past + length) within their table's {table.shape[1]} pages of {S}")
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     args = _PrefillArgs(
         q=query.data_ptr(), q_stride=_i64x3(*query.stride()), k=k_pool.data_ptr(), v=v_pool.data_ptr(),
