@@ -4,11 +4,10 @@ rows of a `PagedCache` step.
 On the CPU, float pages and layers with no sliding window, softcap or sinks, every multi-token segment of a packed
 step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
 mask to apply (no padding, no evicted pages, no usage to measure), attends its pages read in place, causally, in one
-call for all of them and for every query head:
-the kernel copies a sequence's keys once per KV head into a transposed scratch and computes 8 query rows' scores
-per key vector, where PyTorch's flash kernel, called per chunk (and once more over a shared prefix, merged), pays
-its fixed costs per call and computes whole blocks on the causal diagonal (docs/many_prompts.md, "Prefill chunks in
-one kernel call").
+call for all of them and for every query head: the kernel copies a sequence's keys once per KV head into a
+transposed scratch and computes 8 query rows' scores per key vector (about 80 GFLOP/s on SmolLM2's shapes, where
+PyTorch's flash kernel called per chunk ran these small causal calls at 25-47: docs/many_prompts.md, "Prefill
+chunks in one kernel call").
 
 Invariant: the index (each segment's or row's page table, and its start, length and past) is built once per step on
 the host from the step's plan, and checked against the layer's pool by the kernel's wrapper at every call; a row's
@@ -23,7 +22,7 @@ from .kernels import cpu_paged_attention as cpu_kernel
 
 
 def _float_pages(view, sliding_window, softcap, s_aux) -> bool:
-    """CPU float pools of one tier with contiguous rows, head dims equal and a multiple of 16, read by the C kernel
+    """CPU float pools (float32, bfloat16) of one tier, head dims equal and a multiple of 16, read by the C kernel
     ("cpu" backend), for a layer with no window, softcap or sinks."""
     if sliding_window or softcap or s_aux is not None or view.backend != "cpu":
         return False
