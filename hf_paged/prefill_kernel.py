@@ -63,11 +63,7 @@ def rows_prefill_attention(query: torch.Tensor, view, scaling: float) -> torch.T
     """``[B, Q, Hq, D]`` attention (in the query's dtype) of a `PagedCache` step's ``query [B, Hq, Q, D]`` over each
     row's pages, causal (`rows_kernel_applies`)."""
     B, Hq, Q, D = query.shape
-    operands = view.pages.kernel_operands()
-    table, segments = _rows_index(view.plan)
-    q = query.transpose(1, 2).reshape(B * Q, Hq, D)
-    out = cpu_kernel.prefill_attention_cpu(q if q.dtype == torch.float32 else q.float(), operands["k_pool"],
-                                           operands["v_pool"], table, segments, scaling)
+    out = _attend(query.transpose(1, 2).reshape(B * Q, Hq, D), view, _rows_index(view.plan), scaling)
     return out.view(B, Q, Hq, D).to(query.dtype)
 
 
@@ -87,9 +83,12 @@ def _prefill_index(step, first: int) -> tuple[torch.Tensor, torch.Tensor]:
 def prefill_kernel_attention(query: torch.Tensor, view, first: int, scaling: float) -> torch.Tensor:
     """``[1, T, Hq, D]`` float32 attention of ``query [1, Hq, T, D]``'s tokens of segments ``first ..`` over their
     pages (the rows of segments before ``first`` are left undefined for the caller to fill)."""
+    return _attend(query[0].transpose(0, 1), view, _prefill_index(view.plan, first), scaling).unsqueeze(0)
+
+
+def _attend(rows: torch.Tensor, view, index: tuple[torch.Tensor, torch.Tensor], scaling: float) -> torch.Tensor:
+    """``[T, Hq, D]`` float32 attention of the query ``rows [T, Hq, D]`` over the layer's pages by ``index``
+    (table, segments)."""
     operands = view.pages.kernel_operands()
-    table, segments = _prefill_index(view.plan, first)
-    q = query[0].transpose(0, 1)
-    out = cpu_kernel.prefill_attention_cpu(q if q.dtype == torch.float32 else q.float(), operands["k_pool"],
-                                           operands["v_pool"], table, segments, scaling)
-    return out.unsqueeze(0)
+    return cpu_kernel.prefill_attention_cpu(rows if rows.dtype == torch.float32 else rows.float(), operands["k_pool"],
+                                            operands["v_pool"], *index, scaling)
