@@ -1,8 +1,8 @@
 """Prefill in one C-kernel call (`cpu_paged_attention.prefill_attention_cpu`): a packed step's chunks, or a batch's
 rows of a `PagedCache` step.
 
-On the CPU, float pages and layers with no sliding window, softcap or sinks, every multi-token segment of a packed
-step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
+On the CPU, float or int8 pages and layers with no sliding window, softcap or sinks, every multi-token segment of a
+packed step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
 mask to apply (no padding, no evicted pages, no usage to measure), attends its pages read in place, causally, in one
 call for all of them and for every query head: the kernel copies a sequence's keys once per KV head into a
 transposed scratch and computes 8 query rows' scores per key vector (about 80 GFLOP/s on SmolLM2's shapes, where
@@ -21,31 +21,32 @@ import torch
 from .kernels import cpu_paged_attention as cpu_kernel
 
 
-def _float_pages(view, sliding_window, softcap, s_aux) -> bool:
-    """CPU float pools (float32, bfloat16) of one tier, head dims equal and a multiple of 16, read by the C kernel
-    ("cpu" backend), for a layer with no window, softcap or sinks."""
+def _kernel_pages(view, sliding_window, softcap, s_aux) -> bool:
+    """CPU pools of one tier, float32 or bfloat16 float pages or int8 ones (codes and a float16 scale per token and
+    head), head dims equal and a multiple of 16, read by the C kernel ("cpu" backend), for a layer with no window,
+    softcap or sinks."""
     if sliding_window or softcap or s_aux is not None or view.backend != "cpu":
         return False
     operands = view.pages.kernel_operands()
     k_pool, v_pool = operands["k_pool"], operands["v_pool"]
-    return (operands["kv_format"] == "float" and operands.get("cold") is None and k_pool.is_cpu
-            and k_pool.dtype in cpu_kernel.SUPPORTED_DTYPES and k_pool.shape[3] == v_pool.shape[3]
-            and k_pool.shape[3] % 16 == 0)
+    formats = {"float": cpu_kernel.SUPPORTED_DTYPES, "int8": (torch.int8,)}
+    return (k_pool.dtype in formats.get(operands["kv_format"], ()) and operands.get("cold") is None and k_pool.is_cpu
+            and k_pool.shape[3] == v_pool.shape[3] and k_pool.shape[3] % 16 == 0)
 
 
 def prefill_kernel_applies(view, sliding_window, softcap, s_aux) -> bool:
-    """The packed step's prefill chunks can run in the C prefill kernel: `_float_pages`, and every segment's table
+    """The packed step's prefill chunks can run in the C prefill kernel: `_kernel_pages`, and every segment's table
     from its first page."""
-    return _float_pages(view, sliding_window, softcap, s_aux) and not any(s.first_page for s in view.plan.segments)
+    return _kernel_pages(view, sliding_window, softcap, s_aux) and not any(s.first_page for s in view.plan.segments)
 
 
 def rows_kernel_applies(view, module, attention_mask, sliding_window, softcap, s_aux) -> bool:
-    """A `PagedCache` step's rows can run in the C prefill kernel: `_float_pages`, causal with no mask (no padding),
+    """A `PagedCache` step's rows can run in the C prefill kernel: `_kernel_pages`, causal with no mask (no padding),
     every token from the first held (no window start, no evicted page: no hole in the tables), no usage to measure."""
     plan = view.plan
     return (attention_mask is None and getattr(module, "is_causal", True) and view.probe is None
             and plan.read_table is None and plan.first_pos == 0
-            and _float_pages(view, sliding_window, softcap, s_aux) and _rows_index(plan) is not None)
+            and _kernel_pages(view, sliding_window, softcap, s_aux) and _rows_index(plan) is not None)
 
 
 def _rows_index(plan) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -91,4 +92,5 @@ def _attend(rows: torch.Tensor, view, index: tuple[torch.Tensor, torch.Tensor], 
     (table, segments)."""
     operands = view.pages.kernel_operands()
     return cpu_kernel.prefill_attention_cpu(rows if rows.dtype == torch.float32 else rows.float(), operands["k_pool"],
-                                            operands["v_pool"], *index, scaling)
+                                            operands["v_pool"], *index, scaling, operands.get("k_scale"),
+                                            operands.get("v_scale"))

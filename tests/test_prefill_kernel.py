@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import hf_paged
 from hf_paged.attention import packed_attention
 from hf_paged.kernels.cpu_paged_attention import prefill_attention_cpu
+from hf_paged.kv_formats import dequantize, page_format, quantize
 from test_shared_prefix import NEVER, attend_layer0, make_cache, set_threshold, share
 from tiny_models import make_pair
 
@@ -65,6 +66,38 @@ def test_the_kernel_equals_the_float64_reference(S, Hq, Hkv, D, spans, dtype):
     torch.testing.assert_close(out.double(), reference(*args, D ** -0.5), rtol=1e-5, atol=2e-6)
 
 
+def int8_pages(pool):
+    """``pool`` as int8 pages: (codes, float16 scales [P, S, Hkv, 1]) by the int8 format's codec, and what they hold
+    (dequantized, float32)."""
+    codec = page_format("int8").key
+    codes, scales = quantize(codec, pool)
+    return codes, scales, dequantize(codec, codes, scales, pool.shape[-1])
+
+
+@pytest.mark.parametrize("S,Hq,Hkv,D,spans,_", [CASES[0], CASES[1], CASES[3]])
+def test_int8_pages_equal_the_float64_reference_of_what_they_hold(S, Hq, Hkv, D, spans, _):
+    query, k_pool, v_pool, table, segments = constructed(S, Hq, Hkv, D, spans)
+    k_codes, k_scale, keys = int8_pages(k_pool)
+    v_codes, v_scale, values = int8_pages(v_pool)
+    out = prefill_attention_cpu(query, k_codes, v_codes, table, segments, D ** -0.5, k_scale, v_scale)
+    want = reference(query, keys, values, table, segments, D ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
+    assert (want - reference(query, k_pool, v_pool, table, segments, D ** -0.5)).abs().max() > 1e-4  # (quantized)
+
+
+def test_int8_pools_need_both_scales_of_their_shape():
+    query, k_pool, v_pool, table, segments = constructed(4, 4, 2, 16, [(3, 5)])
+    (k_codes, k_scale, _), (v_codes, v_scale, _) = int8_pages(k_pool), int8_pages(v_pool)
+    with pytest.raises(ValueError, match="int8 pools need float16 scales"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25)
+    with pytest.raises(ValueError, match="int8 pools need float16 scales"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale, v_scale.float())
+    with pytest.raises(ValueError, match="int8 pools need float16 scales"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale, v_scale[:-1])
+    with pytest.raises(ValueError, match="int8 pools need float16 scales"):  # float pools take none
+        prefill_attention_cpu(query, k_pool, v_pool, table, segments, 0.25, k_scale, v_scale)
+
+
 def test_a_query_never_reads_keys_after_its_position_or_past_the_sequence():
     """Later tokens' keys and values changed, and garbage (NaN) in the unused slots of the last pages: the earlier
     queries' outputs stay the same, bit for bit, and nothing is NaN."""
@@ -101,12 +134,13 @@ def test_a_bad_index_is_refused_with_what_was_wrong():
         prefill_attention_cpu(query, k_pool, v_pool, table, torch.tensor([[0, 5, 30]]), 0.25)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_format,dtype", [("float", torch.float32), ("float", torch.bfloat16),
+                                             ("int8", torch.float32)])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_a_packed_step_equals_the_per_segment_path(monkeypatch, page_size, dtype):
+def test_a_packed_step_equals_the_per_segment_path(monkeypatch, page_size, kv_format, dtype):
     """Decode rows and prefill chunks in one step (sharers of a cached prefix, one continuing an earlier chunk, a
     fresh prompt): the step's attention with the prefill kernel equals the per-segment path's."""
-    cache = make_cache(page_size=page_size)
+    cache = make_cache(page_size=page_size, kv_format=kv_format)
     for seq_id in (0, 8):
         cache.add_sequence(seq_id)
     attend_layer0(cache, [[(0, 4 * page_size + 3), (8, 10)]], dtype=dtype)
@@ -164,3 +198,25 @@ def test_threads_split_the_work_items_and_give_the_same_result():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_generate_with_int8_pages_prefills_rows_in_the_kernel_as_the_sdpa_path_does(monkeypatch):
+    """A `PagedCache(kv_format="int8")`'s prompt step runs in the prefill kernel over the int8 pages: its logits equal
+    those of the path it replaces (SDPA over the dequantized pages) within float rounding, and so do the greedy
+    tokens."""
+    _, paged = make_pair("llama")
+    calls = []
+    rows = hf_paged.attention.rows_prefill_attention
+    monkeypatch.setattr(hf_paged.attention, "rows_prefill_attention", lambda *a: calls.append(1) or rows(*a))
+    ids = torch.randint(1, 96, (2, 21), generator=torch.Generator().manual_seed(6))
+    cache = lambda: {hf_paged.CACHE_KWARG: hf_paged.PagedCache(page_size=4, kv_format="int8",  # noqa: E731
+                                                               config=paged.config)}
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = paged(ids, **cache()).logits
+        tokens = paged.generate(ids, **cache(), **kwargs)
+        assert calls
+        monkeypatch.setattr(hf_paged.attention, "rows_kernel_applies", lambda *a: False)
+        want = paged(ids, **cache()).logits
+        assert torch.equal(paged.generate(ids, **cache(), **kwargs), tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

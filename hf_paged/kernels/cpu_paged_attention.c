@@ -1242,18 +1242,22 @@ int paged_attention_bf16_int2(PagedArgs *a) { return run(a, FMT_BF16, FMT_I2); }
 
 /* ---- Prefill chunks: a packed step's multi-token segments, each over its sequence's pages, causal ----
  *
- * Work item = (segment, KV head). Its T = past + length keys and values are copied once from the pages into scratch
- * as fp32, the keys transposed (`[D][Tp]`: keys of one dimension side by side, so 16 keys' scores are plain FMAs,
- * no lane sums) and the values as rows (`[T][D]`). Then its length x G query rows, 8 at a time (row r: query r / G
- * of the segment, head kvh * G + r % G, position past + r / G): their scores against 32 keys at a time in 16
- * register accumulators (each key vector read once for the 8 rows) up to the block's last causal key; one softmax a
- * row over all the keys it sees (its scores fit the scratch: no running rescale); the weighted values, 4 rows x 64
- * lanes held in registers while the value rows pass. Keys after a query's position never enter its result. */
+ * Work item = (segment, KV head). Its T = past + length keys and values are copied once from the pages into scratch as
+ * fp32 (int8: codes times their token and head's scale), the keys transposed (`[D][Tp]`: keys of one dimension side by
+ * side, so 16 keys' scores are plain FMAs, no lane sums) and the values as rows (`[T][D]`). Then its length x G query
+ * rows, 8 at a time (row r: query r / G of the segment, head kvh * G + r % G, position past + r / G): their scores
+ * against 32 keys at a time in 16 register accumulators (each key vector read once for the 8 rows) up to the block's
+ * last causal key; one softmax a row over all the keys it sees (its scores fit the scratch: no running rescale); the
+ * weighted values, 4 rows x 64 lanes held in registers while the value rows pass. Keys after a query's position never
+ * enter its result. */
 typedef struct PrefillArgs {
     const float *q;       /* [T, Hq, D] fp32: the step's packed queries, strides q_stride */
     int64_t q_stride[3];
-    const void *k, *v;    /* [P, S, Hkv, D] pools in the entry point's format (fp32, bf16), strides (page, slot, head) */
+    const void *k, *v;    /* [P, S, Hkv, D] pools in the entry point's format (fp32, bf16, int8), strides (page, slot,
+                           * head) */
     int64_t k_stride[3], v_stride[3];
+    const uint16_t *k_scale, *v_scale; /* int8: [P, S, Hkv] float16 scales (x = scale * code), strides below */
+    int64_t ks_stride[3], vs_stride[3];
     const int64_t *table; /* [segments, width]: each segment's page table (ids checked by the caller) */
     int64_t width;
     const int64_t *segment; /* [segments][3]: first packed query, queries, tokens before this step */
@@ -1279,6 +1283,13 @@ static void prefill_kv(const PrefillArgs *a, int64_t s, int64_t kvh, int64_t T, 
             const float *key = (const float *)a->k + k0;
             for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = key[d];
             memcpy(vr + t * D, (const float *)a->v + v0, sizeof(float) * D);
+        } else if (fmt == FMT_I8) {
+            const int64_t at = page * a->ks_stride[0] + slot * a->ks_stride[1] + kvh * a->ks_stride[2];
+            const int64_t av = page * a->vs_stride[0] + slot * a->vs_stride[1] + kvh * a->vs_stride[2];
+            const float ks = half_to_float(a->k_scale[at]), vs = half_to_float(a->v_scale[av]);
+            const int8_t *key = (const int8_t *)a->k + k0, *value = (const int8_t *)a->v + v0;
+            for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = (float)key[d] * ks;
+            for (int64_t d = 0; d < D; d++) vr[t * D + d] = (float)value[d] * vs;
         } else {
             for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = load_bf16((const uint16_t *)a->k, k0 + d);
             for (int64_t d = 0; d < D; d++) vr[t * D + d] = load_bf16((const uint16_t *)a->v, v0 + d);
@@ -1398,3 +1409,4 @@ static int run_prefill(const PrefillArgs *a, int fmt) {
 
 int prefill_attention_f32(PrefillArgs *a) { return run_prefill(a, FMT_F32); }
 int prefill_attention_bf16(PrefillArgs *a) { return run_prefill(a, FMT_BF16); }
+int prefill_attention_i8(PrefillArgs *a) { return run_prefill(a, FMT_I8); }
