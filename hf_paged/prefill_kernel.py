@@ -1,8 +1,8 @@
 """Prefill in one C-kernel call (`cpu_paged_attention.prefill_attention_cpu`): a packed step's chunks, or a batch's
 rows of a `PagedCache` step.
 
-On the CPU, float or int8 pages and layers with no sliding window, softcap or sinks, every multi-token segment of a
-packed step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
+On the CPU, float or quantized (int8, int4, int2) pages and layers with no sliding window, softcap or sinks, every
+multi-token segment of a packed step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
 mask to apply (no padding, no evicted pages, no usage to measure), attends its pages read in place, causally, in one
 call for all of them and for every query head: the kernel copies a sequence's keys once per KV head into a
 transposed scratch and computes 8 query rows' scores per key vector (about 80 GFLOP/s on SmolLM2's shapes, where
@@ -22,16 +22,16 @@ from .kernels import cpu_paged_attention as cpu_kernel
 
 
 def _kernel_pages(view, sliding_window, softcap, s_aux) -> bool:
-    """CPU pools of one tier, float32 or bfloat16 float pages or int8 ones (codes and a float16 scale per token and
-    head), head dims equal and a multiple of 16, read by the C kernel ("cpu" backend), for a layer with no window,
-    softcap or sinks."""
+    """CPU pools of one tier that the kernel reads (float32 or bfloat16 float pages, int8, int4 or int2 ones:
+    `cpu_paged_attention.PREFILL_SYMBOLS`), head dims equal and a multiple of 16, read by the C kernel ("cpu"
+    backend), for a layer with no window, softcap or sinks."""
     if sliding_window or softcap or s_aux is not None or view.backend != "cpu":
         return False
     operands = view.pages.kernel_operands()
-    k_pool, v_pool = operands["k_pool"], operands["v_pool"]
-    formats = {"float": cpu_kernel.SUPPORTED_DTYPES, "int8": (torch.int8,)}
-    return (k_pool.dtype in formats.get(operands["kv_format"], ()) and operands.get("cold") is None and k_pool.is_cpu
-            and k_pool.shape[3] == v_pool.shape[3] and k_pool.shape[3] % 16 == 0)
+    k_pool, kv_format = operands["k_pool"], operands["kv_format"]
+    _, head_dim, value_dim, _ = view.pages.shape
+    return ((kv_format if kv_format != "float" else k_pool.dtype) in cpu_kernel.PREFILL_SYMBOLS
+            and operands.get("cold") is None and k_pool.is_cpu and head_dim == value_dim and head_dim % 16 == 0)
 
 
 def prefill_kernel_applies(view, sliding_window, softcap, s_aux) -> bool:
@@ -93,4 +93,4 @@ def _attend(rows: torch.Tensor, view, index: tuple[torch.Tensor, torch.Tensor], 
     operands = view.pages.kernel_operands()
     return cpu_kernel.prefill_attention_cpu(rows if rows.dtype == torch.float32 else rows.float(), operands["k_pool"],
                                             operands["v_pool"], *index, scaling, operands.get("k_scale"),
-                                            operands.get("v_scale"))
+                                            operands.get("v_scale"), operands["kv_format"])

@@ -5,8 +5,9 @@ values for those pages. Instead of reading them once per sequence, the rows of a
 prefix in ONE unmasked flash-attention call (the prefix read once: a view of the pool when its pages are
 consecutive, else gathered), and each over its own remaining tokens; the two parts are merged exactly by their
 log-sum-exp: ``out = own + (prefix - own) * sigmoid(lse_prefix - lse_own)``. Prefill chunks
-(`cascade_attention`): each chunk's own part is one causal flash call; on float and int8 pages the C prefill kernel
-(`hf_paged.prefill_kernel`) takes the chunks first, so they come here from int4 and int2 pages. Decode rows
+(`cascade_attention`): each chunk's own part is one causal flash call; on the CPU the C prefill kernel
+(`hf_paged.prefill_kernel`) takes the chunks first, so they come here from pages it does not read (two tiers,
+fp8, another device, a window, softcap or sinks). Decode rows
 (`cascade_decode`): their own parts are one C-kernel call over each row's pages after the prefix, which returns the
 log-sum-exp too.
 

@@ -66,36 +66,46 @@ def test_the_kernel_equals_the_float64_reference(S, Hq, Hkv, D, spans, dtype):
     torch.testing.assert_close(out.double(), reference(*args, D ** -0.5), rtol=1e-5, atol=2e-6)
 
 
-def int8_pages(pool):
-    """``pool`` as int8 pages: (codes, float16 scales [P, S, Hkv, 1]) by the int8 format's codec, and what they hold
-    (dequantized, float32)."""
-    codec = page_format("int8").key
-    codes, scales = quantize(codec, pool)
-    return codes, scales, dequantize(codec, codes, scales, pool.shape[-1])
+def quantized_pages(kv_format, k_pool, v_pool):
+    """Float pools as pages of ``kv_format`` by its codecs (int4 / int2 keys encoded over each whole page, values
+    rotated): the kernel's arguments ``(k_codes, v_codes, k_scale, v_scale)``, and what the pages hold (dequantized
+    keys and values, float32)."""
+    fmt = page_format(kv_format)
+    if getattr(fmt.key, "per_page", False):
+        k_codes, k_scale = fmt.key.encode_pages(k_pool.float(), torch.ones(k_pool.shape[:2], dtype=torch.bool))
+        keys = fmt.key.decode_pages(k_codes, k_scale, k_pool.shape[-1])
+    else:
+        k_codes, k_scale = quantize(fmt.key, k_pool)
+        keys = dequantize(fmt.key, k_codes, k_scale, k_pool.shape[-1])
+    v_codes, v_scale = quantize(fmt.value, v_pool)
+    values = dequantize(fmt.value, v_codes, v_scale, v_pool.shape[-1])
+    return (k_codes, v_codes, k_scale, v_scale), keys, values
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("S,Hq,Hkv,D,spans,_", [CASES[0], CASES[1], CASES[3]])
-def test_int8_pages_equal_the_float64_reference_of_what_they_hold(S, Hq, Hkv, D, spans, _):
+def test_quantized_pages_equal_the_float64_reference_of_what_they_hold(S, Hq, Hkv, D, spans, _, kv_format):
     query, k_pool, v_pool, table, segments = constructed(S, Hq, Hkv, D, spans)
-    k_codes, k_scale, keys = int8_pages(k_pool)
-    v_codes, v_scale, values = int8_pages(v_pool)
-    out = prefill_attention_cpu(query, k_codes, v_codes, table, segments, D ** -0.5, k_scale, v_scale)
+    (k_codes, v_codes, k_scale, v_scale), keys, values = quantized_pages(kv_format, k_pool, v_pool)
+    out = prefill_attention_cpu(query, k_codes, v_codes, table, segments, D ** -0.5, k_scale, v_scale, kv_format)
     want = reference(query, keys, values, table, segments, D ** -0.5)
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     assert (want - reference(query, k_pool, v_pool, table, segments, D ** -0.5)).abs().max() > 1e-4  # (quantized)
 
 
-def test_int8_pools_need_both_scales_of_their_shape():
+def test_quantized_pools_need_their_format_and_scales():
     query, k_pool, v_pool, table, segments = constructed(4, 4, 2, 16, [(3, 5)])
-    (k_codes, k_scale, _), (v_codes, v_scale, _) = int8_pages(k_pool), int8_pages(v_pool)
-    with pytest.raises(ValueError, match="int8 pools need float16 scales"):
-        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25)
-    with pytest.raises(ValueError, match="int8 pools need float16 scales"):
-        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale, v_scale.float())
-    with pytest.raises(ValueError, match="int8 pools need float16 scales"):
-        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale, v_scale[:-1])
-    with pytest.raises(ValueError, match="int8 pools need float16 scales"):  # float pools take none
+    (k_codes, v_codes, k_scale, v_scale), _, _ = quantized_pages("int8", k_pool, v_pool)
+    with pytest.raises(ValueError, match="float32 or bfloat16 pools of one dtype, or int8, int4 or int2 pages"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25)  # (kv_format="float")
+    with pytest.raises(ValueError, match="v_scale of kv_format='int8' must be torch.float16"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale, v_scale.float(), "int8")
+    with pytest.raises(ValueError, match="k_scale of kv_format='int8' must be torch.float16"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale[:-1], v_scale, "int8")
+    with pytest.raises(ValueError, match="k_scale/v_scale belong to quantized pools"):
         prefill_attention_cpu(query, k_pool, v_pool, table, segments, 0.25, k_scale, v_scale)
+    with pytest.raises(ValueError, match="k_pool of kv_format='int4' must be torch.uint8"):
+        prefill_attention_cpu(query, k_codes, v_codes, table, segments, 0.25, k_scale, v_scale, "int4")
 
 
 def test_a_query_never_reads_keys_after_its_position_or_past_the_sequence():
@@ -135,7 +145,7 @@ def test_a_bad_index_is_refused_with_what_was_wrong():
 
 
 @pytest.mark.parametrize("kv_format,dtype", [("float", torch.float32), ("float", torch.bfloat16),
-                                             ("int8", torch.float32)])
+                                             ("int8", torch.float32), ("int4", torch.float32), ("int2", torch.float32)])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_a_packed_step_equals_the_per_segment_path(monkeypatch, page_size, kv_format, dtype):
     """Decode rows and prefill chunks in one step (sharers of a cached prefix, one continuing an earlier chunk, a
@@ -200,16 +210,17 @@ def test_threads_split_the_work_items_and_give_the_same_result():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_generate_with_int8_pages_prefills_rows_in_the_kernel_as_the_sdpa_path_does(monkeypatch):
-    """A `PagedCache(kv_format="int8")`'s prompt step runs in the prefill kernel over the int8 pages: its logits equal
-    those of the path it replaces (SDPA over the dequantized pages) within float rounding, and so do the greedy
-    tokens."""
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_generate_with_quantized_pages_prefills_rows_in_the_kernel_as_the_sdpa_path_does(monkeypatch, kv_format):
+    """A `PagedCache(kv_format=...)`'s prompt step runs in the prefill kernel over the quantized pages: its logits
+    equal those of the path it replaces (SDPA over the dequantized pages) within float rounding, and so do the
+    greedy tokens."""
     _, paged = make_pair("llama")
     calls = []
     rows = hf_paged.attention.rows_prefill_attention
     monkeypatch.setattr(hf_paged.attention, "rows_prefill_attention", lambda *a: calls.append(1) or rows(*a))
     ids = torch.randint(1, 96, (2, 21), generator=torch.Generator().manual_seed(6))
-    cache = lambda: {hf_paged.CACHE_KWARG: hf_paged.PagedCache(page_size=4, kv_format="int8",  # noqa: E731
+    cache = lambda: {hf_paged.CACHE_KWARG: hf_paged.PagedCache(page_size=4, kv_format=kv_format,  # noqa: E731
                                                                config=paged.config)}
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():

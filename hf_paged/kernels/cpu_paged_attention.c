@@ -1243,7 +1243,7 @@ int paged_attention_bf16_int2(PagedArgs *a) { return run(a, FMT_BF16, FMT_I2); }
 /* ---- Prefill chunks: a packed step's multi-token segments, each over its sequence's pages, causal ----
  *
  * Work item = (segment, KV head). Its T = past + length keys and values are copied once from the pages into scratch as
- * fp32 (int8: codes times their token and head's scale), the keys transposed (`[D][Tp]`: keys of one dimension side by
+ * fp32 (quantized codes dequantized as they are copied), the keys transposed (`[D][Tp]`: keys of one dimension side by
  * side, so 16 keys' scores are plain FMAs, no lane sums) and the values as rows (`[T][D]`). Then its length x G query
  * rows, 8 at a time (row r: query r / G of the segment, head kvh * G + r % G, position past + r / G): their scores
  * against 32 keys at a time in 16 register accumulators (each key vector read once for the 8 rows) up to the block's
@@ -1253,10 +1253,12 @@ int paged_attention_bf16_int2(PagedArgs *a) { return run(a, FMT_BF16, FMT_I2); }
 typedef struct PrefillArgs {
     const float *q;       /* [T, Hq, D] fp32: the step's packed queries, strides q_stride */
     int64_t q_stride[3];
-    const void *k, *v;    /* [P, S, Hkv, D] pools in the entry point's format (fp32, bf16, int8), strides (page, slot,
-                           * head) */
+    const void *k, *v;    /* [P, S, Hkv, width] pools in the entry point's format (fp32, bf16, int8, int4 / int2 codes),
+                           * strides (page, slot, head) */
     int64_t k_stride[3], v_stride[3];
-    const uint16_t *k_scale, *v_scale; /* int8: [P, S, Hkv] float16 scales (x = scale * code), strides below */
+    const uint16_t *k_scale, *v_scale; /* int8: [P, S, Hkv] float16 scales (x = scale * code); int4 / int2: keys'
+                                        * page parameters [P, Hkv, D + D / 2] (slot stride 0), values' scales
+                                        * [P, S, Hkv] (the layouts of the paged kernel), strides below */
     int64_t ks_stride[3], vs_stride[3];
     const int64_t *table; /* [segments, width]: each segment's page table (ids checked by the caller) */
     int64_t width;
@@ -1265,6 +1267,7 @@ typedef struct PrefillArgs {
     float scale;
     float *out;           /* [T, Hq, D] fp32, strides out_stride: each segment's rows written, the others untouched */
     int64_t out_stride[3];
+    int64_t v_rotated;    /* values stored rotated (int4, int2): each output row is rotated back */
 } PrefillArgs;
 
 #define PREFILL_ROWS 8 /* query rows whose scores share each key vector */
@@ -1290,6 +1293,15 @@ static void prefill_kv(const PrefillArgs *a, int64_t s, int64_t kvh, int64_t T, 
             const int8_t *key = (const int8_t *)a->k + k0, *value = (const int8_t *)a->v + v0;
             for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = (float)key[d] * ks;
             for (int64_t d = 0; d < D; d++) vr[t * D + d] = (float)value[d] * vs;
+        } else if (fmt >= FMT_I4) { /* keys x = low + step * code per page and channel; values scale * (code - zero) */
+            const uint16_t *params = a->k_scale + page * a->ks_stride[0] + kvh * a->ks_stride[2];
+            const uint8_t *steps = (const uint8_t *)(params + D), *key = (const uint8_t *)a->k + k0;
+            const uint8_t *value = (const uint8_t *)a->v + v0;
+            const int64_t av = page * a->vs_stride[0] + slot * a->vs_stride[1] + kvh * a->vs_stride[2];
+            const float vs = half_to_float(a->v_scale[av]), zero = (float)(int8_t)value[code_bytes(D, fmt)];
+            for (int64_t d = 0; d < D; d++)
+                kT[d * Tp + t] = code_at(key, d, fmt) * fp8_to_float(steps[d]) + half_to_float(params[d]);
+            for (int64_t d = 0; d < D; d++) vr[t * D + d] = (code_at(value, d, fmt) - zero) * vs;
         } else {
             for (int64_t d = 0; d < D; d++) kT[d * Tp + t] = load_bf16((const uint16_t *)a->k, k0 + d);
             for (int64_t d = 0; d < D; d++) vr[t * D + d] = load_bf16((const uint16_t *)a->v, v0 + d);
@@ -1391,6 +1403,8 @@ static void prefill_item(const PrefillArgs *a, int64_t item, int fmt, float *wor
                 else prefill_values(p, Tp, vr, D, seen[j0 + 3], c0, 1, o + j0, inv + j0);
             }
     }
+    for (int64_t r = 0; r < R && a->v_rotated; r++) /* sum p (v R) = (sum p v) R, and R R = I */
+        rotate(a->out + (start + r / G) * a->out_stride[0] + (kvh * G + r % G) * a->out_stride[1], D);
 }
 
 static int run_prefill(const PrefillArgs *a, int fmt) {
@@ -1410,3 +1424,5 @@ static int run_prefill(const PrefillArgs *a, int fmt) {
 int prefill_attention_f32(PrefillArgs *a) { return run_prefill(a, FMT_F32); }
 int prefill_attention_bf16(PrefillArgs *a) { return run_prefill(a, FMT_BF16); }
 int prefill_attention_i8(PrefillArgs *a) { return run_prefill(a, FMT_I8); }
+int prefill_attention_i4(PrefillArgs *a) { return run_prefill(a, FMT_I4); }
+int prefill_attention_i2(PrefillArgs *a) { return run_prefill(a, FMT_I2); }

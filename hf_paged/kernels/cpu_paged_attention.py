@@ -38,8 +38,9 @@ SYMBOLS = ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8"
            "paged_attention_int2", "paged_attention_f32_int8", "paged_attention_f32_int4", "paged_attention_f32_int2",
            "paged_attention_bf16_int8", "paged_attention_bf16_int4", "paged_attention_bf16_int2")
 # (the first five by the C kernel's format number; then hot float pages and cold pages, `ColdTier`)
-PREFILL_SYMBOLS = ("prefill_attention_f32", "prefill_attention_bf16", "prefill_attention_i8")  # by pool dtype
-PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # `prefill_attention_cpu`'s pools, PREFILL_SYMBOLS' order
+PREFILL_SYMBOLS = {  # `prefill_attention_cpu`'s entry points, by page format (float pages: by dtype)
+    torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16", "int8": "prefill_attention_i8",
+    "int4": "prefill_attention_i4", "int2": "prefill_attention_i2"}
 MASS_HEADS = ("mean", "max")  # the page mass's head reductions the kernel does itself (`page_mass_heads`)
 PAGE_MASS_SIGNALS = ("attention", "output")  # what the page mass measures (`page_mass_signal`, reference.py)
 _SLOTS_PER_SPLIT = 512  # fewest token slots worth a split of their own (splits only feed threads)
@@ -78,15 +79,15 @@ class _PrefillArgs(ctypes.Structure):
         ("k_scale", _ptr), ("v_scale", _ptr), ("ks_stride", _i64x3), ("vs_stride", _i64x3),
         ("table", _ptr), ("width", _i64), ("segment", _ptr),
         ("segments", _i64), ("Hq", _i64), ("Hkv", _i64), ("D", _i64), ("S", _i64), ("threads", _i64),
-        ("scale", ctypes.c_float), ("out", _ptr), ("out_stride", _i64x3),
+        ("scale", ctypes.c_float), ("out", _ptr), ("out_stride", _i64x3), ("v_rotated", _i64),
     ]
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel library, or a string saying why it cannot be built or loaded."""
-    library = library_cache.compiled_library(SOURCE, FLAGS, SYMBOLS + PREFILL_SYMBOLS)
-    for name in SYMBOLS + PREFILL_SYMBOLS if not isinstance(library, str) else ():
+    library = library_cache.compiled_library(SOURCE, FLAGS, SYMBOLS + tuple(PREFILL_SYMBOLS.values()))
+    for name in SYMBOLS + tuple(PREFILL_SYMBOLS.values()) if not isinstance(library, str) else ():
         getattr(library, name).argtypes = [ctypes.POINTER(_PagedArgs if name in SYMBOLS else _PrefillArgs)]
         getattr(library, name).restype = ctypes.c_int
     return library
@@ -388,36 +389,34 @@ def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, ma
 
 def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                           segments: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of a packed step's prefill chunks over their sequences' float or int8 pages, read in place.
+                          v_scale: torch.Tensor | None = None, kv_format: str = "float") -> torch.Tensor:
+    """Causal attention of a packed step's prefill chunks over their sequences' pages, read in place.
 
-    ``query [T, Hq, D]`` float32 (any strides): the step's packed queries; ``k_pool``/``v_pool [P, S, Hkv, D]``
-    float32, bfloat16, or int8 codes with ``k_scale``/``v_scale [P, S, Hkv, 1]`` float16 (x = scale * code, the
-    "int8" pages of kv_formats.py); ``table [n, W]`` int64: segment i's page table (every entry a page id, padding
-    included); ``segments [n, 3]`` int64 rows (start, length, past): segment i's queries are packed tokens ``start ..
+    ``query [T, Hq, D]`` float32 (any strides): the step's packed queries; ``k_pool``/``v_pool [P, S, Hkv, W]``
+    pages of ``kv_format``, with ``k_scale``/``v_scale`` as `paged_attention_cpu` takes them: "float" (float32 or
+    bfloat16, no scales), "int8", "int4" or "int2" (`PREFILL_SYMBOLS`; values of one group a row, as those formats
+    store them); ``table [n, W]`` int64: segment i's page table (every entry a page id, padding included);
+    ``segments [n, 3]`` int64 rows (start, length, past): segment i's queries are packed tokens ``start ..
     start + length`` at positions ``past ..``, and each attends its sequence's tokens ``0 ..`` its position.
     Returns ``out [T, Hq, D]`` float32 whose segments' rows are the attention (others undefined). The index is
     checked on every call (a few reductions: a prefill call's arithmetic dwarfs them)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"the hf_paged CPU kernel is unavailable: {library}")
-    if k_pool.dtype not in PREFILL_DTYPES or v_pool.dtype != k_pool.dtype or k_pool.dim() != 4 or (
-            v_pool.shape[:3] != k_pool.shape[:3]) or k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
-        raise ValueError("prefill_attention_cpu reads float32, bfloat16 or int8 pools [P, S, Hkv, D] of one dtype "
-                         f"with contiguous rows, got {tuple(k_pool.shape)} {k_pool.dtype} and {tuple(v_pool.shape)} "
-                         f"{v_pool.dtype}")
-    quantized = k_pool.dtype == torch.int8
-    scales = [t for t in (k_scale, v_scale) if t is not None]
-    if len(scales) != 2 * quantized or not all(
-            t.dtype == torch.float16 and t.shape == (*k_pool.shape[:3], 1) and t.is_cpu for t in scales):
-        raise ValueError("int8 pools need float16 scales [P, S, Hkv, 1] for both keys and values (float pools none), "
-                         f"got {[(tuple(t.shape), t.dtype) for t in scales]} for {k_pool.dtype} pools")
+    fmt = page_format(kv_format)
     T, Hq, D = query.shape
-    P, S, Hkv, _ = k_pool.shape
-    if query.dtype != torch.float32 or D != k_pool.shape[3] or D != v_pool.shape[3] or D % 16 or Hq % Hkv:
+    entry = PREFILL_SYMBOLS.get(kv_format if fmt.quantized else k_pool.dtype)
+    if entry is None or v_pool.dtype != k_pool.dtype or (fmt.quantized and fmt.value.groups(D) != 1):
+        raise ValueError("prefill_attention_cpu reads float32 or bfloat16 pools of one dtype, or int8, int4 or int2 "
+                         f"pages, got kv_format={kv_format!r} with {k_pool.dtype} and {v_pool.dtype} pools")
+    Hkv = k_pool.shape[2] if k_pool.dim() == 4 else 0
+    if query.dtype != torch.float32 or D % 16 or not Hkv or Hq % Hkv:
         raise ValueError(f"prefill_attention_cpu needs a float32 query [T, Hq, D] with D a multiple of 16 and Hq a "
-                         f"multiple of the pools' {Hkv} heads of D={k_pool.shape[3]}, got {tuple(query.shape)} "
-                         f"{query.dtype}")
+                         f"multiple of the pools' {Hkv} heads, got {tuple(query.shape)} {query.dtype}")
+    check_pools(fmt, query[None], k_pool, v_pool, k_scale, v_scale)
+    if k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
+        raise ValueError("prefill_attention_cpu reads pools with contiguous rows (a unit last stride)")
+    P, S = k_pool.shape[:2]
     if not (query.is_cpu and k_pool.is_cpu and v_pool.is_cpu and table.is_cpu and segments.is_cpu):
         raise ValueError("prefill_attention_cpu needs CPU tensors")
     if table.dtype != torch.int64 or segments.dtype != torch.int64 or not (
@@ -434,13 +433,14 @@ def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     args = _PrefillArgs(
         q=query.data_ptr(), q_stride=_i64x3(*query.stride()), k=k_pool.data_ptr(), v=v_pool.data_ptr(),
-        k_stride=_i64x3(*k_pool.stride()[:3]), v_stride=_i64x3(*v_pool.stride()[:3]),
-        k_scale=k_scale.data_ptr() if quantized else None, v_scale=v_scale.data_ptr() if quantized else None,
-        ks_stride=_i64x3(*k_scale.stride()[:3]) if quantized else _i64x3(),
-        vs_stride=_i64x3(*v_scale.stride()[:3]) if quantized else _i64x3(), table=table.data_ptr(),
+        k_stride=_i64x3(*k_pool.stride()[:3]), v_stride=_i64x3(*v_pool.stride()[:3]), table=table.data_ptr(),
         width=table.shape[1], segment=segments.data_ptr(), segments=segments.shape[0], Hq=Hq, Hkv=Hkv, D=D, S=S,
         threads=torch.get_num_threads(), scale=scale, out=out.data_ptr(), out_stride=_i64x3(*out.stride()))
-    entry = getattr(library, PREFILL_SYMBOLS[PREFILL_DTYPES.index(k_pool.dtype)])
-    if segments.shape[0] and entry(ctypes.byref(args)):
+    if fmt.quantized:
+        args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        args.ks_stride = _i64x3(*slot_scale_strides(fmt.key, k_scale))
+        args.vs_stride = _i64x3(*slot_scale_strides(fmt.value, v_scale))
+        args.v_rotated = fmt.value.rotated
+    if segments.shape[0] and getattr(library, entry)(ctypes.byref(args)):
         raise MemoryError("the hf_paged CPU kernel could not allocate its scratch memory")
     return out
