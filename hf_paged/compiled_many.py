@@ -8,8 +8,8 @@ for decode rows, the C prefill kernel or SDPA for prefill chunks): the cache is 
 around the forward by the caller, so no Python object of the cache enters the graph and a new cache per call is no
 recompile. Everything around attention is inductor's: norms, rotary, SiLU * mul and residual adds fused, linear
 weights frozen and packed for oneDNN, and linears that read the same input (q/k/v, gate/up) merged into one GEMM
-(inductor's ``freezing`` and ``cpp.enable_concat_linear``). Token counts are dynamic: a step of any size reuses the graph
-(besides one graph for one-token steps, which Dynamo specializes). A step shaped like an earlier one skips
+(inductor's ``freezing`` and ``cpp.enable_concat_linear``). Token counts are dynamic: a step of any size reuses the
+graph (besides one graph for one-token steps, which Dynamo specializes). A step shaped like an earlier one skips
 Dynamo's guard evaluation (`SteadyForward`): the steady decode steps cost the graph and the op, not the guards over
 the model's modules.
 

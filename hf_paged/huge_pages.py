@@ -52,7 +52,8 @@ def move_to_huge_pages(tensors) -> int:
             continue
         address, size = _memory(tensor)
         for page in range(-(-address // HUGE_PAGE) * HUGE_PAGE, address + size - HUGE_PAGE + 1, HUGE_PAGE):
-            if _LIBC.madvise(page, HUGE_PAGE, _MADV_HUGEPAGE) == 0 and _LIBC.madvise(page, HUGE_PAGE, _MADV_COLLAPSE) == 0:
+            if (_LIBC.madvise(page, HUGE_PAGE, _MADV_HUGEPAGE) == 0
+                    and _LIBC.madvise(page, HUGE_PAGE, _MADV_COLLAPSE) == 0):
                 moved += HUGE_PAGE
     return moved
 

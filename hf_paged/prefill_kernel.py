@@ -2,11 +2,11 @@
 rows of a `PagedCache` step.
 
 On the CPU, float or quantized (int8, int4, int2) pages and layers with no sliding window, softcap or sinks, every
-multi-token segment of a packed step (`generate_many`), or every row of a `PagedCache` step of more queries than the decode kernel takes with no
-mask to apply (no padding, no evicted pages, no usage to measure), attends its pages read in place, causally, in one
-call for all of them and for every query head: the kernel copies a sequence's keys once per KV head into a
-transposed scratch and computes 8 query rows' scores per key vector (about 80 GFLOP/s on SmolLM2's shapes, where
-PyTorch's flash kernel called per chunk ran these small causal calls at 25-47: docs/many_prompts.md, "Prefill
+multi-token segment of a packed step (`generate_many`), or every row of a `PagedCache` step of more queries than the
+decode kernel takes with no mask to apply (no padding, no evicted pages, no usage to measure), attends its pages read in
+place, causally, in one call for all of them and for every query head: the kernel copies a sequence's keys once per KV
+head into a transposed scratch and computes 8 query rows' scores per key vector (about 80 GFLOP/s on SmolLM2's shapes,
+where PyTorch's flash kernel called per chunk ran these small causal calls at 25-47: docs/many_prompts.md, "Prefill
 chunks in one kernel call").
 
 Invariant: the index (each segment's or row's page table, and its start, length and past) is built once per step on
@@ -23,15 +23,15 @@ from .kernels import cpu_paged_attention as cpu_kernel
 
 def _kernel_pages(view, sliding_window, softcap, s_aux) -> bool:
     """CPU pools of one tier that the kernel reads (float32 or bfloat16 float pages, int8, int4 or int2 ones:
-    `cpu_paged_attention.PREFILL_SYMBOLS`), head dims equal and a multiple of 16, read by the C kernel ("cpu"
+    `cpu_paged_attention.prefill_entry`), head dims equal and a multiple of 16, read by the C kernel ("cpu"
     backend), for a layer with no window, softcap or sinks."""
     if sliding_window or softcap or s_aux is not None or view.backend != "cpu":
         return False
     operands = view.pages.kernel_operands()
     k_pool, kv_format = operands["k_pool"], operands["kv_format"]
     _, head_dim, value_dim, _ = view.pages.shape
-    return ((kv_format if kv_format != "float" else k_pool.dtype) in cpu_kernel.PREFILL_SYMBOLS
-            and operands.get("cold") is None and k_pool.is_cpu and head_dim == value_dim and head_dim % 16 == 0)
+    return (cpu_kernel.prefill_entry(kv_format, k_pool.dtype) is not None and operands.get("cold") is None
+            and k_pool.is_cpu and head_dim == value_dim and head_dim % 16 == 0)
 
 
 def prefill_kernel_applies(view, sliding_window, softcap, s_aux) -> bool:

@@ -70,7 +70,8 @@ configurations:
   (10x slower) under oversubscription.
   Giving some axis flags runs the cross product of the given lists, with the axes left out at
   context {BASE['context']}, batch {BASE['batch']}, {BASE['mode']}, page size {BASE['page_size']}.
-  --full runs the cross product of all lists (defaults: contexts {','.join(map(str, ALL_CONTEXTS))}, batch sizes {','.join(map(str, ALL_BATCH_SIZES))},
+  --full runs the cross product of all lists (defaults: contexts {','.join(map(str, ALL_CONTEXTS))},
+  batch sizes {','.join(map(str, ALL_BATCH_SIZES))},
   modes {','.join(ALL_MODES)}, page sizes {','.join(map(str, ALL_PAGE_SIZES))}).
   --quick (smoke test, about a minute on 2 cores): {len(QUICK_SET)} tiny configurations (contexts 32/64,
   batch 1/2, greedy/beam4/sample8, page sizes 16/8), --new-tokens {QUICK['new_tokens']}, --repeats {QUICK['repeats']};

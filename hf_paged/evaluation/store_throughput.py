@@ -132,8 +132,8 @@ def markdown_report(result: dict) -> str:
              f"a new launch per run, {result['repeats']} rounds in a rotated order. Load average "
              f"{result['load_before']} before, {result['load_after']} after.", "",
              "| mode | new tokens/s (median) | spread | x none (median of rounds) | CPU s, all processes | "
-             "less CPU than none | store hit rate | pages read / written | MiB read / written | load s | loads skipped | "
-             "pool prefix hits | same completions |",
+             "less CPU than none | store hit rate | pages read / written | MiB read / written | load s | "
+             "loads skipped | pool prefix hits | same completions |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, m in modes.items():
         hit_rate = "-" if m["hit_rate"] is None else f"{100 * m['hit_rate']:.0f}%"

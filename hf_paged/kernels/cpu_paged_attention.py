@@ -27,7 +27,7 @@ from ..kv_formats import PageFormat, page_format, slot_scale_strides
 from . import library_cache
 from .arguments import ColdTier, check_call, check_cold_rows, check_mask_and_sinks, check_pools, marked, mask_strides
 
-__all__ = ["paged_attention_cpu", "prefill_attention_cpu", "unavailable_reason", "SUPPORTED_DTYPES"]
+__all__ = ["paged_attention_cpu", "prefill_attention_cpu", "prefill_entry", "unavailable_reason", "SUPPORTED_DTYPES"]
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -387,6 +387,12 @@ def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, ma
 
 
 
+def prefill_entry(kv_format: str, pool_dtype: torch.dtype) -> str | None:
+    """The prefill kernel's entry point (`PREFILL_SYMBOLS`) for pages of ``kv_format`` whose pools hold
+    ``pool_dtype`` (float pages go by their dtype), or None when it reads no such pages."""
+    return PREFILL_SYMBOLS.get(pool_dtype if kv_format == "float" else kv_format)
+
+
 def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                           segments: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, kv_format: str = "float") -> torch.Tensor:
@@ -405,7 +411,7 @@ def prefill_attention_cpu(query: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         raise RuntimeError(f"the hf_paged CPU kernel is unavailable: {library}")
     fmt = page_format(kv_format)
     T, Hq, D = query.shape
-    entry = PREFILL_SYMBOLS.get(kv_format if fmt.quantized else k_pool.dtype)
+    entry = prefill_entry(kv_format, k_pool.dtype)
     if entry is None or v_pool.dtype != k_pool.dtype or (fmt.quantized and fmt.value.groups(D) != 1):
         raise ValueError("prefill_attention_cpu reads float32 or bfloat16 pools of one dtype, or int8, int4 or int2 "
                          f"pages, got kv_format={kv_format!r} with {k_pool.dtype} and {v_pool.dtype} pools")
