@@ -29,11 +29,11 @@ Part ``cache``: the real caches with each format the CPU reads (float, int8, int
 (float32, "hf_paged"), with transformers' ``QuantizedCache`` (optimum-quanto backend, ``--peer-bits`` 4 and 2, its
 default residual of 128 float tokens) beside them: KV bytes per token from ``PagedCache.stats()["kv_bytes"]`` after a
 prefill (float pages of a float32 and of a bfloat16 model, int8, int4, int2; scales included; QuantizedCache: its
-quantized history, and with its residual full); perplexity at each ``--cache-tokens`` length against float32 pages
-with paired intervals: the formats in one forward through their pages, bfloat16 keys and values (simulated), QuantizedCache with
-the text in chunks of its residual length (each token sees what it would see when decoded), and int4 cold pages
-(``PagedCache(cold_format="int4")`` without a budget: every full page but the sinks re-quantized to int4, the sinks
-and the newest page read in float) with the text in chunks of a page, paired with QuantizedCache int4 too.
+quantized history, and with its residual full); perplexity at each ``--cache-tokens`` length against float32 pages with
+paired intervals: the formats in one forward through their pages, bfloat16 keys and values (simulated), QuantizedCache
+with the text in chunks of its residual length (each token sees what it would see when decoded), and int4 cold pages
+(``PagedCache(cold_format="int4")`` without a budget: every full page but the sinks re-quantized to int4, the sinks and
+the newest page read in float) with the text in chunks of a page, paired with QuantizedCache int4 too.
 
 Part ``agreement``: greedy agreement with float pages over the many-prompts workload (``--num-prompts`` prompts of
 32-256 tokens, 8 or 64 new tokens each): ``generate_many`` with float32 pages, ``kv_format`` "int8" and "int4" pages

@@ -386,7 +386,6 @@ def _prepare(query, k_pool, v_pool, page_table, page_pos, q_pos, scale, mask, ma
     return args, out, page_mass, getattr(library, symbol)
 
 
-
 def prefill_entry(kv_format: str, pool_dtype: torch.dtype) -> str | None:
     """The prefill kernel's entry point (`PREFILL_SYMBOLS`) for pages of ``kv_format`` whose pools hold
     ``pool_dtype`` (float pages go by their dtype), or None when it reads no such pages."""
