@@ -305,8 +305,8 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
             if dropped (these four default by page size: `eviction.usage_signal_defaults`).
         compress_prompt: a prompt larger than ``max_pages`` is prefilled whole, then cut to the bound
             by the attention of its last ``observation_window`` tokens (else: raise, feed it in chunks).
-        eviction_interval: k > 1 (pages of 1): a full cache's decode steps choose victims k at a time, every k steps,
-            one evicted a step, the bound held (faster, lossier: docs/eviction.md); default 1, every step chooses.
+        eviction_interval: k > 1 (pages of 1): a full cache's decode steps choose victims k at a time, one evicted a
+            step (faster, no loss measured: docs/eviction.md); None: 8 for the "score" default's 1-token pages, else 1.
         per_layer_eviction: each layer keeps its own pages and evicts by its own attention (the default
             for a bounded "score" or "lru" cache); False: the layers of a group share one page table.
         model: bind the cache to this model (implies ``config=model.config``) for prefix caching: full pages get
@@ -326,7 +326,7 @@ class PagedCache(CacheVariant, PrefixReuse, CompiledSteps, Cache):
                  recent_pages: int = 1, lru_threshold: float = 1.0, score_decay: float | None = None,
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
-                 prefix_store=None, store_spill: bool = True, cold_format: str | None = None, eviction_interval=1,
+                 prefix_store=None, store_spill: bool = True, cold_format: str | None = None, eviction_interval=None,
                  per_head_eviction: bool = False, head_floor: float | None = None):  # (these two: `CacheVariant`)
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         check_cold_format(cold_format, kv_format, config or getattr(model, "config", None), prefix_store)

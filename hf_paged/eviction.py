@@ -72,7 +72,8 @@ def usage_signal_defaults(page_size: int, name: str = "score", compress_prompt: 
 
 # PagedCache's flat eviction keywords (in `for_pages` order) and their defaults (None: chosen by page size)
 FLAT_DEFAULTS = dict(sink_pages=None, recent_pages=1, lru_threshold=1.0, score_decay=None, observation_window=None,
-                     score_heads=None, compress_prompt=False, score_signal=None, eviction_interval=1)
+                     score_heads=None, compress_prompt=False, score_signal=None, eviction_interval=None)
+DEFAULT_INTERVAL = 8  # victims of one-token pages ranked by their last share: as good, faster (docs/eviction.md)
 DEFAULT_POLICY = "score"  # measured best in both regimes, streaming and compress-after-prefill (docs/eviction.md)
 
 
@@ -165,17 +166,21 @@ class EvictionPolicy:
     def for_pages(cls, page_size: int, name: str | None = None, sink_pages: int | None = None, recent_pages: int = 1,
                   threshold: float = 1.0, decay: float | None = None, observation_window: int | None = None,
                   heads: str | None = None, compress_prompt: bool = False,
-                  signal: str | None = None, interval: int = 1) -> "EvictionPolicy":
+                  signal: str | None = None, interval: int | None = None) -> "EvictionPolicy":
         """A policy for pages of ``page_size`` tokens; what is None takes its default for that size (the
-        default policy, the pages of the first `SINK_TOKENS` tokens as sinks, `usage_signal_defaults`)."""
+        default policy, the pages of the first `SINK_TOKENS` tokens as sinks, `usage_signal_defaults`, and
+        `DEFAULT_INTERVAL` for a policy that ranks one-token pages by their last share, else 1)."""
         name = name or DEFAULT_POLICY
         defaults = usage_signal_defaults(page_size, name, compress_prompt)
-        return cls(name, default_sink_pages(page_size) if sink_pages is None else sink_pages,
-                   recent_pages, threshold, defaults["decay"] if decay is None else decay,
-                   defaults["observation_window"] if observation_window is None else observation_window,
-                   compress_prompt,
-                   defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal,
-                   interval)
+        policy = cls(name, default_sink_pages(page_size) if sink_pages is None else sink_pages,
+                     recent_pages, threshold, defaults["decay"] if decay is None else decay,
+                     defaults["observation_window"] if observation_window is None else observation_window,
+                     compress_prompt,
+                     defaults["heads"] if heads is None else heads, defaults["signal"] if signal is None else signal,
+                     1 if interval is None else interval)
+        if interval is None and page_size == 1 and policy.ranks_by_last_share:
+            return dataclasses.replace(policy, interval=DEFAULT_INTERVAL)
+        return policy
 
     @classmethod
     def of(cls, page_size: int, eviction: "str | EvictionPolicy | None", *flat) -> "EvictionPolicy":
@@ -425,6 +430,34 @@ class GroupEviction:
         self.evicted: list[tuple[int, int]] = []  # (row, index in row) of the pages dropped since the last plan
         self.exact_tokens = math.inf  # tokens computed before the first eviction (they match a full forward)
         self._warned_for = None  # the bound the first eviction under it was logged for
+        self.held_queue = None  # (past, q_len, pages, positions [B, n]): a rolled-back step's queue, for its retry
+
+    def hold_queue(self, plan) -> None:
+        """``plan``'s step is rolled back: keep the victims it queued for the steps after it
+        (`EvictionPolicy.victim_queue`) as (page, position) pairs, since its retry may hold them in other columns
+        (`planned`). Its own victim's eviction stands; the retry takes that free page instead."""
+        queue = None if plan is None else plan.victims
+        self.held_queue = None
+        if queue is not None and queue.ndim == 2 and plan.read_table is not None:
+            pick = lambda t: np.take_along_axis(t.numpy(), queue, axis=1)  # noqa: E731
+            self.held_queue = (plan.past, plan.q_len, pick(plan.read_table), pick(plan.read_pos))
+
+    def _resume_queue(self, plan) -> None:
+        """The first plan after a rollback: when it retries the rolled-back step (its position and length, each
+        queued page still live in its row at its position), it carries that step's queue, so the steps after it
+        evict what they would have without the failure (and it observes nothing, as the step it retries would not
+        have)."""
+        held, self.held_queue = self.held_queue, None
+        if (plan.past, plan.q_len) != held[:2] or plan.read_table is None or len(plan.read_table) != len(held[2]):
+            return
+        columns = np.empty_like(held[2])
+        for b, row in enumerate(zip(plan.read_table.tolist(), plan.read_pos.tolist())):
+            where = {entry: column for column, entry in enumerate(zip(*row))}  # (page, position): a hole's page is -1
+            wanted = list(zip(held[2][b].tolist(), held[3][b].tolist()))
+            if not all(entry in where for entry in wanted):
+                return
+            columns[b] = [where[entry] for entry in wanted]
+        plan.victims = columns
 
     def fork(self, bounded: bool) -> "GroupEviction":
         """The eviction state of a forked group: same history (by page id), clock and exactness, its own count."""
@@ -437,6 +470,8 @@ class GroupEviction:
         history; ``written``: `PlanStack` wrote every group's at once, `StackedHistories`)."""
         self.clock += 1
         self.evicted = []
+        if self.held_queue is not None:
+            self._resume_queue(plan)
         if plan.read_table is None or written:
             return
         slots = _ids(plan.slots)

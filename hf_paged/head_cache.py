@@ -8,6 +8,8 @@ it back, at the next write or question about a layer that wrote it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
@@ -34,11 +36,13 @@ class HeadPagedCache(PagedCache):
                  observation_window: int | None = None, score_heads: str | None = None, compress_prompt: bool = False,
                  per_layer_eviction: bool | None = None, score_signal: str | None = None, kv_format: str = "float",
                  prefix_store=None, store_spill: bool = True, cold_format: str | None = None,
-                 eviction_interval: int = 1, per_head_eviction: bool = True, head_floor: float | None = None):
+                 eviction_interval: int | None = None, per_head_eviction: bool = True, head_floor: float | None = None):
         check_cache_arguments(page_size, max_pages, config, model, backend, lru_threshold, kv_format)
         head_floor = DEFAULT_HEAD_FLOOR if head_floor is None else head_floor
         policy = EvictionPolicy.of(page_size, eviction, sink_pages, recent_pages, lru_threshold, score_decay,
                                    observation_window, score_heads, compress_prompt, score_signal, eviction_interval)
+        if eviction_interval is None and not isinstance(eviction, EvictionPolicy):  # (victims chosen every step)
+            policy = dataclasses.replace(policy, interval=1)
         refuse_per_head(page_size, policy, (kv_format, cold_format), model, prefix_store, per_layer_eviction,
                         head_floor)
         Cache.__init__(self, layers=[])

@@ -161,12 +161,9 @@ class LayerGroup(PageRows):
     def begin_step(self, batch_size: int, q_len: int, same_as: list[int] | None = None) -> StepPlan:
         """Allocate pages for ``q_len`` new tokens per row and plan the writes.
 
-        ``same_as[b] = a`` (a <= b) says rows a and b of a fresh batch hold identical tokens (as
-        when generate repeats a prompt for beams or samples): row b then shares row a's pages.
-
-        Raises (changing nothing) when the batch size differs from the cached rows or a
-        bounded pool cannot provide the pages.
-        """
+        ``same_as[b] = a`` (a <= b) says rows a and b of a fresh batch hold identical tokens (as when generate repeats
+        a prompt for beams or samples): row b then shares row a's pages. Raises (changing nothing) when the batch size
+        differs from the cached rows or a bounded pool cannot provide the pages."""
         self._finish_or_rollback()
         self.check_batch(batch_size)
         if self.first_kept_page(self.num_tokens) == self.first_page and not self.manager.overdrawn:
@@ -289,6 +286,8 @@ class LayerGroup(PageRows):
         """Undo the current step: pages it allocated are released, tables restored."""
         if self._undo is None:
             return
+        if self.eviction is not None:
+            self.eviction.hold_queue(self.step)
         self._undo.rollback(self.manager, self.rows)
         self.rows, (self.first_page, self.num_tokens) = self._undo.tables, self._undo.state
         self.members.cap(self.num_tokens)

@@ -135,7 +135,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-score-signal", default=None, choices=["attention", "output"], help="score_signal of the "
                    "bounded PagedCache (default: PagedCache's; with the prompt cut after prefill, attention)")
     p.add_argument("--budget-eviction-interval", type=int, default=None, help="eviction_interval of the bounded "
-                   "PagedCache: victims chosen every k steps, k at once (needs --budget-page-size 1; default 1)")
+                   "PagedCache: victims chosen every k steps, k at once (needs --budget-page-size 1; default: "
+                   "PagedCache's, 8 for pages of 1 under the score policy)")
     p.add_argument("--alternate", action="store_true", help="also, for greedy configurations, rounds (one per "
                    "repeat) in which DynamicCache and PagedCache decode taking turns token by token: the per-step "
                    "speed ratio, median and quartiles")

@@ -94,9 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-layer-eviction", choices=("on", "off"), default="on",
                    help="on: each layer keeps its own pages (the default of a bounded cache); off: the layers of a "
                    "group share one page table, victims chosen by their summed attention")
-    p.add_argument("--eviction-interval", type=int, default=1,
-                   help="continuation/passkey caches: PagedCache(eviction_interval=...) (page size 1); its rows are "
-                        "named 'hf_paged <policy>, interval <k>' when k > 1")
+    p.add_argument("--eviction-interval", type=int, default=None,
+                   help="continuation/passkey caches: PagedCache(eviction_interval=...) (page size 1; none: the "
+                        "cache's default); its rows are named 'hf_paged <policy>, interval <k>' when k is given")
     p.add_argument("--chunk", type=int, default=16, help="streaming regime: tokens per forward")
     p.add_argument("--windows", type=int, default=6, help="continuation: windows of the text")
     p.add_argument("--context", type=int, default=1504, help="continuation: context tokens per window")

@@ -168,10 +168,15 @@ def test_score_signal_reaches_the_score_caches_only(script):
 
 def test_eviction_interval_reaches_the_bounded_caches_and_names_their_rows(script):
     """``--eviction-interval k`` builds the bounded caches with ``eviction_interval=k`` and names their rows
-    'hf_paged <policy>, interval k' (so that runs with and without it pair in `scripts/paired_rows.py`)."""
+    'hf_paged <policy>, interval k' (so that runs with and without it pair in `scripts/paired_rows.py`); without it
+    the caches take `PagedCache`'s default and their rows keep their plain names."""
     _, model = make_pair("llama")
-    args = script.parse_args(["--eviction-interval", "8", "--tasks", "continuation", "--windows", "1"])
-    assert script.bounded_cache(model, args, "score", "compress", 64).policy.interval == 8
-    assert script.bounded_cache(model, script.parse_args([]), "score", "compress", 64).policy.interval == 1
+    args = script.parse_args(["--eviction-interval", "1", "--tasks", "continuation", "--windows", "1"])
+    assert script.bounded_cache(model, args, "score", "compress", 64).policy.interval == 1
     methods = {job["method"] for job in script.continuation_jobs(args) if job["regime"] != "full"}
-    assert methods == {f"hf_paged {policy}, interval 8" for policy in args.policies}
+    assert methods == {f"hf_paged {policy}, interval 1" for policy in args.policies}
+    plain = script.parse_args(["--tasks", "continuation", "--windows", "1"])
+    default = hf_paged.PagedCache(page_size=1, max_pages=64, compress_prompt=True).policy.interval
+    assert script.bounded_cache(model, plain, "score", "compress", 64).policy.interval == default > 1
+    methods = {job["method"] for job in script.continuation_jobs(plain) if job["regime"] != "full"}
+    assert methods == {f"hf_paged {policy}" for policy in plain.policies}

@@ -12,7 +12,7 @@ import hf_paged
 from hf_paged.block_manager import EVICTED
 from hf_paged import attention
 from hf_paged.errors import CacheUsageError
-from hf_paged.eviction import EvictionPolicy, PageHistory, page_usage
+from hf_paged.eviction import DEFAULT_INTERVAL, EvictionPolicy, PageHistory, page_usage
 from hf_paged.kernels import cpu_paged_attention as cpu_kernel
 from hf_paged.kernels.reference import paged_attention_reference
 from page_checks import check_pages
@@ -723,7 +723,8 @@ def test_a_stack_commits_and_rolls_back_every_group_as_each_group_alone(decay, m
         ended = []
         record = layer_groups.record_together
         monkeypatch.setattr(layer_groups, "record_together", lambda *a: ended.append(record(*a)) or ended[-1])
-        cache = hf_paged.PagedCache(page_size=1, max_pages=64, eviction="score", sink_pages=1, score_decay=decay)
+        cache = hf_paged.PagedCache(page_size=1, max_pages=64, eviction="score", sink_pages=1, score_decay=decay,
+                                    eviction_interval=1)  # (every step observed and recorded)
         seen = []
         for i in range(40):
             k = torch.randn(2, 1, 30 if i == 0 else 1, 2, generator=torch.Generator().manual_seed(i))
@@ -805,6 +806,26 @@ def test_a_whole_eviction_policy_stands_for_the_flat_keywords():
         hf_paged.PagedCache(eviction=EvictionPolicy("fifo"), recent_pages=3, score_decay=0.5)
 
 
+def test_the_default_interval_serves_one_token_pages_ranked_by_their_last_share():
+    """Without ``eviction_interval`` a bounded cache of one-token pages under "score" with no decay (the default
+    policy, streaming or cutting a prompt) queues `DEFAULT_INTERVAL` victims; every other policy, page size and the
+    per-head cache choose one victim a step; an explicit k is kept, and refused where queues cannot serve."""
+    default = DEFAULT_INTERVAL
+    assert default > 1
+    assert hf_paged.PagedCache(page_size=1, max_pages=8).policy.interval == default
+    assert hf_paged.PagedCache(page_size=1, max_pages=8, compress_prompt=True).policy.interval == default
+    assert hf_paged.PagedCache(page_size=1, max_pages=8, eviction_interval=1).policy.interval == 1
+    for options in (dict(page_size=16), dict(page_size=1, eviction="lru"), dict(page_size=1, eviction="fifo"),
+                    dict(page_size=1, score_decay=0.5), dict(page_size=1, per_head_eviction=True)):
+        assert hf_paged.PagedCache(max_pages=8, **options).policy.interval == 1, options
+    with pytest.raises(CacheUsageError, match="eviction_interval"):
+        hf_paged.PagedCache(page_size=1, max_pages=8, per_head_eviction=True, eviction_interval=default)
+    whole = EvictionPolicy.for_pages(1)
+    assert whole.interval == default and hf_paged.PagedCache(page_size=1, max_pages=8, eviction=whole).policy is whole
+    with pytest.raises(CacheUsageError, match="eviction_interval"):
+        hf_paged.PagedCache(page_size=1, max_pages=8, eviction=whole, per_head_eviction=True)
+
+
 def test_a_victim_queue_holds_each_row_s_lowest_ranks_oldest_first():
     """`EvictionPolicy.victim_queue` with an interval of k: each row's k lowest-ranked unprotected columns, lowest
     first, ties to the oldest; its first column is `victim_columns`' pick; as many columns as the row with the fewest
@@ -816,7 +837,7 @@ def test_a_victim_queue_holds_each_row_s_lowest_ranks_oldest_first():
     policy = EvictionPolicy.for_pages(1, sink_pages=1, interval=3)
     queue = policy.victim_queue(None, positions, None, 1, 7, shares.copy())
     assert queue.tolist() == [[3, 1, 4], [4, 3, 2]]  # (row 0: 0.1 at position 1 before 0.1 at position 5)
-    single = EvictionPolicy.for_pages(1, sink_pages=1)
+    single = EvictionPolicy.for_pages(1, sink_pages=1, interval=1)
     assert single.victim_queue(None, positions, None, 1, 7, shares.copy()).tolist() == queue[:, 0].tolist()
     narrow = EvictionPolicy.for_pages(1, sink_pages=4, interval=3)  # row 1 keeps only position 4 unprotected
     assert narrow.victim_queue(None, positions, None, 1, 7, shares.copy()).tolist() == [[1], [4]]
@@ -828,15 +849,17 @@ def test_a_victim_queue_holds_each_row_s_lowest_ranks_oldest_first():
         hf_paged.PagedCache(page_size=1, max_pages=8, eviction_interval=0)
 
 
-@pytest.mark.parametrize("interval", [1, 4])
+@pytest.mark.parametrize("interval", [1, 4, None])
 def test_an_eviction_interval_evicts_the_queued_victims_of_one_observed_step(interval):
     """``eviction_interval=k`` (pages of one token): a full cache's stacked steps observe attention only in the step
     before a choice, choose each row's k lowest-ranked pages at once and evict one of them in each of the next k steps,
     lowest first; the budget is held at every step (never exceeded, never below it once full). With k = 1 every step
-    observes and the next step evicts its lowest page."""
+    observes and the next step evicts its lowest page; without k the cache queues `DEFAULT_INTERVAL` victims."""
     budget, layers = 32, 3
     cache = hf_paged.PagedCache(page_size=1, max_pages=2 * budget, eviction="score", sink_pages=1,
                                 eviction_interval=interval)
+    assert cache.policy.interval == (DEFAULT_INTERVAL if interval is None else interval)
+    interval = cache.policy.interval
     queues = [None] * layers  # per layer and row: the positions its next steps evict, in turn
     observed_steps, previous = [], None
     for i in range(60):

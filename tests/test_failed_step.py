@@ -87,7 +87,7 @@ class _fail_in_update:
         del self.layer.update
 
 
-@pytest.mark.parametrize("kind", ["config", "model", "per_layer", "evicting"])
+@pytest.mark.parametrize("kind", ["config", "model", "per_layer", "evicting", "evicting_every_step"])
 @pytest.mark.parametrize("arch,fail", [("llama", _fail_after_layer(1)), ("llama", _fail_in_update(1)),
                                        ("gemma3", _fail_after_layer(2)), ("gemma3", _fail_in_update(2))])
 def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, kind):
@@ -95,7 +95,9 @@ def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, kin
     of a hybrid model, or every layer's group of a per-layer bounded cache), and retrying gives the logits
     of a run without the failure. "evicting": a full pool of one-token pages, where every decode step
     evicts (a victim's page takes the new token in place, `recycle_plan`); the evictions of a failed step
-    stand, so its retry attends what the step would have."""
+    stand, so its retry attends what the step would have. The default queues 8 victims at a time
+    (`eviction_interval`): a retry keeps the failed step's queue, before, at the end of and after a queue;
+    "evicting_every_step" chooses a victim every step (``eviction_interval=1``)."""
     import torch
 
     import hf_paged
@@ -107,12 +109,43 @@ def test_failed_step_is_rolled_back_at_once_and_a_retry_is_exact(arch, fail, kin
     def cache():
         kwargs = {"config": dict(config=model.config), "model": dict(model=model),
                   "per_layer": dict(config=model.config, max_pages=64, eviction="score"),
-                  "evicting": dict(config=model.config, max_pages=18, eviction="score", page_size=1)}[kind]
+                  "evicting": dict(config=model.config, max_pages=18, eviction="score", page_size=1),
+                  "evicting_every_step": dict(config=model.config, max_pages=18, eviction="score", page_size=1,
+                                              eviction_interval=1)}[kind]
         return hf_paged.PagedCache(**{"page_size": 4, **kwargs})
 
+    evicting = kind.startswith("evicting")
+    steps, fails = (12, (1, 3, 8, 9, 11)) if evicting else (4, (1, 3))
     clean_cache = cache()
-    clean = _decode(model, clean_cache, batch, steps=4)
-    assert (clean_cache.stats()["evictions"] > 0) == (kind == "evicting")  # 2 rows x 9 tokens fill 18 pages
-    for fail_at in (1, 3):
-        retried = _decode(model, cache(), batch, steps=4, fail_at=fail_at, fail_in=fail)
+    clean = _decode(model, clean_cache, batch, steps=steps)
+    assert (clean_cache.stats()["evictions"] > 0) == evicting  # 2 rows x 9 tokens fill 18 pages
+    for fail_at in fails:
+        retried = _decode(model, cache(), batch, steps=steps, fail_at=fail_at, fail_in=fail)
         torch.testing.assert_close(retried, clean, rtol=0, atol=1e-5)
+
+
+def test_a_retry_takes_the_failed_step_s_queue_only_where_its_rows_hold_it():
+    """`GroupEviction.hold_queue` keeps a rolled-back step's queue as (page, position) pairs; the first plan after
+    the rollback carries it, in its own columns, only when it is the same step (position, length) and each row
+    still holds every queued page at its position: not after the rows were swapped or the step changed."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from hf_paged.eviction import EvictionPolicy, GroupEviction
+
+    def plan(table, positions, past=6, victims=None):
+        return SimpleNamespace(past=past, q_len=1, victims=victims, read_table=torch.tensor(table),
+                               read_pos=torch.tensor(positions), slots=torch.tensor([30, 31]), page_size=1)
+
+    failed = plan([[10, 11, 12, 13], [20, 21, 22, 23]], [[0, 2, 4, 6], [0, 2, 4, 6]],
+                  victims=np.array([[1, 2], [2, 1]]))  # (row 0 queues pages 11, 12; row 1 pages 22, 21)
+    rows = [([13, -1, 12, 11, 10], [6, 7, 4, 2, 0]), ([23, 22, 21, 20, -1], [6, 4, 2, 0, 7])]  # (other columns, holes)
+    for retry, expected in ((plan(*zip(*rows)), [[3, 2], [1, 2]]), (plan(*zip(*rows[::-1])), None),
+                            (plan(*zip(*rows), past=7), None)):
+        eviction = GroupEviction(EvictionPolicy.for_pages(1), True)
+        eviction.hold_queue(failed)
+        eviction.planned(retry)
+        assert (None if retry.victims is None else retry.victims.tolist()) == expected
+        assert eviction.held_queue is None  # (consulted once)

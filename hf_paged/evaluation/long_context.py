@@ -55,10 +55,10 @@ def policy_kwargs(policy: str) -> dict:
     return dict(eviction="fifo" if policy == "fifo+sinks" else policy)
 
 
-def method_name(base: str, kv_format: str, interval: int = 1) -> str:
+def method_name(base: str, kv_format: str, interval: int | None = None) -> str:
     """A method's name in the tables: ``base`` with the page format unless it is "float" ("float+int4": float pages
-    demoted to int4 under the budget's bytes), and its ``eviction_interval`` unless it is 1."""
-    base = base if interval == 1 else f"{base}, interval {interval}"
+    demoted to int4 under the budget's bytes), and its ``eviction_interval`` when one is given (None: the default)."""
+    base = base if interval is None else f"{base}, interval {interval}"
     if "+" in kv_format:
         return f"{base}, cold {kv_format.split('+')[1]}"
     return base if kv_format == "float" else f"{base} {kv_format}"
