@@ -28,6 +28,10 @@ tasks run there through kvpress's presses (scripts/kvpress_runner.py) on the sam
 token ids, and land in the same tables; without it they are reported as not run. ``adakv_snapkv`` and
 ``adakv_expected_attention`` are kvpress's AdaKVPress (head-wise budgets) around those presses, run per budget
 through ``with press(model)``: AdaKV masks the keys it prunes, so its cache holds the whole context.
+``decoding_tova`` is kvpress's DecodingPress around TOVA, the streaming regime's peer: the text goes in chunks of
+``--chunk`` tokens and every forward but the first is cut to B - chunk by the last token's attention, so that no
+forward holds more than B; the other presses' caches also hold the continuation. (StreamingLLM cannot stream
+this way: kvpress keeps the kept keys in score order, not position order, and StreamingLLM finds the oldest by index.)
 
 Page formats (``--kv-format float,int8,int4``): every quantized format adds an unbounded PagedCache row (what the
 format alone costs against the full cache) and its own bounded rows (``PagedCache(kv_format=...)``).
@@ -114,7 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--streaming-budgets", type=value_list(int), default="128,256,512")
     p.add_argument("--kvpress", default="auto", help="'auto' (.venv-kvpress if present), 'off', or a python path")
     p.add_argument("--presses", type=value_list(str), default=",".join(PRESSES),
-                   help="kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets) around <press>")
+                   help="kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets) around <press>; "
+                   "decoding_<press>: DecodingPress around <press>, streaming (cut back to B after every forward)")
     p.add_argument("--block", type=int, default=64,
                    help="continuation: scored tokens per block of the paired bootstrap intervals")
     p.add_argument("--quick", action="store_true", help="a few small cases (CI)")

@@ -8,8 +8,12 @@ the standard library. ``scripts/make_kvpress_env.sh`` makes ``.venv-kvpress``, a
 
     .venv-kvpress/bin/python scripts/kvpress_runner.py request.json answer.json
 
-Every press compresses after prefill (what kvpress does): the prompt is prefilled whole under ``with press(model)``,
-then each layer keeps ``budget`` tokens per KV head (``compression_ratio = 1 - budget / prompt length``).
+Every press but ``decoding_<press>`` compresses after prefill (what kvpress does): the prompt is prefilled whole under
+``with press(model)``, then each layer keeps ``budget`` tokens per KV head (``compression_ratio = 1 - budget / prompt
+length``). ``decoding_<press>`` is ``DecodingPress(<press>, compression_interval=1, target_size=budget - chunk)``,
+kvpress's peer of hf_paged's streaming regime: everything, continuation included, is fed in chunks of ``chunk`` tokens
+under the press, and after every forward but the first each layer is cut to ``budget - chunk`` tokens by
+``<press>``'s scores, so that the next forward, its chunk written, holds at most ``budget`` (the regime's bound).
 ``adakv_<press>`` is ``AdaKVPress(<press>)``: the layer's ``budget x KV heads`` tokens chosen across its heads (each
 head at least 20% of ``budget``, kvpress's ``alpha_safeguard``); it masks the keys it prunes (kvpress's attention
 patch, in every later forward) instead of removing them, so its cache holds the whole context and its rows are run
@@ -17,7 +21,7 @@ the real way, per budget.
 Later tokens get explicit positions (the compressed cache's length is not the number of tokens seen).
 - continuation: prefill the context with the press, then one forward of the continuation over the
   compressed cache (which grows by the continuation); returns the NLL of every continuation token and the tokens
-  the cache held per layer after the prefill.
+  the cache held per layer after the prefill (``decoding_<press>``: the most keys a forward attended over).
 - passkey: prefill the prompt (question included) with the press, then greedy decoding; returns the
   generated token ids.
 """
@@ -46,18 +50,26 @@ def load(name: str):
 nll = load("nll")
 
 
-ADAKV = "adakv_"  # as in hf_paged.evaluation.long_context: AdaKVPress around the press named after it
+# the prefixes of hf_paged.evaluation.long_context.PRESSES: AdaKVPress / DecodingPress around the press named after
+ADAKV, DECODING = "adakv_", "decoding_"
 
 
-def make_press(name: str, ratio: float):
-    """The kvpress press ``name`` at ``compression_ratio=ratio``; ``adakv_<press>``: AdaKVPress around ``<press>``."""
+def make_press(name: str, budget: int, length: int, chunk: int):
+    """The kvpress press ``name`` keeping ``budget`` of ``length`` prompt tokens (`ratio_for`); ``adakv_<press>``:
+    AdaKVPress around ``<press>``; ``decoding_<press>``: DecodingPress cutting every forward to ``budget - chunk``."""
     import kvpress
 
     single = {"streaming_llm": kvpress.StreamingLLMPress, "tova": kvpress.TOVAPress,
               "expected_attention": kvpress.ExpectedAttentionPress, "snapkv": kvpress.SnapKVPress}
+    if name.startswith(DECODING):
+        if budget <= chunk:
+            raise SystemExit(f"{name}: the budget ({budget}) must exceed the chunk ({chunk}): the press cuts every "
+                             "forward to budget - chunk tokens so that the next chunk fits the budget")
+        return kvpress.DecodingPress(single[name[len(DECODING):]](), compression_interval=1,
+                                     target_size=budget - chunk)
     if name.startswith(ADAKV):
-        return kvpress.AdaKVPress(single[name[len(ADAKV):]](compression_ratio=ratio))
-    return single[name](compression_ratio=ratio)
+        return kvpress.AdaKVPress(single[name[len(ADAKV):]](compression_ratio=ratio_for(budget, length)))
+    return single[name](compression_ratio=ratio_for(budget, length))
 
 
 def ratio_for(budget: int, length: int) -> float:
@@ -65,26 +77,48 @@ def ratio_for(budget: int, length: int) -> float:
     return max(0.0, 1.0 - (budget + 0.5) / length)
 
 
-def pressed_prefill(model, press, ids: list[int]):
-    """A stream over a fresh DynamicCache with ``ids`` prefilled under ``press``: (stream, last token's logits)."""
-    from transformers import DynamicCache
+class PressedStream(nll.CacheStream):
+    """A stream over a fresh DynamicCache fed under ``press``: after prefill only, or (``chunk``, a
+    ``decoding_<press>``) every forward in chunks of ``chunk`` tokens. ``held``: after a compressing prefill, what
+    the cache holds; while streaming, the most keys a forward attended over (held before it + its tokens)."""
 
-    stream = nll.CacheStream(model, DynamicCache(), cache_kwarg="past_key_values")
-    with press(model) if press is not None else nullcontext():
-        logits = stream.feed(torch.tensor([ids]))[0]
-    return stream, logits
+    def __init__(self, model, press, chunk: int | None = None):
+        from transformers import DynamicCache
+
+        super().__init__(model, DynamicCache(), cache_kwarg="past_key_values")
+        self.press, self.chunk, self.held = press, chunk, 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.chunk:
+            self.held = max(self.held, self.cache.get_seq_length() + ids.shape[1])
+        return super().forward(ids)
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids`` (whole under the press, or in chunks); -> the last token's logits."""
+        if self.chunk:  # (under the press already: `continuation_nll`, `greedy`)
+            return self.feed(torch.tensor([ids]), self.chunk)[0]
+        with self.press(self.model) if self.press is not None else nullcontext():
+            logits = self.feed(torch.tensor([ids]))[0]
+        self.held = self.cache.get_seq_length()
+        return logits
 
 
-def continuation_nll(model, press, ids: list[int], context: int) -> tuple[list[float], int]:
-    """(NLL of every token of ``ids[context:]``, tokens the cache held per layer after the pressed prefill)."""
-    stream, logits = pressed_prefill(model, press, ids[:context])
-    held = stream.cache.get_seq_length()
-    return stream.score_after(logits, torch.tensor(ids[context:])).tolist(), held
+def stream_for(model, name: str, budget: int, length: int, chunk: int) -> PressedStream:
+    press = make_press(name, budget, length, chunk)
+    return PressedStream(model, press, chunk if name.startswith(DECODING) else None)
 
 
-def greedy(model, press, ids: list[int], new_tokens: int) -> list[int]:
-    stream, logits = pressed_prefill(model, press, ids)
-    return stream.greedy(logits, new_tokens)
+def continuation_nll(stream: PressedStream, ids: list[int], context: int) -> tuple[list[float], int]:
+    """(NLL of every token of ``ids[context:]``, tokens held: `PressedStream.held`)."""
+    with stream.press(stream.model) if stream.chunk else nullcontext():
+        logits = stream.prefill(ids[:context])
+        scored = stream.score_after(logits, torch.tensor(ids[context:]), stream.chunk).tolist()
+    return scored, stream.held
+
+
+def greedy(stream: PressedStream, ids: list[int], new_tokens: int) -> list[int]:
+    with stream.press(stream.model) if stream.chunk else nullcontext():
+        return stream.greedy(stream.prefill(ids), new_tokens)
 
 
 def main(request_path: str, answer_path: str) -> int:
@@ -102,15 +136,15 @@ def main(request_path: str, answer_path: str) -> int:
     if cont:
         jobs = [(name, b) for b in cont["budgets"] for name in req["presses"]]
         for name, budget in tqdm(jobs, desc="kvpress continuation", disable=req.get("quiet")):
-            press = make_press(name, ratio_for(budget, cont["context"]))
-            scored = [continuation_nll(model, press, ids, cont["context"]) for ids in cont["windows"]]
+            scored = [continuation_nll(stream_for(model, name, budget, cont["context"], req["chunk"]), ids,
+                                       cont["context"]) for ids in cont["windows"]]
             answer["continuation"].append(dict(press=name, budget=budget, nll=[n for n, _ in scored],
                                                held=[h for _, h in scored]))
     for case in tqdm(req.get("passkey", []), desc="kvpress passkey", disable=req.get("quiet")):
         for name in req["presses"]:
-            press = make_press(name, ratio_for(case["budget"], len(case["ids"])))
+            stream = stream_for(model, name, case["budget"], len(case["ids"]), req["chunk"])
             answer["passkey"].append(dict(case=case["case"], budget=case["budget"], press=name,
-                                          tokens=greedy(model, press, case["ids"], req["new_tokens"])))
+                                          tokens=greedy(stream, case["ids"], req["new_tokens"])))
     open(answer_path, "w", encoding="utf-8").write(json.dumps(answer) + "\n")
     return 0
 

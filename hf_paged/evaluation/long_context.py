@@ -35,8 +35,11 @@ TASKS = ("continuation", "passkey", "streaming")
 REGIMES = ("streaming", "compress", "compress+grow")
 DEFAULT_POLICIES = ("score", "lru", "fifo+sinks")
 POLICIES = (*DEFAULT_POLICIES, "score+heads")  # score+heads: "score" per KV head (per_head_eviction, page size 1)
-# kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets, pruned keys masked) around <press>
-PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv", "adakv_snapkv", "adakv_expected_attention")
+# kvpress presses; adakv_<press>: AdaKVPress (head-wise budgets, pruned keys masked) around <press>;
+# decoding_<press>: DecodingPress around <press>, the stream fed in chunks and cut back to B after every forward
+DECODING = "decoding_"
+PRESSES = ("streaming_llm", "tova", "expected_attention", "snapkv", "adakv_snapkv", "adakv_expected_attention",
+           "decoding_tova")
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 PROMPT = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
@@ -179,32 +182,36 @@ def window_blocks(rs: list[dict], block: int) -> tuple[list[float], list[int]] |
     return sums, counts
 
 
-def best_presses(rows: list[dict]) -> dict:
-    """budget -> the kvpress row of lowest perplexity at that budget."""
+def best_presses(rows: list[dict], regime: str | None = None) -> dict:
+    """budget -> the kvpress row of lowest perplexity at that budget (of ``regime`` when one is given)."""
     best: dict = {}
     for r in rows:
-        if r["library"] == "kvpress" and (r["budget"] not in best or r["perplexity"] < best[r["budget"]]["perplexity"]):
+        if r["library"] != "kvpress" or regime not in (None, r["regime"]):
+            continue
+        if r["budget"] not in best or r["perplexity"] < best[r["budget"]]["perplexity"]:
             best[r["budget"]] = r
     return best
 
 
 def paired_against(rows: list[dict], blocks: dict, confidence: float = 0.95) -> list[dict]:
-    """Each bounded row's perplexity relative to the full cache's and to the best press of its budget (`best_presses`;
-    not the press itself), ``ratio = ppl / ppl_ref - 1`` with a paired bootstrap interval over the windows' blocks
-    (`intervals.paired_ratio_interval`): an interval that excludes 0 is a difference that holds across the blocks.
-    Rows without blocks (or with other blocks than the reference's) are left out."""
+    """Each bounded row's perplexity relative to the full cache's, to the best press of its budget (`best_presses`;
+    not the press itself) and, for a streaming row, to the best streaming press of its budget (`DECODING`), ``ratio =
+    ppl / ppl_ref - 1`` with a paired bootstrap interval over the windows' blocks (`intervals.paired_ratio_interval`):
+    an interval that excludes 0 is a difference that holds across the blocks. Rows without blocks (or with other
+    blocks than the reference's) are left out."""
     from .intervals import paired_ratio_interval
 
     def key(row):
         return row["method"], row["regime"], row["budget"]
 
     full = next(r for r in rows if r["method"] == "full")
-    best = best_presses(rows)
+    best, best_streaming = best_presses(rows), best_presses(rows, "streaming")
     out = []
     for r in rows:
         if r["budget"] is None:
             continue
-        for kind, ref in (("full", full), ("best press", best.get(r["budget"]))):
+        streaming = best_streaming.get(r["budget"]) if r["regime"] == "streaming" else None
+        for kind, ref in (("full", full), ("best press", best.get(r["budget"])), ("best streaming press", streaming)):
             if ref is None or ref is r or blocks.get(key(r)) is None or blocks.get(key(ref)) is None:
                 continue
             (mine, counts), (theirs, ref_counts) = blocks[key(r)], blocks[key(ref)]
@@ -369,10 +376,11 @@ def kvpress_python(choice: str) -> Path | None:
 
 def kvpress_request(args, ids, cases) -> dict:
     """What scripts/kvpress_runner.py runs: the model folder, the presses (`PRESSES`; ``adakv_<press>`` is
-    AdaKVPress around ``<press>``), and the token ids of every continuation window and pass-key case."""
+    AdaKVPress around ``<press>``; ``decoding_<press>`` streams in chunks of ``chunk``), and the token ids of every
+    continuation window and pass-key case."""
     span = args.context + args.continuation
     request = dict(model=assets.resolve_model_path(args.model), dtype=args.dtype, threads=args.threads,
-                   presses=args.presses, new_tokens=args.new_tokens, quiet=args.no_progress)
+                   presses=args.presses, new_tokens=args.new_tokens, quiet=args.no_progress, chunk=args.chunk)
     if "continuation" in args.tasks:
         request["continuation"] = dict(context=args.context, budgets=args.budgets, windows=[
             ids[w * span:(w + 1) * span].tolist() for w in range(args.windows)])
@@ -381,18 +389,27 @@ def kvpress_request(args, ids, cases) -> dict:
     return request
 
 
+def press_regime(press: str) -> str:
+    """The regime a press's rows belong to: ``streaming`` for a DecodingPress, else ``compress+grow``."""
+    return "streaming" if press.startswith(DECODING) else "compress+grow"
+
+
 def kvpress_results(answer: dict) -> tuple[list, list]:
-    """(continuation results, passkey results) of the runner's answer, as job results of the compress+grow regime:
-    per window the NLL of every continuation token, and what the press's cache held after the prefill (the full
-    context for AdaKV, which masks pruned keys instead of removing them); per case the generated tokens."""
+    """(continuation results, passkey results) of the runner's answer, as job results of the press's regime
+    (`press_regime`): per window the NLL of every continuation token and what the press's cache held (after the
+    prefill: the full context for AdaKV, which masks pruned keys instead of removing them; streaming: the most keys a
+    forward attended over); per case the generated tokens."""
     cont = []
     for r in answer["continuation"]:
         held = r.get("held") or [None] * len(r["nll"])
-        cont += [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], window=w,
-                      nll_sum=math.fsum(nll), tokens=len(nll), nll=nll, peak_tokens_held=None,
-                      prefill_tokens_held=h) for w, (nll, h) in enumerate(zip(r["nll"], held))]
-    pk = [dict(method=f"kvpress {r['press']}", regime="compress+grow", budget=r["budget"], case=r["case"],
-               tokens=r["tokens"], peak_tokens_held=None) for r in answer["passkey"]]
+        streaming = press_regime(r["press"]) == "streaming"
+        cont += [dict(task="continuation", method=f"kvpress {r['press']}", regime=press_regime(r["press"]),
+                      budget=r["budget"], window=w, nll_sum=math.fsum(nll), tokens=len(nll), nll=nll,
+                      block_nll=[math.fsum(nll[i:i + 64]) for i in range(0, len(nll), 64)],  # (as hf_paged's jobs)
+                      peak_tokens_held=h if streaming else None, **({} if streaming else dict(prefill_tokens_held=h)))
+                 for w, (nll, h) in enumerate(zip(r["nll"], held))]
+    pk = [dict(task="passkey", method=f"kvpress {r['press']}", regime=press_regime(r["press"]), budget=r["budget"],
+               case=r["case"], tokens=r["tokens"], peak_tokens_held=None) for r in answer["passkey"]]
     return cont, pk
 
 
@@ -427,14 +444,14 @@ def _interval(p: dict) -> str:
 def paired_tables(cont: dict, budgets: list[int]) -> list[str]:
     """Markdown of the continuation's paired intervals, against the best press of each budget and the full cache."""
     lines = []
-    for against in ("best press", "full"):
+    for against in ("best press", "best streaming press", "full"):
         pairs = [p for p in cont.get("paired", ()) if p["against"] == against]
         if not pairs:
             continue
         keyed = {(p["method"], p["regime"], p["budget"]): p for p in pairs}
         refs = {p["budget"]: p["reference"] for p in pairs}
-        title = ("the best press of each budget (" + ", ".join(f"B={b}: {refs[b]}" for b in budgets if b in refs) + ")"
-                 if against == "best press" else "the full cache")
+        title = (f"the {against} of each budget (" + ", ".join(f"B={b}: {refs[b]}" for b in budgets if b in refs)
+                 + ")" if against != "full" else "the full cache")
         lines += ["", f"Perplexity relative to {title}, with a {100 * pairs[0]['confidence']:g}% paired bootstrap "
                   f"interval over {pairs[0]['blocks']} blocks of {cont['block']} scored tokens (an interval that "
                   "excludes 0: a difference that holds across the blocks):", "",
@@ -462,8 +479,8 @@ def markdown(report: dict) -> str:
         lines += [f"## Continuation perplexity ({s['windows']} windows: {s['context']} context tokens held to B, "
                   f"the next {s['continuation']} scored; full cache {cont['full_perplexity']:.2f})", "",
                   "Excess perplexity over the full cache (lower is better); * = held more than B at some point "
-                  "(compress: the prompt during prefill; compress+grow and kvpress: also the continuation, on top "
-                  "of B).",
+                  "(compress: the prompt during prefill; compress+grow and kvpress's prefill presses: also the "
+                  "continuation, on top of B).",
                   "",
                   "| method | regime | " + " | ".join(f"B={b}" for b in budgets) + " |",
                   "|---|---|" + "---:|" * len(budgets)]
@@ -472,8 +489,9 @@ def markdown(report: dict) -> str:
             cells = []
             for b in budgets:
                 r = keyed.get((method, regime, b))
-                cells.append("—" if r is None else _pct(r["excess"]) + ("" if r["within_budget"] and
-                                                                          r["library"] == "hf_paged" else "*"))
+                over = r is not None and (not r["within_budget"] or (r["library"] == "kvpress"
+                                                                     and r["regime"] != "streaming"))
+                cells.append("—" if r is None else _pct(r["excess"]) + ("*" if over else ""))
             lines.append(f"| {method} | {regime} | " + " | ".join(cells) + " |")
         unbounded = [r for r in cont["rows"] if r["budget"] is None and r["method"] != "full"]
         if unbounded:
@@ -606,6 +624,8 @@ def main(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "jobs.json", results, indent=None, strict=False)  # before anything can fail
         kv_status, kv_cont, kv_pk = run_kvpress(args, ids, cases) if args.tasks != ["streaming"] else ({}, [], [])
+        if kv_cont or kv_pk:  # the presses' results beside hf_paged's (scripts/paired_rows.py joins them)
+            write_json(out / "jobs.json", results + kv_cont + kv_pk, indent=None, strict=False)
         if "continuation" in args.tasks:
             report["continuation"] = summarize_continuation(
                 [r for r in results if r["task"] == "continuation"] + kv_cont, kv_status, args.block)
