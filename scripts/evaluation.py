@@ -56,8 +56,8 @@ from hf_paged import assets  # noqa: E402
 from hf_paged.evaluation import long_context as study  # noqa: E402
 from hf_paged.evaluation.formats import value_list  # noqa: E402
 from hf_paged.demotion import COLD_FORMATS  # noqa: E402
-from hf_paged.evaluation.long_context import (DEFAULT_POLICIES, PASSKEY_PROMPTS, POLICIES, PRESSES, QUICK,  # noqa: E402
-                                              REGIMES, TASKS)
+from hf_paged.evaluation.long_context import (DECODING, DEFAULT_POLICIES, PASSKEY_PROMPTS, POLICIES,  # noqa: E402
+                                              PRESSES, QUICK, REGIMES, TASKS)
 from hf_paged.kv_formats import KV_FORMATS  # noqa: E402
 
 CPU_FORMATS = tuple(f for f in KV_FORMATS if f != "fp8_e4m3")  # fp8 pages need CUDA
@@ -141,6 +141,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for b in args.budgets + args.passkey_budgets + args.streaming_budgets:
         if b < args.page_size or b % args.page_size:
             p.error(f"budget {b} must be a multiple of the page size {args.page_size}")
+    streaming_presses = [x for x in args.presses if x.startswith(DECODING)]
+    if streaming_presses and args.kvpress != "off" and min(args.budgets + args.passkey_budgets) <= args.chunk:
+        p.error(f"{streaming_presses} cut every forward to B - --chunk tokens: every budget must exceed --chunk "
+                f"({args.chunk}); drop them from --presses or use a smaller --chunk")
     if any(not 0 <= d <= 1 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if args.score_decay is not None and not 0 <= args.score_decay < 1:

@@ -62,9 +62,6 @@ def make_press(name: str, budget: int, length: int, chunk: int):
     single = {"streaming_llm": kvpress.StreamingLLMPress, "tova": kvpress.TOVAPress,
               "expected_attention": kvpress.ExpectedAttentionPress, "snapkv": kvpress.SnapKVPress}
     if name.startswith(DECODING):
-        if budget <= chunk:
-            raise SystemExit(f"{name}: the budget ({budget}) must exceed the chunk ({chunk}): the press cuts every "
-                             "forward to budget - chunk tokens so that the next chunk fits the budget")
         return kvpress.DecodingPress(single[name[len(DECODING):]](), compression_interval=1,
                                      target_size=budget - chunk)
     if name.startswith(ADAKV):
@@ -97,7 +94,7 @@ class PressedStream(nll.CacheStream):
         """Feed ``ids`` (whole under the press, or in chunks); -> the last token's logits."""
         if self.chunk:  # (under the press already: `continuation_nll`, `greedy`)
             return self.feed(torch.tensor([ids]), self.chunk)[0]
-        with self.press(self.model) if self.press is not None else nullcontext():
+        with self.press(self.model):
             logits = self.feed(torch.tensor([ids]))[0]
         self.held = self.cache.get_seq_length()
         return logits

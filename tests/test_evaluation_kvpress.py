@@ -43,6 +43,16 @@ def test_unknown_press_is_refused(script, capsys):
     assert "adakv_nope" in capsys.readouterr().err
 
 
+def test_a_streaming_press_needs_budgets_above_the_chunk(script, capsys):
+    """decoding_<press> cuts every forward to B - chunk: a budget not above the chunk is refused before anything runs,
+    and is fine without that press or with kvpress off."""
+    with pytest.raises(SystemExit):
+        script.parse_args(["--presses", "tova,decoding_tova", "--budgets", "16,128", "--chunk", "16"])
+    assert "decoding_tova" in capsys.readouterr().err
+    for argv in (["--presses", "tova"], ["--presses", "decoding_tova", "--kvpress", "off"]):
+        assert script.parse_args([*argv, "--budgets", "16", "--chunk", "16"]).budgets == [16]
+
+
 def test_missing_kvpress_environment_is_reported_not_run(script, tmp_path):
     args = script.parse_args(["--kvpress", str(tmp_path / "absent" / "python")])
     status, cont, pk = script.run_kvpress(args, torch.arange(10), [])
