@@ -162,11 +162,17 @@ def run_continuation_job(job, models, ids, args) -> dict:
     model, cache = job_cache(job, models, args)
     nll, peak = continuation_nll(model, cache, x, args.context, job["regime"], args.chunk)
     out = dict(nll_sum=math.fsum(nll.tolist()), tokens=len(nll), peak_tokens_held=peak, nll=nll.tolist(),
-               block_nll=[math.fsum(block.tolist()) for block in nll.split(64)])  # (paired intervals, 64-token blocks)
+               block_nll=block_sums(nll.tolist()))
     if isinstance(cache, hf_paged.PagedCache):
         stats = cache.stats()
         out.update(tokens_held=stats["tokens_held"], evictions=stats["evictions"], kv_bytes=stats["kv_bytes"])
     return out
+
+
+def block_sums(nll: list[float], size: int = 64) -> list[float]:
+    """A job's ``block_nll``: the NLL sums of its scored tokens in runs of ``size`` (scripts/paired_rows.py pairs
+    rows of separate runs by them)."""
+    return [math.fsum(nll[i:i + size]) for i in range(0, len(nll), size)]
 
 
 def window_blocks(rs: list[dict], block: int) -> tuple[list[float], list[int]] | None:
@@ -195,10 +201,10 @@ def best_presses(rows: list[dict], regime: str | None = None) -> dict:
 
 def paired_against(rows: list[dict], blocks: dict, confidence: float = 0.95) -> list[dict]:
     """Each bounded row's perplexity relative to the full cache's, to the best press of its budget (`best_presses`;
-    not the press itself) and, for a streaming row, to the best streaming press of its budget (`DECODING`), ``ratio =
-    ppl / ppl_ref - 1`` with a paired bootstrap interval over the windows' blocks (`intervals.paired_ratio_interval`):
-    an interval that excludes 0 is a difference that holds across the blocks. Rows without blocks (or with other
-    blocks than the reference's) are left out."""
+    not the press itself) and, for a streaming row, to the best streaming press of its budget (a DecodingPress),
+    ``ratio = ppl / ppl_ref - 1`` with a paired bootstrap interval over the windows' blocks
+    (`intervals.paired_ratio_interval`): an interval that excludes 0 is a difference that holds across the blocks.
+    Rows without blocks (or with other blocks than the reference's) are left out."""
     from .intervals import paired_ratio_interval
 
     def key(row):
@@ -405,7 +411,7 @@ def kvpress_results(answer: dict) -> tuple[list, list]:
         streaming = press_regime(r["press"]) == "streaming"
         cont += [dict(task="continuation", method=f"kvpress {r['press']}", regime=press_regime(r["press"]),
                       budget=r["budget"], window=w, nll_sum=math.fsum(nll), tokens=len(nll), nll=nll,
-                      block_nll=[math.fsum(nll[i:i + 64]) for i in range(0, len(nll), 64)],  # (as hf_paged's jobs)
+                      block_nll=block_sums(nll),
                       peak_tokens_held=h if streaming else None, **({} if streaming else dict(prefill_tokens_held=h)))
                  for w, (nll, h) in enumerate(zip(r["nll"], held))]
     pk = [dict(task="passkey", method=f"kvpress {r['press']}", regime=press_regime(r["press"]), budget=r["budget"],
