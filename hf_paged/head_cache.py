@@ -3,7 +3,8 @@
 
 The rows of a batch advance in lockstep. A step is open from a layer's write until the next step begins (or
 `commit`): it is final when every layer wrote it; otherwise (a forward failed outside the cache) every layer rolls
-it back, at the next write or question about a layer that wrote it.
+it back, at the next write or question about a layer that wrote it. The layers' tables are stacked (`HeadTables`):
+a steady decode step is planned once for all layers, at its first layer's write.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .cache import PagedCache, _check_arguments, _crop_count, _refuse_rewind, ch
 from .errors import CacheUsageError, check_positive_int
 from .eviction import EvictionPolicy
 from .head_eviction import DEFAULT_HEAD_FLOOR, HeadLayer, refuse_per_head
+from .head_tables import HeadTables
 from .model_config import ATTN_IMPLEMENTATION, layer_windows
 
 
@@ -52,7 +54,7 @@ class HeadPagedCache(PagedCache):
         self.per_layer_eviction = self.per_head_eviction = True
         self.token_log = self.prefix_hook = self.store_tier = None
         self._plans_ahead = False
-        self.config = None
+        self.config, self.tables = None, HeadTables()
         if config is not None:
             self.bind_config(config)
 
@@ -85,10 +87,23 @@ class HeadPagedCache(PagedCache):
             self.commit()
             _refuse_rewind(layer.tokens, key_states.shape[2], args, kwargs)
         try:
+            if self.tables.column is None and self._steady(key_states):
+                self.tables.plan_step(self.layers, self.max_pages, self.head_floor, self.policy)
             return layer.update(key_states, value_states)
         except Exception:
             self.rollback()
             raise
+
+    def _steady(self, key_states: torch.Tensor) -> bool:
+        """A bounded one-token step that no layer has written, every layer at the same length with the keys' rows
+        and heads: planned for all layers at once."""
+        B, H, q = key_states.shape[:3]
+        tables, layers = self.tables, self.layers
+        if q != 1 or self.max_pages is None or tables.rows != B * H or H != tables.heads:
+            return False
+        tokens = layers[0].tokens
+        return all(layer.undo is None and layer.heads == H and layer.tokens == tokens and layer.pool is not None
+                   for layer in layers)
 
     def _step_failed(self) -> bool:
         open_ = [layer.undo is not None for layer in self.layers]
@@ -98,12 +113,16 @@ class HeadPagedCache(PagedCache):
         """Finish the open step (roll it back when some layer never wrote it)."""
         if self._step_failed():
             self.rollback()
+        self.tables.fold_pending(self.policy.decay)
         for layer in self.layers:
             layer.commit()
+        self.tables.drop_column(self.layers)
 
     def rollback(self) -> None:
+        self.tables.fold_pending(self.policy.decay)
         for layer in self.layers:
             layer.rollback()
+        self.tables.drop_column(self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed by layer ``layer_idx`` (a question about a layer that wrote an unfinished step comes from
@@ -133,8 +152,14 @@ class HeadPagedCache(PagedCache):
         if rows and bad:
             raise CacheUsageError(f"{name}: row indices {bad[:5]} are outside [0, {rows}): the cache holds {rows} "
                                   "rows, numbered from 0 (no negative indices).")
+        H = self.tables.heads
+        if not self.tables.rows or not H:
+            return
+        index = (np.asarray(order, dtype=np.int64)[:, None] * H + np.arange(H)).reshape(-1)
         for layer in self.layers:
-            layer.select_rows(order)
+            if layer.heads:
+                layer.select_rows(index)
+        self.tables.select_rows(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b becomes old row ``beam_idx[b]``; head pages are shared, never copied."""
@@ -152,7 +177,7 @@ class HeadPagedCache(PagedCache):
         self.commit()
         twin = HeadPagedCache(1, self.max_pages, backend=self.backend, eviction=self.policy,
                               head_floor=self.head_floor)
-        twin.config = self.config
+        twin.config, twin.tables = self.config, self.tables.copy()
         twin.layers = [layer.twin(twin) for layer in self.layers]
         return twin
 
@@ -167,6 +192,7 @@ class HeadPagedCache(PagedCache):
         self.commit()
         for layer in self.layers:
             layer.clear()
+        self.tables.reset(0, 0)
 
     def set_max_pages(self, max_pages: int | None) -> None:
         """Change the budget (tokens per layer per row); None unbounds it. A budget below what a row holds raises,
@@ -175,7 +201,7 @@ class HeadPagedCache(PagedCache):
         self.commit()
         if max_pages is not None:
             held = max((int(layer.held.reshape(-1, layer.heads).sum(1).max()) // layer.heads
-                        for layer in self.layers if layer.rows), default=0)
+                        for layer in self.layers if layer.rows and layer.heads), default=0)
             if held > max_pages:
                 raise CacheUsageError(f"set_max_pages({max_pages}): a row holds {held} tokens per head on average in "
                                       "some layer; raise the bound or reset() the cache first.")
@@ -194,7 +220,7 @@ class HeadPagedCache(PagedCache):
         (layer, row, KV head) holds; ``pages_*`` and ``evictions`` count head pages (a token of one head);
         ``kv_bytes`` the head pages in use, ``pool_bytes`` the pools."""
         self.commit()
-        layers = [layer for layer in self.layers if layer.rows]
+        layers = [layer for layer in self.layers if layer.rows and layer.heads]
         pools = {id(layer.pool): layer.pool for layer in layers}.values()
         per_head = np.concatenate([layer.held for layer in layers]) if layers else np.zeros(1, dtype=np.int64)
         return dict(page_size=1, per_head_eviction=True,

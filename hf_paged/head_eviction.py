@@ -1,9 +1,10 @@
 """Eviction per KV head (issue 34): each (row, KV head) of a layer keeps its own tokens, in one-token head pages.
 
 With pages of one token, a layer's pool ``[P, 1, H, D]`` is a contiguous ``[P·H, 1, 1, D]``: one *head page* per
-(token, KV head). A `HeadLayer` keeps a page table per (row, KV head), table row ``b·H + h``, over its `HeadPool`
-of head pages (ids from a `BlockManager`, bytes in one float `LayerPages` of the page store: one head, one token a
-page; written with ``write``, read with ``gather`` or the kernel operands), and attention regroups the query
+(token, KV head). A `HeadLayer` keeps a page table per (row, KV head), table row ``b·H + h`` (its slice of the
+cache's stacked `HeadTables`, which plans a steady decode step for every layer at once), over its `HeadPool` of head
+pages (ids from a `BlockManager`, bytes in one float `LayerPages` of the page store: one head, one token a page;
+written with ``write``, read with ``gather`` or the kernel operands), and attention regroups the query
 ``[B, Hq, Q, D]`` as ``[B·H, Hq/H, Q, D]`` and runs the paged kernels unchanged (the C kernel, the Triton kernel,
 SDPA on gathered pages, the float64 reference): one KV head a table row, ``Hkv = 1``. A head that needs few tokens
 holds few pages; the pages it frees serve the other heads, rows and forks.
@@ -35,6 +36,7 @@ from .errors import CacheUsageError, PagePoolExhausted
 from .eviction import EvictionPolicy, page_usage
 from .kernels import cpu_paged_attention as cpu_kernel
 from .page_store import make_layer_pages
+from .page_tables import remember_kernel_index
 
 logger = logging.get_logger(__name__)
 HOLE = -1
@@ -125,22 +127,22 @@ class HeadLayer(CacheLayerMixin):
     def __init__(self, owner: "HeadPagedCache", layer_idx: int, pool: HeadPool | None = None):
         self.owner, self.layer_idx, self.pool = owner, layer_idx, pool
         self.is_initialized = pool is not None
-        self.heads = 0
-        self._tables(0, 0)
+        self.heads, self.width = 0, 0
+        owner.tables.cover(layer_idx + 1)
         self.tokens, self.undo, self.cut_pending, self.evictions = 0, None, False, 0
         self.backend: str | None = None
+        self._kernel_index = None
 
-    def _tables(self, rows: int, capacity: int) -> None:
-        self.table = np.full((rows, capacity), HOLE, dtype=np.int64)
-        self.pos = np.zeros((rows, capacity), dtype=np.int64)
-        self.score = np.ones((rows, capacity), dtype=np.float64)
-        self.observed = np.zeros((rows, capacity), dtype=np.int64)
-        self.held = np.zeros(rows, dtype=np.int64)
-        self.width = 0
+    # (this layer's slices of the cache's stacked `HeadTables`)
+    table = property(lambda self: self.owner.tables.table[self.layer_idx])
+    pos = property(lambda self: self.owner.tables.pos[self.layer_idx])
+    score = property(lambda self: self.owner.tables.score[self.layer_idx])
+    observed = property(lambda self: self.owner.tables.observed[self.layer_idx])
+    held = property(lambda self: self.owner.tables.held[self.layer_idx])
 
     @property
     def rows(self) -> int:
-        return len(self.held)
+        return self.owner.tables.rows
 
     # ------------------------------------------------------------------ write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -150,6 +152,9 @@ class HeadLayer(CacheLayerMixin):
         B, H, q, _ = key_states.shape
         before, budget = self.tokens, self.owner.max_pages
         self.cut_pending = False
+        column = self.owner.tables.column
+        if column is not None:
+            return self._write_planned(column, key_states, value_states)
         if budget is not None:
             excess = self.held.reshape(B, H).sum(1) + q * H - budget * H
             if (excess > 0).any():
@@ -157,17 +162,33 @@ class HeadLayer(CacheLayerMixin):
                     self.cut_pending = True  # written whole, then cut by this step's usage (`observe`)
                 else:
                     self._evict(excess, before + q, q)
-        self._compact()
+        if too_wide(self.width, self.held.max()):
+            self.compact()
         R = self.rows
         ids = self.pool.take(R * q, None if budget is None else R * budget)
         self.pool.write(ids, key_states.reshape(R * q, -1), value_states.reshape(R * q, -1))
         w0 = self.width
-        self._room(w0 + q)
+        self.owner.tables.room(w0 + q)
         columns = slice(w0, w0 + q)
         self.table[:, columns] = ids.reshape(R, q)
         self.pos[:, columns] = np.arange(before, before + q)
         self.score[:, columns], self.observed[:, columns] = 1.0, 0
-        self.held += q
+        return self._wrote(before, w0, q)
+
+    def _write_planned(self, column, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write a one-token step planned for every layer (`HeadTables.plan_step`: victims evicted, the column's
+        positions and scores set) into this layer's column."""
+        R, w0 = self.rows, column.index[self.layer_idx]
+        ids = column.recycled.pop(self.layer_idx, None)
+        if ids is None:
+            ids = self.pool.take(R, R * self.owner.max_pages)
+        self.pool.write(ids, key_states.reshape(R, -1), value_states.reshape(R, -1))
+        self.table[:, w0] = ids
+        return self._wrote(self.tokens, w0, 1)
+
+    def _wrote(self, before: int, w0: int, q: int):
+        """The step's ``q`` tokens stand in columns ``w0 ..``: count them, open the step; -> the attention's reads."""
+        self.held[:] += q
         self.width = w0 + q
         self.undo, self.tokens = (before, w0), before + q
         read = HeadRead(self, q)
@@ -190,8 +211,12 @@ class HeadLayer(CacheLayerMixin):
                                   "Use a new cache for another model or dtype.")
         if not self.heads:
             self.heads = H
-        if self.rows == 0 and self.tokens == 0:
-            self._tables(B * H, 64)
+        tables = self.owner.tables
+        if tables.rows == 0 and self.tokens == 0:
+            tables.reset(B * H, 64, H)
+        elif H != tables.heads:
+            raise CacheUsageError(f"layer {self.layer_idx} has {H} kv heads, the cache's other layers "
+                                  f"{tables.heads}: per_head_eviction needs as many kv heads in every layer.")
         elif B * H != self.rows:
             raise CacheUsageError(f"layer {self.layer_idx}: this cache holds {self.rows // H} rows, the new keys have "
                                   f"{B}: reset() it for a new batch (or reorder_cache / batch_select_indices).")
@@ -200,25 +225,10 @@ class HeadLayer(CacheLayerMixin):
             if self.backend == "cpu" and keys.dtype not in cpu_kernel.SUPPORTED_DTYPES:
                 self.backend = "torch"
 
-    def _room(self, width: int) -> None:
-        """Columns for ``width`` entries (the arrays double)."""
-        capacity = self.table.shape[1]
-        if width <= capacity:
-            return
-        more = max(width, 2 * capacity) - capacity
-        R = self.rows
-        self.table = np.concatenate([self.table, np.full((R, more), HOLE, dtype=np.int64)], axis=1)
-        self.pos = np.concatenate([self.pos, np.zeros((R, more), dtype=np.int64)], axis=1)
-        self.score = np.concatenate([self.score, np.ones((R, more))], axis=1)
-        self.observed = np.concatenate([self.observed, np.zeros((R, more), dtype=np.int64)], axis=1)
-
-    def _compact(self) -> None:
-        """Between steps, when the fullest table row would be a fifth (and 16 columns) narrower: each table row's
-        pages to its front (in their order), the width down to the fullest row."""
+    def compact(self) -> None:
+        """Each table row's pages to its front (in their order), the width down to the fullest row (between steps,
+        when the width is `too_wide`)."""
         W = self.width
-        fullest = int(self.held.max()) if self.rows else 0
-        if W - fullest <= max(16, fullest // 4):
-            return
         order = np.argsort(self.table[:, :W] == HOLE, axis=1, kind="stable")
         for array in (self.table, self.pos, self.score, self.observed):
             array[:, :W] = np.take_along_axis(array[:, :W], order, axis=1)
@@ -226,25 +236,17 @@ class HeadLayer(CacheLayerMixin):
 
     # -------------------------------------------------------------- eviction
     def ranks(self, tokens_after: int) -> np.ndarray:
-        """``[R, width]``: each head page's rank for eviction (its bias-corrected score), inf where a hole, a sink
-        or one of the newest ``recent_pages`` tokens after the step."""
-        policy, W = self.owner.policy, self.width
-        score = self.score[:, :W]
-        if policy.decay:
-            seen = self.observed[:, :W]
-            score = np.where(seen > 0, score / (1 - policy.decay ** np.maximum(seen, 1)), 1.0)
-        pos = self.pos[:, :W]
-        kept = (self.table[:, :W] == HOLE) | (pos < policy.sink_pages) | (pos >= tokens_after - policy.recent_pages)
-        return np.where(kept, np.inf, score)
+        """``[R, width]``: each head page's rank for eviction (`head_ranks`)."""
+        W = self.width
+        return head_ranks(self.owner.policy, self.table[:, :W], self.pos[:, :W], self.score[:, :W],
+                          self.observed[:, :W], tokens_after)
 
     def _evict(self, excess: np.ndarray, tokens_after: int, q_len: int = 0) -> None:
         """Row b gives up ``excess[b]`` head pages (its lowest ranks across its heads), each head keeping its floor
         once the step's ``q_len`` tokens are written; raises `PagePoolExhausted`, changing nothing, when a row
         cannot."""
         H, W = self.heads, self.width
-        if not self.evictions:
-            logger.warning_once(f"PagedCache(max_pages={self.owner.max_pages}, per_head_eviction=True) is full: "
-                                "evicting tokens per KV head (lossy: evicted tokens are no longer attended).")
+        warn_head_eviction(self.owner.max_pages)
         floor = math.floor(self.owner.head_floor * self.owner.max_pages)
         rank = self.ranks(tokens_after).reshape(len(excess), H, W)
         cap = np.maximum(self.held + q_len - floor, 0).reshape(-1, H)
@@ -265,18 +267,47 @@ class HeadLayer(CacheLayerMixin):
         np.subtract.at(self.held, rows, 1)
         self.evictions += len(rows)
 
+    def evicted(self, pages: np.ndarray) -> np.ndarray | None:
+        """The step planned for every layer evicted this layer's head ``pages``: -> them, to take the step's tokens,
+        when they are one a table row and nobody else holds them; else None, each released."""
+        self.evictions += len(pages)
+        if len(pages) == self.rows and all(self.pool.manager.ref[page] == 1 for page in pages.tolist()):
+            return pages
+        self.pool.release(pages)
+        return None
+
+    def kernel_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page table, positions) of every column of this layer's tables, as CPU tensors over the stacked arrays (made
+        and checked once while the arrays stand: the CPU kernel keeps its checked arguments on them), and this layer's
+        usage buffer of the same shape (`HeadTables.usage`)."""
+        tables = self.owner.tables
+        kept = self._kernel_index
+        if kept is None or kept[0] is not tables.table or kept[1] is not tables.pos:
+            table, pos = (torch.from_numpy(array[self.layer_idx]) for array in (tables.table, tables.pos))
+            table, pos, _ = remember_kernel_index({}, table.device, self.pool.manager.num_pages,
+                                                  (table, pos, torch.zeros(1, 1, dtype=torch.int64)))
+            kept = self._kernel_index = (tables.table, tables.pos, table, pos, tables.usage_buffer()[self.layer_idx])
+        return kept[2:]
+
     # ----------------------------------------------------------------- usage
     def observe(self, mass: torch.Tensor) -> None:
-        """Fold the step's usage per head page ``[R, width]`` into the scores (relative to an even share of its table
-        row), then cut a compressed step to the budget."""
-        W, decay = self.width, self.owner.policy.decay
-        mass = mass.detach().float().cpu().numpy()
-        live = self.table[:, :W] != HOLE
-        even = mass.sum(axis=1, keepdims=True, dtype=np.float64) / np.maximum(self.held, 1)[:, None]
-        share = np.divide(mass, even, out=np.zeros(mass.shape), where=even > 0)
-        score = self.score[:, :W]
-        np.copyto(score, share if not decay else decay * score + (1 - decay) * share, where=live)
-        self.observed[:, :W] += live
+        """Fold the step's usage per head page ``[R, width]`` into the scores (`fold_usage`), then cut a compressed
+        step to the budget."""
+        W = self.width
+        fold_usage(self.owner.policy.decay, self.table[:, :W], self.held, self.score[:, :W], self.observed[:, :W],
+                   mass.detach().float().cpu().numpy())
+        self._cut_pending_step()
+
+    def observed_in_buffer(self) -> None:
+        """The kernel wrote the step's usage into this layer's usage buffer: folded with every layer's at the next
+        commit (`HeadTables.fold_pending`), or now when the step is to be cut to the budget."""
+        tables = self.owner.tables
+        tables.pending.append(self.layer_idx)
+        if self.cut_pending:
+            tables.fold_pending(self.owner.policy.decay)
+            self._cut_pending_step()
+
+    def _cut_pending_step(self) -> None:
         if self.cut_pending:
             self.cut_pending = False
             H = self.heads
@@ -296,30 +327,24 @@ class HeadLayer(CacheLayerMixin):
         appended = self.table[:, w0:self.width]
         live = appended != HOLE
         self.pool.release(appended[live])
-        self.held -= live.sum(axis=1)
+        self.held[:] -= live.sum(axis=1)
         appended[:] = HOLE
         self.width, self.tokens, self.undo, self.cut_pending = w0, before, None, False
 
     # ------------------------------------------------------------ row moves
-    def select_rows(self, order: list[int]) -> None:
-        """Row b becomes old row ``order[b]`` (repeats share head pages)."""
-        if not self.rows:
-            return
-        H = self.heads
-        index = (np.asarray(order, dtype=np.int64)[:, None] * H + np.arange(H)).reshape(-1)
-        old = self.table[:, :self.width]
-        new = self.table[index]
+    def select_rows(self, index: np.ndarray) -> None:
+        """Table row r is to become old row ``index[r]`` (repeats share head pages): count the pages the new rows
+        hold, release the old rows' (the cache's `HeadTables.select_rows` then moves the rows of every layer)."""
+        live = self.table[:, :self.width]
+        new = live[index]
         self.pool.share(new[new != HOLE])
-        self.pool.release(old[old != HOLE])
-        self.table, self.pos, self.score = new, self.pos[index], self.score[index]
-        self.observed, self.held = self.observed[index], self.held[index]
+        self.pool.release(live[live != HOLE])
 
     def twin(self, owner: "HeadPagedCache") -> "HeadLayer":
-        """This layer in a fork: the same pool, copies of the tables (each page held once more)."""
+        """This layer in a fork (whose tables are already a copy of this cache's): the same pool, each page held once
+        more."""
         twin = HeadLayer(owner, self.layer_idx, self.pool)
         twin.heads, twin.tokens, twin.width, twin.backend = self.heads, self.tokens, self.width, self.backend
-        twin.table, twin.pos, twin.score = self.table.copy(), self.pos.copy(), self.score.copy()
-        twin.observed, twin.held = self.observed.copy(), self.held.copy()
         if self.pool is not None:
             live = twin.table[:, :twin.width]
             self.pool.share(live[live != HOLE])
@@ -336,11 +361,13 @@ class HeadLayer(CacheLayerMixin):
         self.tokens = min(self.tokens, length)
 
     def clear(self) -> None:
-        if self.pool is not None:
+        """Hold nothing (the cache's `reset` then empties the tables of every layer)."""
+        if self.pool is not None and self.rows:
             live = self.table[:, :self.width]
             self.pool.release(live[live != HOLE])
-        self._tables(0, 0)
-        self.tokens, self.undo, self.cut_pending = 0, None, False
+            live[:] = HOLE
+            self.held[:] = 0
+        self.width, self.tokens, self.undo, self.cut_pending = 0, 0, None, False
 
     # ---------------------------------------------------------- transformers
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -358,6 +385,39 @@ class HeadLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.clear()
+
+
+def head_ranks(policy: EvictionPolicy, table: np.ndarray, pos: np.ndarray, score: np.ndarray, observed: np.ndarray,
+               tokens_after: int) -> np.ndarray:
+    """Each head page's rank for eviction (its bias-corrected score; arrays of any shape ``[..., W]``), inf where a
+    hole, a sink or one of the newest ``recent_pages`` tokens after the step."""
+    if policy.decay:
+        score = np.where(observed > 0, score / (1 - policy.decay ** np.maximum(observed, 1)), 1.0)
+    kept = (table == HOLE) | (pos < policy.sink_pages) | (pos >= tokens_after - policy.recent_pages)
+    return np.where(kept, np.inf, score)
+
+
+def fold_usage(decay: float | None, table: np.ndarray, held: np.ndarray, score: np.ndarray, observed: np.ndarray,
+               mass: np.ndarray) -> None:
+    """Fold a step's usage ``mass`` per head page (any leading dims ``[..., R, W]``, 0 on holes) into ``score`` and
+    ``observed`` (views, updated in place where ``table`` holds a page): each page's share relative to an even share
+    of its table row's ``held`` pages, as it is (no decay) or in a moving average."""
+    live = table != HOLE
+    even = mass.sum(axis=-1, keepdims=True, dtype=np.float64) / np.maximum(held, 1)[..., None]
+    share = np.divide(mass, even, out=np.zeros(mass.shape), where=even > 0)
+    np.copyto(score, share if not decay else decay * score + (1 - decay) * share, where=live)
+    observed += live
+
+
+def too_wide(width, fullest):
+    """Whether tables of ``width`` columns whose fullest row holds ``fullest`` pages are to be compacted: the fullest
+    row a fifth, and 16 columns, narrower (numbers or arrays)."""
+    return width - fullest > np.maximum(16, fullest // 4)
+
+
+def warn_head_eviction(max_pages: int) -> None:
+    logger.warning_once(f"PagedCache(max_pages={max_pages}, per_head_eviction=True) is full: evicting tokens per KV "
+                        "head (lossy: evicted tokens are no longer attended).")
 
 
 def choose_victims(rank: np.ndarray, cap: np.ndarray, count: int):
@@ -393,20 +453,30 @@ class HeadRead(LayerRead):
             raise CacheUsageError("per_head_eviction reads one KV head a kernel row, whose sink logits (s_aux) would "
                                   "differ by row: models with attention sinks need per_head_eviction=False.")
         layer, (B, Hq, Q, D) = self.layer, query.shape
-        H, W = layer.heads, layer.width
-        G, R = Hq // H, layer.rows
-        rows_query = query.reshape(B, H, G, Q, D).reshape(R, G, Q, D)
-        table, pos = torch.from_numpy(layer.table[:, :W]), torch.from_numpy(layer.pos[:, :W])
+        H, W, R = layer.heads, layer.width, layer.rows
+        G, policy = Hq // H, layer.owner.policy
+        rows_query = query.reshape(R, G, Q, D)
         q_pos = torch.arange(layer.tokens - Q, layer.tokens).expand(R, Q)
+        observing = layer.owner.max_pages is not None or layer.cut_pending
+        whole = observing and Q <= policy.observation_window
+        plain = attention_mask is None and (whole or not observing) and query.dtype == torch.float32
+        if layer.backend == "cpu" and plain and Q <= CPU_KERNEL_MAX_QUERIES:  # (the kernel's checked arguments kept)
+            table, pos, mass = layer.kernel_index()
+            operands = layer.pool.pages.kernel_operands()
+            out = cpu_kernel.plain_attention_cpu(rows_query, operands["k_pool"], operands["v_pool"], table, pos,
+                                                 q_pos.contiguous(), scaling, sliding_window, softcap,
+                                                 (policy.heads, policy.signal, mass) if whole else None)
+            if whole:
+                out = out[0]
+                layer.observed_in_buffer()
+            return _query_heads(out, B, H, Q, G)
+        table, pos = torch.from_numpy(layer.table[:, :W]), torch.from_numpy(layer.pos[:, :W])
         mask, offset = _row_mask(attention_mask, B, H, G), 0
         if mask is not None:
             offset = layer.tokens - mask.shape[-1]
         device = layer.pool.pages.device
         if device.type != "cpu":
             table, pos, q_pos = table.to(device), pos.to(device), q_pos.to(device)
-        policy = layer.owner.policy
-        observing = layer.owner.max_pages is not None or layer.cut_pending
-        whole = observing and Q <= policy.observation_window
         pools = dict(**layer.pool.pages.kernel_operands(), page_table=table, page_pos=pos, q_pos=q_pos, scale=scaling,
                      mask=mask, mask_offset=offset, sliding_window=sliding_window, softcap=softcap)
         if layer.backend == "cpu" and Q <= CPU_KERNEL_MAX_QUERIES:
@@ -428,7 +498,12 @@ class HeadRead(LayerRead):
             w = policy.observation_window
             tail = dict(pools, q_pos=q_pos[:, -w:], mask=None if mask is None else mask[:, :, -w:])
             layer.observe(gathered_attention(rows_query[:, :, -w:], layer, tail, policy, True)[1])
-        return out.reshape(B, H, Q, G, -1).permute(0, 2, 1, 3, 4).reshape(B, Q, Hq, -1)
+        return _query_heads(out, B, H, Q, G)
+
+
+def _query_heads(out: torch.Tensor, B: int, H: int, Q: int, G: int) -> torch.Tensor:
+    """The kernel rows' ``[B·H, Q, G, D]`` output as the queries' ``[B, Q, H·G, D]``."""
+    return out.reshape(B, H, Q, G, -1).permute(0, 2, 1, 3, 4).reshape(B, Q, H * G, -1)
 
 
 def _row_mask(mask: torch.Tensor | None, B: int, H: int, G: int) -> torch.Tensor | None:

@@ -113,6 +113,34 @@ def test_victims_respect_the_caps_and_the_ranks():
     assert choose_victims(rank, np.array([1, 1]), 3) == (None, None)
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), heads=st.integers(1, 4), width=st.integers(2, 9), count=st.integers(1, 6))
+def test_victims_chosen_for_every_layer_at_once_are_each_rows_own(seed, heads, width, count):
+    """`choose_stacked_victims` picks, for each (layer, row), the head pages `choose_victims` picks for it alone: the
+    lowest ranks where no head exceeds its cap, the capped rows sorted head by head; a row that cannot give up as many
+    raises before anything is chosen."""
+    from hf_paged.errors import PagePoolExhausted
+    from hf_paged.head_tables import choose_stacked_victims
+
+    rng = np.random.default_rng(seed)
+    layers, rows = 3, 2
+    rank = rng.random((layers * rows, heads * width))
+    rank[rng.random(rank.shape) < 0.2] = np.inf
+    cap = rng.integers(0, width + 1, (layers * rows, heads))
+    needs = np.where(rng.random(layers * rows) < 0.8, count, 0)
+    needs[0] = count
+    alone = [choose_victims(rank[i].reshape(heads, width), cap[i], count) for i in np.flatnonzero(needs)]
+    if any(h is None for h, _ in alone):
+        with pytest.raises(PagePoolExhausted):
+            choose_stacked_victims(rank, cap, needs, heads, width, 8, rows)
+        return
+    layer_of, table_rows, columns = choose_stacked_victims(rank, cap, needs, heads, width, 8, rows)
+    got = sorted(zip(layer_of.tolist(), table_rows.tolist(), columns.tolist()))
+    want = sorted((i // rows, (i % rows) * heads + h, c) for i, (hs, cs) in zip(np.flatnonzero(needs), alone)
+                  for h, c in zip(hs.tolist(), cs.tolist()))
+    assert got == want
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_within_budget_it_equals_dynamic_cache(llama, backend):
     ref, paged = llama
@@ -183,6 +211,65 @@ def test_the_triton_backend_reads_the_per_head_tables_of_the_page_store(llama, m
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def kept_by_layer(cache) -> list:
+    """Per layer, per table row: the positions it keeps and their scores, in position order."""
+    kept = []
+    for layer in cache.layers:
+        live = layer.table[:, :layer.width] != HOLE
+        pos, score = layer.pos[:, :layer.width], layer.score[:, :layer.width]
+        rows = [sorted(zip(pos[r][live[r]].tolist(), score[r][live[r]].tolist())) for r in range(layer.rows)]
+        kept.append(rows)
+    return kept
+
+
+@pytest.mark.parametrize("rows, floor, decay, signal", [(1, 0.2, None, "attention"), (2, 0.0, 0.5, "output"),
+                                                        (2, 1.0, None, "output"), (3, 0.9, None, "attention")])
+def test_one_plan_per_step_keeps_what_each_layer_keeps_alone(llama, monkeypatch, rows, floor, decay, signal):
+    """A steady decode step planned once for every layer (`HeadTables.plan_step`: one pass ranks, chooses and drops
+    every layer's victims, the usage the kernel left in the stacked buffer folded for all layers at the commit) keeps
+    the tokens each layer keeps when it plans its own step and folds its usage as it attends, with the same scores and
+    the same logits; steps with victims capped by the floor included."""
+    from hf_paged.head_eviction import HeadLayer
+    from hf_paged.head_tables import HeadTables
+
+    _, paged = llama
+    prompt = torch.randint(3, 96, (rows, 14), generator=torch.Generator().manual_seed(rows))
+    tokens = torch.randint(3, 96, (rows, 30), generator=torch.Generator().manual_seed(rows + 1))
+    planned, plan = [], HeadTables.plan_step
+
+    def run(together: bool):
+        if together:
+            monkeypatch.setattr(HeadTables, "plan_step", lambda self, *a: planned.append(self.held.sum()) or plan(
+                self, *a))
+        else:
+            monkeypatch.setattr(HeadPagedCache, "_steady", lambda self, keys: False)
+            monkeypatch.setattr(HeadLayer, "observed_in_buffer", lambda self: self.observe(
+                self.owner.tables.usage[self.layer_idx][:, :self.width].clone()))
+        cache = hf_paged.PagedCache(page_size=1, max_pages=10, config=paged.config, per_head_eviction=True,
+                                    head_floor=floor, score_decay=decay, score_signal=signal, sink_pages=1,
+                                    compress_prompt=True)
+        steps = []
+        with torch.no_grad():
+            logits = [paged(prompt, past_key_values=cache).logits[:, -1]]
+            for i in range(tokens.shape[1]):
+                logits.append(paged(tokens[:, i:i + 1], past_key_values=cache).logits[:, -1])
+                cache.commit()
+                steps.append(kept_by_layer(cache))
+        monkeypatch.undo()
+        check_head_pages(cache)
+        within_budget(cache)
+        return steps, torch.stack(logits), cache.stats()["evictions"]
+
+    (want, want_logits, want_evictions), (got, got_logits, evictions) = run(False), run(True)
+    assert len(planned) == tokens.shape[1] and evictions == want_evictions > 0
+    for got_step, want_step in zip(got, want):
+        for got_layer, want_layer in zip(got_step, want_step):
+            for got_row, want_row in zip(got_layer, want_layer):
+                assert [p for p, _ in got_row] == [p for p, _ in want_row]
+                np.testing.assert_allclose([v for _, v in got_row], [v for _, v in want_row], rtol=1e-9)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-6, rtol=1e-6)
 
 
 def test_evicted_head_pages_are_reused_so_memory_stays_at_the_budget(llama):
