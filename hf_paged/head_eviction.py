@@ -302,7 +302,7 @@ class HeadLayer(CacheLayerMixin):
         """The kernel wrote the step's usage into this layer's usage buffer: folded with every layer's at the next
         commit (`HeadTables.fold_pending`), or now when the step is to be cut to the budget."""
         tables = self.owner.tables
-        tables.pending.append(self.layer_idx)
+        tables.pending.append((self.layer_idx, self.width))
         if self.cut_pending:
             tables.fold_pending(self.owner.policy.decay)
             self._cut_pending_step()

@@ -81,17 +81,19 @@ class HeadTables:
         return self.usage
 
     def fold_pending(self, decay: float | None) -> None:
-        """Fold the usage the layers left in the buffer into their scores (`fold_usage`), every layer at once when they
-        are the first layers in order."""
+        """Fold the usage the layers left in the buffer (``pending``: (layer, its width)) into their scores
+        (`fold_usage`), every layer at once when they are the first layers in order."""
         pending, self.pending = self.pending, []
         if not pending:
             return
         mass = self.usage.numpy()
-        n = len(pending)
-        spans = [slice(0, n)] if pending == list(range(n)) else [slice(l, l + 1) for l in pending]
-        for layers in spans:
-            fold_usage(decay, self.table[layers], self.held[layers], self.score[layers], self.observed[layers],
-                       mass[layers])
+        layers, widths = zip(*pending)
+        n = len(layers)
+        spans = [(slice(0, n), max(widths))] if layers == tuple(range(n)) else [
+            (slice(l, l + 1), w) for l, w in pending]
+        for at, W in spans:
+            fold_usage(decay, self.table[at, :, :W], self.held[at], self.score[at, :, :W], self.observed[at, :, :W],
+                       mass[at, :, :W])
 
     def copy(self) -> "HeadTables":
         """A fork's tables (no planned step)."""
@@ -169,12 +171,13 @@ class HeadTables:
 def choose_stacked_victims(rank: np.ndarray, cap: np.ndarray, needs: np.ndarray, H: int, W: int, max_pages: int,
                            B: int) -> tuple:
     """The victims of rows ``rank [L·B, H·W]`` (``B`` rows a layer) that must give up ``needs[i]`` head pages, at most
-    ``cap [L·B, H]`` from a head, each row chosen as `choose_victims` chooses (all rows at once when they need as many
-    pages: the lowest ranks of each, then the rows where a head would give more than its cap, sorted head by head);
-    raises `PagePoolExhausted` when a row cannot. -> (layer, table row, column) index arrays."""
+    ``cap [L·B, H]`` from a head, each row's being `choose_victims`' choice (up to exact ties): when every row needs as
+    many, ``count``, all rows at once: each head's ``count`` lowest in order (ties to the first column), those past its
+    cap barred, then each row's ``count`` lowest of its heads' candidates. Raises `PagePoolExhausted` when a row cannot
+    give up as many. -> (layer, table row, column) index arrays."""
     over = np.flatnonzero(needs > 0)
     count = int(needs[over[0]])
-    if not ((needs[over] == count).all() and count < H * W):
+    if not ((needs[over] == count).all() and count <= W):
         picks = []
         for i in over.tolist():
             heads, columns = choose_victims(rank[i].reshape(H, W), cap[i], int(needs[i]))
@@ -183,28 +186,24 @@ def choose_stacked_victims(rank: np.ndarray, cap: np.ndarray, needs: np.ndarray,
             picks.append((np.full(len(heads), i), heads, columns))
         rows, heads, columns = (np.concatenate(parts) for parts in zip(*picks))
         return rows // B, (rows % B) * H + heads, columns
-    chosen = np.argpartition(rank[over], count - 1, axis=1)[:, :count]
-    heads = chosen // W
-    fine = np.isfinite(np.take_along_axis(rank[over], chosen, axis=1)).all(1)
-    fine &= ((heads[:, :, None] == np.arange(H)).sum(1) <= cap[over]).all(1)
-    rows, heads, columns = np.repeat(over[fine], count), heads[fine].reshape(-1), (chosen[fine] % W).reshape(-1)
-    capped = over[~fine]
-    if capped.size:
-        order = np.argsort(rank[capped].reshape(-1, H, W), axis=2, kind="stable")
-        ranked = np.take_along_axis(rank[capped].reshape(-1, H, W), order, axis=2)
-        ranked[np.arange(W) >= cap[capped][:, :, None]] = np.inf
-        flat = ranked.reshape(len(capped), H * W)
-        short = np.flatnonzero(np.isfinite(flat).sum(1) < count)
-        if short.size:
-            i = capped[short[0]]
-            raise PagePoolExhausted(count, int(np.isfinite(rank[i]).sum()), max_pages, 1, lossy=True)
-        picked = np.argpartition(flat, count - 1, axis=1)[:, :count]
-        capped_heads = picked // W
-        capped_columns = order[np.arange(len(capped))[:, None], capped_heads, picked % W]
-        rows = np.concatenate([rows, np.repeat(capped, count)])
-        heads = np.concatenate([heads, capped_heads.reshape(-1)])
-        columns = np.concatenate([columns, capped_columns.reshape(-1)])
-    return rows // B, (rows % B) * H + heads, columns
+    n = len(over)
+    remaining = rank[over].reshape(n, H, W)  # (a copy: each head's lowest are taken out in turn, lowest first)
+    lowest, values = np.empty((n, H, count), dtype=np.int64), np.empty((n, H, count))
+    at_row, at_head = np.arange(n)[:, None], np.arange(H)[None, :]
+    for j in range(count):
+        lowest[:, :, j] = column = remaining.argmin(axis=2)
+        values[:, :, j] = remaining[at_row, at_head, column]
+        remaining[at_row, at_head, column] = np.inf
+    values[np.arange(count) >= cap[over][:, :, None]] = np.inf  # (a head gives up at most its cap)
+    flat = values.reshape(len(over), H * count)
+    short = np.flatnonzero(np.isfinite(flat).sum(1) < count)
+    if short.size:
+        i = over[short[0]]
+        raise PagePoolExhausted(count, int(np.isfinite(rank[i]).sum()), max_pages, 1, lossy=True)
+    chosen = np.argpartition(flat, count - 1, axis=1)[:, :count]
+    columns = np.take_along_axis(lowest.reshape(len(over), H * count), chosen, axis=1)
+    rows = np.repeat(over, count)
+    return rows // B, (rows % B) * H + (chosen // count).reshape(-1), columns.reshape(-1)
 
 
 class StepColumn:
