@@ -415,7 +415,7 @@ def test_missing_compiler_falls_back_to_torch_with_a_warning(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
 
 
-def test_unusable_cache_dir_builds_into_a_private_folder_with_a_warning(tmp_path):
+def test_unusable_cache_dir_builds_into_a_private_folder_with_a_warning(tmp_path, replayed_kernel_build):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     code = (
@@ -426,18 +426,16 @@ def test_unusable_cache_dir_builds_into_a_private_folder_with_a_warning(tmp_path
         "    assert k.unavailable_reason() is None, k.unavailable_reason()\n"
         "assert len(w) == 1 and 'HF_PAGED_CACHE_DIR' in str(w[0].message), [str(x.message) for x in w]\n"
     )
-    env = dict(os.environ, HF_PAGED_CACHE_DIR=str(blocker))
+    env = dict(os.environ, HF_PAGED_CACHE_DIR=str(blocker), **replayed_kernel_build)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
 
 
-def test_builds_into_a_fresh_cache_dir(tmp_path):
-    code = (
-        "from hf_paged.kernels import cpu_paged_attention as k\n"
-        "assert k.unavailable_reason() is None, k.unavailable_reason()\n"
-    )
-    env = dict(os.environ, HF_PAGED_CACHE_DIR=str(tmp_path))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
-    assert len(list((tmp_path / "kernels").glob("cpu_paged_attention-*.so"))) == 1
+def test_builds_into_a_fresh_cache_dir(built_kernel):
+    """`conftest.built_kernel` built the kernel in a fresh process into an empty cache folder: one library, with its
+    checksum record, in a private folder."""
+    built = sorted(p.name for p in built_kernel.parent.glob("cpu_paged_attention-*"))
+    assert built == [built_kernel.name, built_kernel.name + ".sha256"]
+    assert built_kernel.parent.stat().st_mode & 0o777 == 0o700
 
 
 def test_auto_backend_on_cpu_is_the_kernel():

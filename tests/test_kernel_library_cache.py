@@ -1,6 +1,7 @@
 """The private cache of compiled kernel libraries (issue 11, items 1 and 2; issue 30, item 8): no foreign,
 planted, swapped or damaged library is ever loaded, and loading never crashes (each case runs in a fresh
-interpreter, `subprocess_checks.run_python`)."""
+interpreter, `subprocess_checks.run_python`; a rebuild copies the kernel the real compiler built once,
+`conftest.replayed_kernel_build`)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,10 @@ int paged_attention_bf16(void *a) { return 0; }
 """
 
 
-@pytest.fixture(scope="module")
-def built_kernel(tmp_path_factory) -> Path:
-    """A kernel library built the normal way into a fresh cache folder (with its checksum record)."""
-    home = tmp_path_factory.mktemp("built")
-    run_python(LOAD_KERNEL, HF_PAGED_CACHE_DIR=str(home))
-    (library,) = (home / "kernels").glob("cpu_paged_attention-*.so")
-    return library
+@pytest.fixture(autouse=True)
+def replayed_builds(monkeypatch, replayed_kernel_build):
+    """Every kernel (re)build here copies the library the real compiler built once (`conftest.built_kernel`)."""
+    monkeypatch.setenv("CC", replayed_kernel_build["CC"])
 
 
 @pytest.fixture(scope="module")
