@@ -27,6 +27,8 @@ from .head_eviction import HOLE, choose_victims, fold_usage, head_ranks, too_wid
 class HeadTables:
     """The stacked arrays of a cache's ``layers`` layers (``rows`` table rows each), and the planned step's column."""
 
+    ARRAYS = (("table", HOLE), ("pos", 0), ("score", 1.0), ("observed", 0), ("held", 0))  # (name, an empty entry)
+
     def __init__(self, layers: int = 0):
         self.layers, self.heads = layers, 0
         self.reset(0, 0)
@@ -61,7 +63,7 @@ class HeadTables:
 
     def _grow(self, axis: int, more: int) -> None:
         """``more`` empty entries along ``axis`` (0: layers, 2: columns) of every array."""
-        for name, fill in (("table", HOLE), ("pos", 0), ("score", 1.0), ("observed", 0), ("held", 0)):
+        for name, fill in self.ARRAYS:
             array = getattr(self, name)
             if array.ndim > axis:
                 shape = list(array.shape)
@@ -70,7 +72,7 @@ class HeadTables:
 
     def select_rows(self, index: np.ndarray) -> None:
         """Table row r of every layer becomes old row ``index[r]`` (the layers move their pages' counts)."""
-        for name in ("table", "pos", "score", "observed", "held"):
+        for name, _ in self.ARRAYS:
             setattr(self, name, getattr(self, name)[:, index])
 
     def usage_buffer(self) -> torch.Tensor:
@@ -99,7 +101,7 @@ class HeadTables:
         """A fork's tables (no planned step)."""
         twin = HeadTables(self.layers)
         twin.heads = self.heads
-        for name in ("table", "pos", "score", "observed", "held"):
+        for name, _ in self.ARRAYS:
             setattr(twin, name, getattr(self, name).copy())
         return twin
 
@@ -113,15 +115,14 @@ class HeadTables:
         if (excess > 0).any():
             victims = self._victims(layers, excess, tokens + 1, math.floor(head_floor * max_pages), policy, max_pages)
             warn_head_eviction(max_pages)
-            column = StepColumn(self._drop(layers, victims))
+            recycled = self._drop(layers, victims)
         else:
-            column = StepColumn({})
+            recycled = {}
         widths = self._compact(layers)
         self.room(int(widths.max()) + 1)
         at = (np.arange(L)[:, None], np.arange(self.rows)[None, :], widths[:, None])
         self.pos[at], self.score[at], self.observed[at] = tokens, 1.0, 0
-        column.index = widths.tolist()
-        self.column = column
+        self.column = StepColumn(widths.tolist(), recycled)
 
     def _victims(self, layers: list, excess: np.ndarray, tokens_after: int, floor: int, policy, max_pages: int):
         """``(layer, table row, column)`` index arrays of every layer's victims for the step, in layer order (over the
@@ -131,9 +132,7 @@ class HeadTables:
         rank = head_ranks(policy, self.table[:L, :, :W], self.pos[:L, :, :W], self.score[:L, :, :W],
                           self.observed[:L, :, :W], tokens_after).reshape(L * B, H * W)
         cap = np.maximum(self.held[:L] + 1 - floor, 0).reshape(L * B, H)
-        layer_of, rows, columns = choose_stacked_victims(rank, cap, excess.reshape(-1), H, W, max_pages, B)
-        order = np.argsort(layer_of, kind="stable")
-        return layer_of[order], rows[order], columns[order]
+        return choose_stacked_victims(rank, cap, excess.reshape(-1), H, W, max_pages, B)
 
     def _drop(self, layers: list, victims: tuple) -> dict:
         """Evict the victims; -> the pages each layer may reuse for the step (`HeadLayer.evicted`)."""
@@ -174,7 +173,7 @@ def choose_stacked_victims(rank: np.ndarray, cap: np.ndarray, needs: np.ndarray,
     ``cap [L·B, H]`` from a head, each row's being `choose_victims`' choice (up to exact ties): when every row needs as
     many, ``count``, all rows at once: each head's ``count`` lowest in order (ties to the first column), those past its
     cap barred, then each row's ``count`` lowest of its heads' candidates. Raises `PagePoolExhausted` when a row cannot
-    give up as many. -> (layer, table row, column) index arrays."""
+    give up as many. -> (layer, table row, column) index arrays, in row order (so in layer order)."""
     over = np.flatnonzero(needs > 0)
     count = int(needs[over[0]])
     if not ((needs[over] == count).all() and count <= W):
@@ -210,6 +209,6 @@ class StepColumn:
     """The planned one-token step: the column each layer writes it into (``index[l]``), and the head pages layer l
     evicted for it that it reuses for the step's tokens (``recycled[l]``, one a table row; taken when it writes)."""
 
-    def __init__(self, recycled: dict):
-        self.index: list[int] = []
+    def __init__(self, index: list[int], recycled: dict):
+        self.index = index
         self.recycled = recycled
